@@ -1,0 +1,3 @@
+from frtools.cli import main
+
+main()

@@ -1,0 +1,257 @@
+"""The Trace: the one canonical model every reader produces and every analysis consumes.
+
+A Trace is three tables and a list of inputs:
+
+* ``entries`` — a pyarrow Table, one row per recorded op of any rank (schema ``ENTRY_SCHEMA``).
+  Columnar so that thousands of ranks x thousands of entries align without per-entry
+  Python objects.
+* ``ranks`` — one ``RankInfo`` per global rank that left a usable record: identity (host,
+  pid, device), where the record came from, the group status counters, stacks.
+* ``process_groups`` — one ``ProcessGroup`` per group name: description and global member
+  ranks, flagged ``inferred`` where the dump carried no real membership (Gloo).
+* ``inputs`` — one ``InputFile`` per file looked at, with what became of it, so a report can
+  say which files were skipped or unusable and why.
+
+Conventions every reader follows:
+
+* ``rank`` is always the *global* rank; P2P ``peer`` is mapped to a global rank too.
+* ``op`` is the backend-neutral op name (``all_reduce``, ``send``, ``_allgather_base`` …):
+  the ``profiling_name`` with its ``nccl:`` / ``gloo:`` prefix removed. The raw name stays in
+  ``profiling_name``.
+* Shapes and dtypes are stored as canonical compact strings (``input_sizes="[[4, 2]]"``,
+  ``input_dtypes="Float,Float"``) so equality is a string compare on a dictionary column.
+* ``state`` is one of ``STATES``. A reader that cannot know better (Gloo dumps say
+  ``scheduled`` for everything) keeps what the file says; ``RankInfo.pg_status`` carries
+  the group's last enqueued/started/completed sequence ids, which may be more precise.
+* ``collective_seq_id`` / ``p2p_seq_id`` keep PyTorch Flight Recorder's meaning: per
+  process group, per rank, counting from 1; a value of 0 means "not counted by this
+  kind" (a P2P op's collective_seq_id, a collective's p2p_seq_id).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+STATES = ("scheduled", "started", "completed")
+
+ENTRY_SCHEMA = pa.schema(
+    [
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("record_id", pa.int64()),
+        pa.field("pg_name", pa.string()),
+        pa.field("pg_desc", pa.string()),
+        pa.field("collective_seq_id", pa.int64()),
+        pa.field("p2p_seq_id", pa.int64()),
+        pa.field("is_p2p", pa.bool_()),
+        pa.field("op", pa.string()),
+        pa.field("profiling_name", pa.string()),
+        pa.field("peer", pa.int32()),
+        pa.field("input_sizes", pa.string()),
+        pa.field("output_sizes", pa.string()),
+        pa.field("input_dtypes", pa.string()),
+        pa.field("output_dtypes", pa.string()),
+        pa.field("state", pa.string()),
+        pa.field("time_created_ns", pa.int64()),
+        pa.field("time_started_ns", pa.int64()),
+        pa.field("time_completed_ns", pa.int64()),
+        pa.field("duration_ms", pa.float64()),
+        pa.field("retired", pa.bool_()),
+        pa.field("timeout_ms", pa.int64()),
+        pa.field("thread_id", pa.string()),
+        pa.field("thread_name", pa.string()),
+        pa.field("call_site", pa.string()),
+        pa.field("stack", pa.string()),
+    ]
+)
+ENTRY_COLUMNS = tuple(ENTRY_SCHEMA.names)
+
+# Library frames that are never "the user's code" when picking a call site.
+_LIBRARY_MARKERS = (
+    "/torch/distributed/",
+    "/torch/nn/parallel/",
+    "/torch/_dynamo/",
+    "/torch/utils/",
+    "/torch/autograd/",
+    "/frtools/recorder/",
+    "<frozen ",
+)
+
+
+def op_name(profiling_name: str | None) -> str:
+    """Backend-neutral op name: ``nccl:all_reduce`` -> ``all_reduce``."""
+    if not profiling_name:
+        return ""
+    return profiling_name.split(":", 1)[1] if ":" in profiling_name else profiling_name
+
+
+def sizes_key(sizes: Any) -> str:
+    """Canonical string for a list of shapes (``[[4, 2], [3]]``); ``""`` when unknown."""
+    if sizes is None:
+        return ""
+    return json.dumps([list(map(int, s)) for s in sizes], separators=(",", ":"))
+
+
+def dtypes_key(dtypes: Any) -> str:
+    """Canonical string for a list of dtype names (``Float,Half``); ``""`` when unknown."""
+    if dtypes is None:
+        return ""
+    return ",".join(str(d) for d in dtypes)
+
+
+def is_user_frame(filename: str) -> bool:
+    return not any(marker in filename for marker in _LIBRARY_MARKERS)
+
+
+def format_frame(frame: Mapping[str, Any]) -> str:
+    return f"{frame.get('filename', '?')}:{frame.get('line', '?')} in {frame.get('name', '?')}"
+
+
+def call_site(frames: Sequence[Mapping[str, Any]] | None) -> str | None:
+    """The innermost frame in user code (frames are innermost first, as PyTorch dumps them)."""
+    if not frames:
+        return None
+    for frame in frames:
+        if is_user_frame(str(frame.get("filename", ""))):
+            return format_frame(frame)
+    return format_frame(frames[0])
+
+
+def stack_text(frames: Sequence[Mapping[str, Any]] | None) -> str | None:
+    if not frames:
+        return None
+    return "\n".join(format_frame(f) for f in frames)
+
+
+@dataclass
+class ProcessGroup:
+    """A process group as the analysis knows it; ``ranks`` are global ranks, sorted."""
+
+    name: str
+    desc: str = ""
+    ranks: tuple[int, ...] = ()
+    inferred: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "desc": self.desc, "ranks": list(self.ranks), "inferred": self.inferred}
+
+
+@dataclass
+class RankInfo:
+    """Identity and provenance of one global rank's record."""
+
+    rank: int
+    source: str = ""  # path of the file this rank's record came from
+    format: str = ""  # "torch-pickle", "torch-json", "frtools"
+    version: str = ""  # dump format version as written in the file
+    host: str | None = None
+    pid: int | None = None
+    local_rank: int | None = None
+    device: str | None = None  # "cuda:3", "cpu"
+    device_id: str | None = None  # GPU UUID / PCI bus id where known
+    world_size: int | None = None
+    comm_lib_version: str | None = None
+    # pg_name -> {"last_enqueued_collective": n, "last_started_collective": n,
+    #             "last_completed_collective": n}; absent keys are unknown.
+    pg_status: dict[str, dict[str, int]] = field(default_factory=dict)
+    stacks: str | None = None  # all threads' Python stacks as text (faulthandler format)
+    dump_time_ns: int | None = None
+    stalled: bool | None = None  # the recorder's watchdog marked a stall
+    alive: bool | None = None  # process still running when collected (None: unknown)
+    wrapped: bool = False  # the ring buffer dropped older entries
+
+    def identity(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "host": self.host,
+            "pid": self.pid,
+            "local_rank": self.local_rank,
+            "device": self.device,
+            "device_id": self.device_id,
+        }
+
+
+INPUT_STATUSES = ("ok", "skipped", "error", "duplicate")
+
+
+@dataclass
+class InputFile:
+    """One file the readers looked at: ``ok``, ``skipped`` (not a dump), ``error``
+    (a dump that could not be used: truncated, corrupt, refused), ``duplicate`` (an older
+    dump of a rank that has a newer one)."""
+
+    path: str
+    status: str
+    reason: str = ""
+    rank: int | None = None
+    format: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "status": self.status,
+            "reason": self.reason,
+            "rank": self.rank,
+            "format": self.format,
+        }
+
+
+@dataclass
+class Trace:
+    entries: pa.Table
+    ranks: dict[int, RankInfo] = field(default_factory=dict)
+    process_groups: dict[str, ProcessGroup] = field(default_factory=dict)
+    inputs: list[InputFile] = field(default_factory=list)
+    world_size: int | None = None  # best knowledge: pg_config, manifest, or max rank + 1
+
+    @property
+    def expected_ranks(self) -> range:
+        """Global ranks the job had, as far as the inputs tell."""
+        n = self.world_size
+        if n is None:
+            known = set(self.ranks)
+            for pg in self.process_groups.values():
+                known.update(pg.ranks)
+            n = max(known) + 1 if known else 0
+        return range(n)
+
+    @property
+    def missing_ranks(self) -> list[int]:
+        return [r for r in self.expected_ranks if r not in self.ranks]
+
+
+def entries_table(rows: Iterable[Mapping[str, Any]] | Mapping[str, Sequence[Any]]) -> pa.Table:
+    """Build an entries table with ``ENTRY_SCHEMA`` from row dicts or a dict of columns.
+
+    Missing columns become nulls, so a reader only fills what its format knows.
+    """
+    if isinstance(rows, Mapping):
+        columns = dict(rows)
+        n = len(next(iter(columns.values()))) if columns else 0
+    else:
+        rows = list(rows)
+        n = len(rows)
+        columns = {name: [row.get(name) for row in rows] for name in ENTRY_COLUMNS}
+    arrays = []
+    for fld in ENTRY_SCHEMA:
+        values = columns.get(fld.name)
+        if values is None:
+            arrays.append(pa.nulls(n, type=fld.type))
+        else:
+            arrays.append(pa.array(values, type=fld.type))
+    return pa.Table.from_arrays(arrays, schema=ENTRY_SCHEMA)
+
+
+def empty_entries() -> pa.Table:
+    return ENTRY_SCHEMA.empty_table()
+
+
+def concat_entries(tables: Sequence[pa.Table]) -> pa.Table:
+    tables = [t for t in tables if t.num_rows]
+    if not tables:
+        return empty_entries()
+    return pa.concat_tables([t.cast(ENTRY_SCHEMA) for t in tables])
