@@ -13,19 +13,33 @@ from frtools import __version__
 
 # name -> (module, attribute, one-line help shown in `frtools --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "analyze": ("frtools.commands.analyze", "analyze", "Find the hung collective and the guilty rank."),
+    "analyze": (
+        "frtools.commands.analyze",
+        "analyze",
+        "Find the hung collective and the guilty rank.",
+    ),
     "dump": ("frtools.commands.dump", "dump", "Collect a job's flight records and stacks."),
     "run": ("frtools.commands.run", "run", "Run a command with the recorder on."),
     "demo": ("frtools.commands.demo", "demo", "Hang a small local job on purpose and diagnose it."),
-    "convert": ("frtools.commands.convert", "convert", "Convert recordings to PyTorch dump format."),
+    "convert": (
+        "frtools.commands.convert",
+        "convert",
+        "Convert recordings to PyTorch dump format.",
+    ),
     "export": ("frtools.commands.export", "export", "Export the aligned entries to Parquet."),
-    "synth": ("frtools.commands.synth", "synth", "Simulate a large job's dumps with a known fault."),
+    "synth": (
+        "frtools.commands.synth",
+        "synth",
+        "Simulate a large job's dumps with a known fault.",
+    ),
 }
 
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return [name for name, (module, _, _) in COMMANDS.items() if importlib.util.find_spec(module)]
+        return [
+            name for name, (module, _, _) in COMMANDS.items() if importlib.util.find_spec(module)
+        ]
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:

@@ -137,7 +137,12 @@ class ProcessGroup:
     inferred: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "desc": self.desc, "ranks": list(self.ranks), "inferred": self.inferred}
+        return {
+            "name": self.name,
+            "desc": self.desc,
+            "ranks": list(self.ranks),
+            "inferred": self.inferred,
+        }
 
 
 @dataclass

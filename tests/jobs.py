@@ -8,6 +8,7 @@ survivors are SIGKILLed and reported as ``timed_out``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -44,14 +45,17 @@ class JobResult:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
-def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None = None,
-             local_world_size: int | None = None) -> dict[str, str]:
+def rank_env(
+    rank: int,
+    world_size: int,
+    port: int,
+    extra: dict[str, str] | None = None,
+    local_world_size: int | None = None,
+) -> dict[str, str]:
     env = dict(os.environ)
     lws = local_world_size or world_size
     env.update(
@@ -68,8 +72,13 @@ def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None
     return env
 
 
-def start_ranks(argv: list[str], world_size: int, env: dict[str, str] | None = None,
-                port: int | None = None, cwd: str | Path | None = None) -> list[subprocess.Popen]:
+def start_ranks(
+    argv: list[str],
+    world_size: int,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    cwd: str | Path | None = None,
+) -> list[subprocess.Popen]:
     """Start ``world_size`` processes of ``argv``; the caller must ``stop`` them."""
     port = port or free_port()
     procs = []
@@ -92,10 +101,8 @@ def stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         kill_group(p)
     for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> JobResult:
@@ -120,9 +127,14 @@ def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> JobResult:
     return result
 
 
-def run_job(script: str | Path, world_size: int = 4, args: list[str] | None = None,
-            env: dict[str, str] | None = None, timeout: float = 120,
-            cwd: str | Path | None = None) -> JobResult:
+def run_job(
+    script: str | Path,
+    world_size: int = 4,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    cwd: str | Path | None = None,
+) -> JobResult:
     """Run ``python script args`` as a ``world_size``-rank job on a free loopback port."""
     argv = [sys.executable, str(script), *(args or [])]
     procs = start_ranks(argv, world_size, env=env, cwd=cwd)
