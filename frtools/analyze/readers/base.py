@@ -1,0 +1,164 @@
+"""What every reader shares: the ``RankDump`` it returns, the error it raises for an
+unusable file, and the rank/host that a dump's file name tells.
+
+A reader module exposes ``FORMAT: str``, ``sniff(path, head) -> bool`` (``head`` is the
+first bytes of the file, already gunzipped when the file is gzip'd) and
+``read(path) -> RankDump``. ``read`` raises ``DumpError`` with a one-line reason when the
+file is a dump of its format but cannot be used.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from frtools.trace import ProcessGroup, RankInfo
+
+GZIP_MAGIC = b"\x1f\x8b"
+HEAD_BYTES = 4096
+
+
+class DumpError(Exception):
+    """A file that is a dump (or claims to be) but cannot be used; the message is the
+    reason, one line, shown to the user next to the file name."""
+
+
+@dataclass
+class RankDump:
+    """One rank's record as read from one file.
+
+    ``process_groups`` holds what this file knows of each group; a group whose membership
+    the file does not really know has ``ranks=()``. ``unmapped_peer_groups`` names groups
+    whose P2P ``peer`` values are still group-local (the file did not know the members);
+    the loader maps them once membership from all files is merged.
+    """
+
+    rank_info: RankInfo
+    entries: pa.Table
+    process_groups: dict[str, ProcessGroup] = field(default_factory=dict)
+    unmapped_peer_groups: set[str] = field(default_factory=set)
+    bad_entries: int = 0
+    notes: list[str] = field(default_factory=list)
+    max_time_created_ns: int | None = None
+    # True when the default group's membership was written as "all ranks"
+    default_pg_all: bool = False
+
+
+def read_head(path: Path, n: int = HEAD_BYTES) -> bytes:
+    """First ``n`` bytes of the file's content; a gzip'd file is gunzipped on the fly
+    (partial decompression, so a truncated archive still sniffs)."""
+    with open(path, "rb") as f:
+        raw = f.read(n)
+        if not raw.startswith(GZIP_MAGIC):
+            return raw
+        raw += f.read(256 * 1024)
+    try:
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        return d.decompress(raw, n)
+    except zlib.error:
+        return b""
+
+
+def read_bytes(path: Path) -> bytes:
+    """The whole content, gunzipped when the file is gzip'd."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DumpError(f"cannot read: {e.strerror or e}") from e
+    if data.startswith(GZIP_MAGIC):
+        try:
+            data = gzip.decompress(data)
+        except EOFError as e:
+            raise DumpError("truncated gzip file (compressed stream ended early)") from e
+        except (OSError, zlib.error) as e:
+            raise DumpError(f"corrupt gzip file: {e}") from e
+    if not data:
+        raise DumpError("empty file")
+    return data
+
+
+# --- rank and host from the file name ----------------------------------------------------
+
+_SUFFIXES = (".gz", ".gzip", ".pkl", ".pickle", ".json", ".bin", ".dump", ".fr")
+# words that name the dump kind, never the host
+_KIND_WORDS = {
+    "nccl",
+    "trace",
+    "comm",
+    "lib",
+    "fr",
+    "flight",
+    "recorder",
+    "dump",
+    "frtools",
+    "torch",
+    "gloo",
+    "snapshot",
+    "debug",
+    "info",
+    "tmp",
+}
+_RANK_WORD = re.compile(r"(?:^|[_\-.])rank[_\-.]?(\d+)(?=$|[_\-.])", re.IGNORECASE)
+_RANK_GLUED = re.compile(r"rank[_\-.]?(\d+)$", re.IGNORECASE)
+_DUMP_WORD = re.compile(r"(?:^|[_\-.])dump[_\-.]?(\d+)$", re.IGNORECASE)
+_TRAILING = re.compile(r"(?:^|[_\-.])(\d+)$")
+
+
+def strip_suffixes(name: str) -> str:
+    """``host-a_rank_5.pkl.gz`` -> ``host-a_rank_5``."""
+    changed = True
+    while changed:
+        changed = False
+        for suffix in _SUFFIXES:
+            if name.lower().endswith(suffix) and len(name) > len(suffix):
+                name = name[: -len(suffix)]
+                changed = True
+    return name
+
+
+def _host_from_prefix(prefix: str) -> str | None:
+    words = [w for w in re.split(r"[_\-.]", prefix) if w]
+    while words and words[-1].lower() in _KIND_WORDS:
+        words.pop()
+    while words and words[0].lower() in _KIND_WORDS:
+        words.pop(0)
+    if not words:
+        return None
+    # keep the host's own separators: cut the prefix where the kept words end
+    start = prefix.find(words[0])
+    end = prefix.rfind(words[-1]) + len(words[-1])
+    return prefix[start:end] or None
+
+
+def rank_from_filename(name: str) -> tuple[int | None, str | None]:
+    """The global rank and host a dump's file name carries, ``(None, None)`` when none.
+
+    Understands ``rank_3``, ``rank3``, ``rank-3``, ``nccl_trace_rank_7``,
+    ``comm_lib_trace_rank_0``, ``fr_trace_rank_2``, ``_dump_12``, ``host-a_rank_5``,
+    ``node01-rank-5`` and a plain trailing number (``trace_4``), with any of the suffixes
+    ``.pkl``, ``.json``, ``.gz`` or none.
+    """
+    stem = strip_suffixes(Path(name).name)
+    matches = list(_RANK_WORD.finditer(stem))
+    m = matches[-1] if matches else None
+    if m is None:
+        m = _RANK_GLUED.search(stem)
+    if m is None:
+        m = _DUMP_WORD.search(stem)
+    if m is None:
+        m = _TRAILING.search(stem)
+        if m is None:
+            return None, None
+        host = None
+        prefix = stem[: m.start()]
+        if prefix:
+            host = _host_from_prefix(prefix)
+        return int(m.group(1)), host
+    prefix = stem[: m.start()]
+    host = _host_from_prefix(prefix) if prefix else None
+    return int(m.group(1)), host

@@ -1,0 +1,330 @@
+"""``load_trace``: a directory (or one file) of dumps -> one ``Trace``.
+
+Each file is read on its own (in worker processes when there are many), into one Arrow
+table; then the loader keeps the newest dump of each rank, merges what the files know of
+each process group, infers membership where no file knows it (Gloo), maps group-local
+P2P peers to global ranks, and concatenates the tables. Whatever goes wrong with one file
+becomes that file's ``InputFile`` reason; only "nothing usable at all" raises.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from frtools.trace import InputFile, ProcessGroup, RankInfo, Trace, concat_entries
+
+from .base import DumpError, RankDump, read_head
+from .registry import UNAVAILABLE, reader_for
+
+# below this many files, reading in-process beats paying for worker start-up
+PARALLEL_MIN_FILES = 64
+MAX_WORKERS = 8
+
+_SIDE_FILES = {
+    "manifest.json": "manifest of an frtools dump, not a rank's record",
+}
+_SIDE_SUFFIXES = {
+    ".stacks": "Python stacks text, not a rank's record",
+    ".txt": "text file, not a dump",
+    ".log": "log file, not a dump",
+    ".md": "text file, not a dump",
+}
+
+
+class UnusableInput(Exception):
+    """Nothing usable was found (no dump at all, or the path does not exist). The message
+    is one line for the user; the CLI exits 2 with it."""
+
+
+@dataclass
+class FileResult:
+    """What reading one file gave: its ``InputFile`` and, if usable, its ``RankDump``."""
+
+    input: InputFile
+    dump: RankDump | None = None
+    mtime: float = 0.0
+
+
+def read_file(path: str | Path) -> FileResult:
+    """Read one file with whichever reader claims it; never raises."""
+    path = Path(path)
+    p = str(path)
+    try:
+        st = path.stat()
+    except OSError as e:
+        return FileResult(InputFile(p, "error", f"cannot read: {e.strerror or e}"))
+    side = _SIDE_FILES.get(path.name) or _SIDE_SUFFIXES.get(path.suffix.lower())
+    if st.st_size == 0:
+        if side:
+            return FileResult(InputFile(p, "skipped", side), mtime=st.st_mtime)
+        return FileResult(InputFile(p, "error", "empty file (0 bytes)"), mtime=st.st_mtime)
+    try:
+        head = read_head(path)
+    except OSError as e:
+        return FileResult(InputFile(p, "error", f"cannot read: {e.strerror or e}"))
+    reader = reader_for(path, head)
+    if reader is None:
+        if not head and path.suffix.lower() in (".gz", ".gzip"):
+            return FileResult(InputFile(p, "error", "corrupt gzip file"), mtime=st.st_mtime)
+        reason = side or "not a dump: no reader recognizes its content"
+        return FileResult(InputFile(p, "skipped", reason), mtime=st.st_mtime)
+    fmt = reader.FORMAT
+    try:
+        dump = reader.read(path)
+    except DumpError as e:
+        return FileResult(InputFile(p, "error", str(e), format=fmt), mtime=st.st_mtime)
+    except RecursionError:
+        reason = "nests too deeply to be a dump; refused"
+        return FileResult(InputFile(p, "error", reason, format=fmt), mtime=st.st_mtime)
+    except MemoryError:
+        reason = "too large to load (out of memory)"
+        return FileResult(InputFile(p, "error", reason, format=fmt), mtime=st.st_mtime)
+    except Exception as e:  # a reader bug must cost one file, not the whole analysis
+        reason = f"{fmt} reader failed: {type(e).__name__}: {e}"
+        return FileResult(InputFile(p, "error", reason, format=fmt), mtime=st.st_mtime)
+    info = InputFile(
+        p, "ok", "; ".join(dump.notes), rank=dump.rank_info.rank, format=dump.rank_info.format
+    )
+    return FileResult(info, dump, st.st_mtime)
+
+
+def _files_under(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        files.extend(Path(root) / n for n in sorted(names) if not n.startswith("."))
+    return files
+
+
+def _read_all(files: Sequence[Path], workers: int | None, progress: bool) -> list[FileResult]:
+    if workers is None:
+        workers = min(os.cpu_count() or 1, MAX_WORKERS) if len(files) > PARALLEL_MIN_FILES else 1
+    workers = max(1, min(workers, len(files) or 1))
+    advance: Callable[[], None] = lambda: None  # noqa: E731
+    bar = None
+    if progress:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        bar = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(file=sys.stderr),
+            transient=True,
+        )
+        task = bar.add_task("reading dumps", total=len(files))
+        advance = lambda: bar.advance(task)  # noqa: E731
+        bar.start()
+    results: list[FileResult] = []
+    try:
+        if workers == 1:
+            for f in files:
+                results.append(read_file(f))
+                advance()
+        else:
+            chunk = max(1, min(32, len(files) // (workers * 8) or 1))
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                for r in pool.map(read_file, [str(f) for f in files], chunksize=chunk):
+                    results.append(r)
+                    advance()
+    finally:
+        if bar is not None:
+            bar.stop()
+    return results
+
+
+def _newest_first(results: Iterable[FileResult]) -> list[FileResult]:
+    def key(r: FileResult) -> tuple[int, bool, float, str]:
+        assert r.dump is not None
+        t = r.dump.max_time_created_ns
+        # same newest op: the same moment; prefer the file with call sites (pickle over JSON)
+        has_stacks = r.dump.entries.column("stack").null_count < r.dump.entries.num_rows
+        return (t if t is not None else -1, has_stacks, r.mtime, r.input.path)
+
+    return sorted(results, key=key, reverse=True)
+
+
+def _merge_groups(
+    dumps: Sequence[RankDump], entries: pa.Table
+) -> tuple[dict[str, ProcessGroup], list[str]]:
+    """Membership from the files that list it; where none does, from which ranks recorded
+    ops on the group (``inferred``)."""
+    notes: list[str] = []
+    descs: dict[str, Counter] = defaultdict(Counter)
+    listed: dict[str, Counter] = defaultdict(Counter)
+    for d in dumps:
+        for name, g in d.process_groups.items():
+            if g.desc:
+                descs[name][g.desc] += 1
+            if g.ranks:
+                listed[name][g.ranks] += 1
+    names = set(descs) | set(listed)
+    for d in dumps:
+        names.update(d.process_groups)
+
+    recorded: dict[str, list[int]] = {}
+    if entries.num_rows:
+        pairs = entries.select(["pg_name", "rank"]).group_by(["pg_name", "rank"]).aggregate([])
+        for name, rank in zip(
+            pairs.column("pg_name").to_pylist(), pairs.column("rank").to_pylist(), strict=True
+        ):
+            recorded.setdefault(name, []).append(rank)
+
+    groups: dict[str, ProcessGroup] = {}
+    for name in sorted(names, key=_pg_sort_key):
+        if not name:
+            continue
+        desc = ""
+        if descs[name]:
+            # a real description beats PyTorch's placeholder "undefined"
+            ranked = sorted(descs[name].items(), key=lambda kv: (kv[0] == "undefined", -kv[1]))
+            desc = ranked[0][0]
+        if listed[name]:
+            ranks, _ = listed[name].most_common(1)[0]
+            if len(listed[name]) > 1:
+                notes.append(
+                    f"process group {name}: files disagree on its members; using {list(ranks)}"
+                )
+            groups[name] = ProcessGroup(name, desc, tuple(ranks), inferred=False)
+        else:
+            members = tuple(sorted(set(recorded.get(name, ()))))
+            groups[name] = ProcessGroup(name, desc, members, inferred=True)
+    return groups, notes
+
+
+def _pg_sort_key(name: str) -> tuple[int, int | str]:
+    return (0, int(name)) if name.isdigit() else (1, name)
+
+
+def _map_peers(table: pa.Table, groups: dict[str, ProcessGroup], names: set[str]) -> pa.Table:
+    """Group-local P2P peers -> global ranks, for groups whose file did not know members."""
+    peer = table.column("peer").to_pylist()
+    pg = table.column("pg_name").to_pylist()
+    changed = False
+    for i, (p, name) in enumerate(zip(peer, pg, strict=True)):
+        if p is None or name not in names:
+            continue
+        g = groups.get(name)
+        if g is None or not g.ranks:
+            continue
+        peer[i] = g.ranks[p] if 0 <= p < len(g.ranks) else None
+        changed = True
+    if not changed:
+        return table
+    idx = table.schema.get_field_index("peer")
+    return table.set_column(idx, table.schema.field(idx), pa.array(peer, type=pa.int32()))
+
+
+def load_trace(
+    path: str | os.PathLike[str], *, workers: int | None = None, progress: bool = False
+) -> Trace:
+    """Read every dump under ``path`` (a directory, searched recursively, or one file).
+
+    ``workers``: processes reading files in parallel; ``None`` picks min(cpus, 8) when
+    there are more than 64 files, else reads in-process. Raises ``UnusableInput`` only
+    when nothing usable was found.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise UnusableInput(f"{root}: no such file or directory")
+    files = _files_under(root)
+    if not files:
+        raise UnusableInput(f"{root}: no files to read (empty directory)")
+    results = _read_all(files, workers, progress)
+
+    inputs: list[InputFile] = [r.input for r in results]
+    by_rank: dict[int, list[FileResult]] = defaultdict(list)
+    for r in results:
+        if r.dump is not None:
+            by_rank[r.dump.rank_info.rank].append(r)
+    if not by_rank:
+        errors = [i for i in inputs if i.status == "error"]
+        detail = f"; e.g. {errors[0].path}: {errors[0].reason}" if errors else ""
+        extra = f" (reader unavailable: {', '.join(UNAVAILABLE)})" if UNAVAILABLE else ""
+        raise UnusableInput(
+            f"{root}: no usable Flight Recorder dump among {len(files)} "
+            f"file{'s' if len(files) != 1 else ''}{detail}{extra}"
+        )
+
+    chosen: dict[int, RankDump] = {}
+    for rank, candidates in sorted(by_rank.items()):
+        ordered = _newest_first(candidates)
+        keep = ordered[0]
+        assert keep.dump is not None
+        chosen[rank] = keep.dump
+        for older in ordered[1:]:
+            older.input.status = "duplicate"
+            older.input.reason = f"older dump of rank {rank}; using {keep.input.path}"
+        for r in ordered[1:]:
+            r.dump = None  # let go of the table
+
+    dumps = [chosen[r] for r in sorted(chosen)]
+    entries = concat_entries([d.entries for d in dumps])
+    groups, notes = _merge_groups(dumps, entries)
+
+    world_size = _world_size(dumps, groups)
+    default = _default_group(groups)
+    if default is not None and (default.inferred or not default.ranks) and world_size:
+        groups[default.name] = ProcessGroup(
+            default.name, default.desc, tuple(range(world_size)), inferred=default.inferred
+        )
+
+    if any(d.unmapped_peer_groups for d in dumps):
+        tables = [
+            _map_peers(d.entries, groups, d.unmapped_peer_groups)
+            if d.unmapped_peer_groups
+            else d.entries
+            for d in dumps
+        ]
+        entries = concat_entries(tables)
+
+    ranks: dict[int, RankInfo] = {}
+    for d in dumps:
+        info = d.rank_info
+        if info.world_size is None:
+            info.world_size = world_size
+        ranks[info.rank] = info
+    for note in notes:
+        inputs.append(InputFile(str(root), "ok", note))
+    return Trace(
+        entries=entries,
+        ranks=ranks,
+        process_groups=groups,
+        inputs=inputs,
+        world_size=world_size,
+    )
+
+
+def _default_group(groups: dict[str, ProcessGroup]) -> ProcessGroup | None:
+    for g in groups.values():
+        if g.desc == "default_pg":
+            return g
+    return None
+
+
+def _world_size(dumps: Sequence[RankDump], groups: dict[str, ProcessGroup]) -> int | None:
+    default = _default_group(groups)
+    if default is not None and default.ranks and not default.inferred:
+        return max(default.ranks) + 1
+    stated = [d.rank_info.world_size for d in dumps if d.rank_info.world_size]
+    if stated:
+        return max(stated)
+    known = {d.rank_info.rank for d in dumps}
+    for g in groups.values():
+        known.update(g.ranks)
+    return max(known) + 1 if known else None
+
+
+__all__ = ["FileResult", "UnusableInput", "load_trace", "read_file"]

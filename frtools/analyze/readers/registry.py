@@ -1,0 +1,49 @@
+"""The reader registry: which module reads which file.
+
+Readers are tried in order; the first whose ``sniff`` says yes reads the file. The
+frtools snapshot reader (``frtools_snapshot``, written with the recorder) is picked up
+when that module exists and comes first: its magic is the most specific.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+
+from . import torch_json, torch_pickle
+
+# reader modules that exist but failed to import: name -> reason (shown by the loader)
+UNAVAILABLE: dict[str, str] = {}
+
+
+def _optional(name: str) -> ModuleType | None:
+    module = f"{__package__}.{name}"
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            UNAVAILABLE[name] = f"{type(e).__name__}: {e}"
+        return None
+    except Exception as e:  # a broken optional reader must not break the others
+        UNAVAILABLE[name] = f"{type(e).__name__}: {e}"
+        return None
+
+
+def _readers() -> tuple[ModuleType, ...]:
+    found = [m for m in (_optional("frtools_snapshot"),) if m is not None]
+    return (*found, torch_pickle, torch_json)
+
+
+READERS: tuple[ModuleType, ...] = _readers()
+
+
+def reader_for(path: Path, head: bytes) -> ModuleType | None:
+    """The reader that claims this file, ``None`` when no reader does."""
+    for reader in READERS:
+        try:
+            if reader.sniff(path, head):
+                return reader
+        except Exception:  # a reader's sniff must never stop the others
+            continue
+    return None

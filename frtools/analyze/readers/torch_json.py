@@ -1,0 +1,35 @@
+"""PyTorch Flight Recorder JSON dumps (``_dump_fr_trace_json`` / ``_dump_nccl_trace_json``
+output). Same schema as the pickle except: ``process_group`` is a list, the
+``time_discovered_*`` of a not-yet-seen state are 0 instead of None, pg_status counters
+are strings, and stack frames are absent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .base import DumpError, RankDump, read_bytes
+from .torch_fr import normalize
+
+FORMAT = "torch-json"
+
+
+def sniff(path: Path, head: bytes) -> bool:
+    text = head.lstrip()
+    # nlohmann writes keys sorted, so "entries" is among the first keys
+    return text.startswith(b"{") and (b'"entries"' in head or b'"pg_config"' in head)
+
+
+def read(path: Path) -> RankDump:
+    data = read_bytes(path)
+    try:
+        dump = json.loads(data)
+    except UnicodeDecodeError:
+        raise DumpError("not UTF-8 text; not a JSON dump") from None
+    except RecursionError:
+        raise DumpError("JSON nests too deeply to be a dump; refused") from None
+    except ValueError as e:
+        if "Expecting" in str(e) and e.args and getattr(e, "pos", 0) >= len(data.rstrip()) - 1:
+            raise DumpError(f"truncated JSON (ends at byte {len(data)})") from None
+        raise DumpError(f"invalid JSON: {e}") from None
+    return normalize(dump, path, FORMAT)

@@ -1,0 +1,46 @@
+"""PyTorch Flight Recorder pickles (``_dump_nccl_trace`` / ``_dump_fr_trace`` output, the
+files ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` / ``TORCH_FR_DUMP_TEMP_FILE`` name), any version,
+plain or gzip'd."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+from .base import DumpError, RankDump, read_bytes
+from .safe_pickle import RefusedPickle, loads_data
+from .torch_fr import normalize
+
+FORMAT = "torch-pickle"
+
+
+def sniff(path: Path, head: bytes) -> bool:
+    # protocol 2+ starts with PROTO (0x80 <n>); PyTorch's pickler writes protocol 2
+    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def read(path: Path) -> RankDump:
+    data = read_bytes(path)
+    try:
+        dump = loads_data(data)
+    except RefusedPickle as e:
+        raise DumpError(str(e)) from None
+    except EOFError:
+        raise DumpError("truncated pickle (data ends before the dump does)") from None
+    except RecursionError:
+        raise DumpError("pickle nests too deeply to be a dump; refused") from None
+    except MemoryError:
+        raise DumpError("pickle too large to load (out of memory); refused") from None
+    except (
+        pickle.UnpicklingError,
+        ValueError,
+        TypeError,
+        IndexError,
+        KeyError,
+        AttributeError,
+        UnicodeDecodeError,
+        OverflowError,
+    ) as e:
+        reason = str(e) or type(e).__name__
+        raise DumpError(f"corrupt pickle: {reason}") from None
+    return normalize(dump, path, FORMAT)
