@@ -1,0 +1,18 @@
+"""Build the recorder's native black box (optional: without a compiler frtools still installs,
+and the recorder warns once and leaves training unrecorded)."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "frtools.recorder._blackbox",
+            sources=["frtools/recorder/_native/blackbox.cpp"],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wall"],
+            extra_link_args=["-pthread"],
+            libraries=["dl"],
+            optional=True,
+        )
+    ],
+)
