@@ -1,0 +1,144 @@
+"""Side files of a dump directory: ``rank_<R>.stacks`` and ``manifest.json``.
+
+They are not rank records, so no reader claims them; the loader calls these two functions
+on the finished Trace:
+
+* ``attach_stacks(trace, root)`` puts each rank's faulthandler text on ``RankInfo.stacks``
+  (when the record reader did not already find stacks);
+* ``apply_manifest(trace, root)`` applies what ``frtools dump`` saw at collection time:
+  ``RankInfo.alive`` (process gone or not), the host where the record lacks one, and the
+  job's world size where no record states it.
+
+Both never raise: a side file that cannot be used becomes its ``InputFile`` reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from frtools.trace import InputFile, Trace
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_KIND = "frtools-dump-manifest"
+_STACKS_RE = re.compile(r"(?:^|[^0-9])(\d+)\.stacks$")
+# a stacks file larger than this is cut to its tail: the last dump is what counts
+MAX_STACKS_BYTES = 4 << 20
+
+
+def _walk(root: Path, match: Callable[[str], bool]) -> list[Path]:
+    if root.is_file():
+        root = root.parent
+    found = []
+    for dirpath, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found.extend(Path(dirpath) / n for n in sorted(names) if match(n))
+    return found
+
+
+def _set_input(trace: Trace, path: Path, status: str, reason: str, rank: int | None) -> None:
+    p = str(path)
+    for item in trace.inputs:
+        if item.path == p:
+            item.status, item.reason, item.rank = status, reason, rank
+            return
+    trace.inputs.append(InputFile(p, status, reason, rank=rank))
+
+
+def _read_stacks(path: Path) -> str:
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - MAX_STACKS_BYTES))
+        return f.read().decode("utf-8", errors="replace")
+
+
+def attach_stacks(trace: Trace, root: str | os.PathLike[str]) -> None:
+    """Attach ``rank_<R>.stacks`` files under ``root`` to their ranks' ``RankInfo.stacks``.
+
+    When several files name the same rank, the one next to the rank's record wins, else
+    the newest.
+    """
+    by_rank: dict[int, list[Path]] = {}
+    for path in _walk(Path(root), lambda n: n.endswith(".stacks")):
+        m = _STACKS_RE.search(path.name)
+        if not m:
+            _set_input(trace, path, "skipped", "stacks file without a rank in its name", None)
+            continue
+        by_rank.setdefault(int(m.group(1)), []).append(path)
+    for rank, paths in sorted(by_rank.items()):
+        info = trace.ranks.get(rank)
+        if info is None:
+            for p in paths:
+                _set_input(trace, p, "skipped", f"stacks of rank {rank}, which has no record", rank)
+            continue
+        source_dir = Path(info.source).parent if info.source else None
+
+        def preference(p: Path, source_dir: Path | None = source_dir) -> tuple[bool, float]:
+            try:
+                mtime = p.stat().st_mtime
+            except OSError:
+                mtime = 0.0
+            return (p.parent == source_dir, mtime)
+
+        ordered = sorted(paths, key=preference, reverse=True)
+        chosen = ordered[0]
+        try:
+            text = _read_stacks(chosen)
+        except OSError as exc:
+            _set_input(trace, chosen, "error", f"cannot read: {exc.strerror or exc}", rank)
+            continue
+        if info.stacks is None and text.strip():
+            info.stacks = text
+        _set_input(trace, chosen, "ok", f"Python stacks of rank {rank}", rank)
+        for p in ordered[1:]:
+            _set_input(trace, p, "duplicate", f"older stacks of rank {rank}; using {chosen}", rank)
+
+
+def apply_manifest(trace: Trace, root: str | os.PathLike[str]) -> None:
+    """Apply every ``manifest.json`` under ``root``: which ranks' processes were gone at
+    collection time, their hosts, the world size."""
+    for path in _walk(Path(root), lambda n: n == MANIFEST_NAME):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            _set_input(trace, path, "error", f"unreadable manifest: {exc}", None)
+            continue
+        if not isinstance(data, dict) or data.get("kind") != MANIFEST_KIND:
+            _set_input(trace, path, "skipped", "not an frtools dump manifest", None)
+            continue
+        ranks = data.get("ranks") if isinstance(data.get("ranks"), dict) else {}
+        for key, entry in ranks.items():
+            if not isinstance(entry, dict) or not str(key).isdigit():
+                continue
+            info = trace.ranks.get(int(key))
+            if info is None:
+                continue
+            alive = entry.get("alive")
+            if isinstance(alive, bool):
+                info.alive = alive
+            if info.host is None and isinstance(entry.get("host"), str):
+                info.host = entry["host"]
+        world = data.get("world_size")
+        if trace.world_size is None and isinstance(world, int) and world > 0:
+            trace.world_size = world
+        gone = data.get("ranks_gone") or []
+        silent = data.get("ranks_no_answer") or []
+        parts = [f"collected by `frtools dump` ({data.get('mode', '?')}) on {data.get('host')}"]
+        if gone:
+            parts.append(f"process gone: ranks {_ranks_text(gone)}")
+        if silent:
+            parts.append(f"did not answer: ranks {_ranks_text(silent)}")
+        _set_input(trace, path, "ok", "; ".join(parts), None)
+
+
+def apply_side_files(trace: Trace, root: str | os.PathLike[str]) -> None:
+    """Both of the above, in the order the loader should run them."""
+    apply_manifest(trace, root)
+    attach_stacks(trace, root)
+
+
+def _ranks_text(ranks: list) -> str:
+    return ", ".join(str(r) for r in ranks)

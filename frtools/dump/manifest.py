@@ -1,0 +1,111 @@
+"""``manifest.json``: what a collection found, who answered, who was gone.
+
+The analyzer cannot tell from a rank file alone whether its process was alive when it was
+collected, or whether a rank without a file never existed or simply did not answer; the
+collector knows, and writes it down next to the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from frtools import __version__
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_KIND = "frtools-dump-manifest"
+MANIFEST_VERSION = 1
+
+
+@dataclass
+class RankEntry:
+    """One rank as the collector saw it."""
+
+    rank: int
+    host: str | None = None
+    pid: int | None = None
+    alive: bool | None = None  # process running when collected (None: unknown, other host)
+    answered: bool = False  # wrote a fresh snapshot / stacks on request
+    files: list[str] = field(default_factory=list)  # names relative to the manifest's dir
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "host": self.host,
+            "pid": self.pid,
+            "alive": self.alive,
+            "answered": self.answered,
+            "files": self.files,
+            "note": self.note,
+        }
+
+
+@dataclass
+class Manifest:
+    job_id: str
+    mode: str  # "local", "job-wide", "stall", "torch-socket", "torch-store", "torch-pipe"
+    host: str = field(default_factory=socket.gethostname)
+    created_ns: int = field(default_factory=time.time_ns)
+    world_size: int | None = None
+    ranks: dict[int, RankEntry] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ranks_found(self) -> list[int]:
+        return sorted(r for r, e in self.ranks.items() if e.files)
+
+    @property
+    def ranks_answered(self) -> list[int]:
+        return sorted(r for r, e in self.ranks.items() if e.answered)
+
+    @property
+    def ranks_gone(self) -> list[int]:
+        return sorted(r for r, e in self.ranks.items() if e.alive is False)
+
+    @property
+    def ranks_no_answer(self) -> list[int]:
+        return sorted(r for r, e in self.ranks.items() if not e.answered and e.alive is not False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": MANIFEST_KIND,
+            "manifest_version": MANIFEST_VERSION,
+            "frtools_version": __version__,
+            "job_id": self.job_id,
+            "mode": self.mode,
+            "host": self.host,
+            "created_ns": self.created_ns,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created_ns / 1e9)),
+            "world_size": self.world_size,
+            "ranks_found": self.ranks_found,
+            "ranks_answered": self.ranks_answered,
+            "ranks_gone": self.ranks_gone,
+            "ranks_no_answer": self.ranks_no_answer,
+            "ranks": {str(r): self.ranks[r].to_dict() for r in sorted(self.ranks)},
+            "notes": self.notes,
+        }
+
+    def write(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``manifest.json`` atomically (a reader never sees half a manifest)."""
+        path = Path(directory) / MANIFEST_NAME
+        tmp = path.with_name(f".{MANIFEST_NAME}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest as a dict; ValueError with the reason when it is not one of ours."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read manifest: {exc}") from exc
+    if not isinstance(data, dict) or data.get("kind") != MANIFEST_KIND:
+        raise ValueError("not an frtools dump manifest")
+    return data

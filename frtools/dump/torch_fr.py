@@ -1,0 +1,244 @@
+"""Collect PyTorch's own Flight Recorder from a job that runs without the frtools recorder.
+
+PyTorch offers three ways to ask a live rank for its trace, and which exist depends on the
+build and the backend (checked on torch 2.13):
+
+* **Worker-server unix sockets** (``torch.distributed.elastic.control_plane.worker_main``
+  starts a ``_WorkerServer`` on ``TORCH_WORKER_SERVER_SOCKET``): HTTP over a unix socket,
+  ``POST /handler/<name>``. Every build has ``fr_trace_json`` (the generic recorder that
+  Gloo feeds when ``TORCH_FR_BUFFER_SIZE`` > 0) and ``dump_traceback`` (all Python stacks);
+  CUDA builds add ``dump_nccl_trace_pickle`` / ``dump_nccl_trace_json``.
+* **Debug servers** (``torch.distributed.debug.start_debug_server``): the same handlers on
+  TCP; each rank publishes ``http://host:port`` under ``debug_server/rank<R>`` in the job's
+  TCPStore.
+* **Debug-info pipes** (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE=<prefix>``): ProcessGroupNCCL's
+  monitor thread makes the FIFO ``<prefix><rank>.pipe`` and, when a byte arrives, writes the
+  trace pickle to ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>``. NCCL only: neither Gloo nor a
+  CPU-only build creates the pipe.
+
+Each collected trace lands as ``rank_<R>.pkl`` or ``rank_<R>.json`` (the bytes as PyTorch
+wrote them; never unpickled here) and the stacks as ``rank_<R>.stacks``, so
+``frtools analyze DIR`` reads them.
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import http.client
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from frtools.dump.manifest import Manifest, RankEntry
+
+# Handlers tried in order for the trace: the NCCL pickle is richer where it exists.
+_TRACE_HANDLERS = (
+    ("dump_nccl_trace_pickle", ".pkl"),
+    ("fr_trace_json", ".json"),
+)
+_STACKS_HANDLER = "dump_traceback"
+DEFAULT_NCCL_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._unix_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._unix_path)
+        self.sock = sock
+
+
+def _post(conn_factory: Callable[[], http.client.HTTPConnection], handler: str) -> bytes | None:
+    """Body of ``POST /handler/<handler>``; None when the handler does not exist."""
+    conn = conn_factory()
+    try:
+        conn.request("POST", f"/handler/{handler}")
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status == 404:
+            return None
+        if resp.status != 200:
+            raise OSError(f"HTTP {resp.status}: {body[:200].decode(errors='replace').strip()}")
+        return body
+    finally:
+        conn.close()
+
+
+def rank_from_name(path: str) -> int | None:
+    """The rank in a per-rank file name: the last number of its stem (``ws_3.sock`` → 3)."""
+    numbers = re.findall(r"\d+", Path(path).name.split(".")[0])
+    return int(numbers[-1]) if numbers else None
+
+
+def _collect_worker(
+    rank: int,
+    conn_factory: Callable[[], http.client.HTTPConnection],
+    out_dir: Path,
+    entry: RankEntry,
+) -> None:
+    try:
+        for handler, suffix in _TRACE_HANDLERS:
+            body = _post(conn_factory, handler)
+            if body is not None:
+                name = f"rank_{rank}{suffix}"
+                (out_dir / name).write_bytes(body)
+                entry.files.append(name)
+                entry.answered = True
+                break
+        else:
+            entry.note = "no Flight Recorder handler on this worker"
+        stacks = _post(conn_factory, _STACKS_HANDLER)
+        if stacks:
+            name = f"rank_{rank}.stacks"
+            (out_dir / name).write_bytes(stacks)
+            entry.files.append(name)
+    except (OSError, http.client.HTTPException) as exc:
+        entry.note = f"no answer: {exc or type(exc).__name__}"
+
+
+def _collect_parallel(
+    targets: dict[int, Callable[[], http.client.HTTPConnection]],
+    manifest: Manifest,
+    out_dir: Path,
+    timeout: float,
+) -> None:
+    if not targets:
+        return
+    with ThreadPoolExecutor(max_workers=min(32, len(targets))) as pool:
+        futures = [
+            pool.submit(_collect_worker, rank, factory, out_dir, manifest.ranks[rank])
+            for rank, factory in targets.items()
+        ]
+        deadline = time.monotonic() + timeout + 1
+        for fut in futures:
+            fut.result(timeout=max(0.1, deadline - time.monotonic()))
+
+
+def collect_sockets(
+    patterns: Sequence[str], out_dir: str | os.PathLike[str], timeout: float = 5.0
+) -> Manifest:
+    """Ask every worker-server unix socket matching ``patterns`` (globs) for its trace and
+    stacks. The rank is the last number in the socket's name."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = sorted({p for pat in patterns for p in glob.glob(pat)} | _literal(patterns))
+    manifest = Manifest(job_id="torch-fr", mode="torch-socket")
+    targets: dict[int, Callable[[], http.client.HTTPConnection]] = {}
+    for index, path in enumerate(paths):
+        rank = rank_from_name(path)
+        if rank is None or rank in manifest.ranks:
+            manifest.notes.append(f"{path}: no rank number in the socket name, using {index}")
+            rank = index
+        manifest.ranks[rank] = RankEntry(rank=rank, host=manifest.host, note=path)
+        targets[rank] = lambda p=path: _UnixHTTPConnection(p, timeout)
+    _collect_parallel(targets, manifest, out, timeout)
+    return manifest
+
+
+def _literal(patterns: Sequence[str]) -> set[str]:
+    return {p for p in patterns if not glob.has_magic(p) and os.path.exists(p)}
+
+
+def collect_debug_servers(
+    store_addr: str,
+    out_dir: str | os.PathLike[str],
+    timeout: float = 5.0,
+    prefix: str = "debug_server/",
+) -> Manifest:
+    """Ask every rank's ``torch.distributed.debug`` worker server, found through the job's
+    TCPStore (``<prefix>rank<R>`` → ``http://host:port``), for its trace and stacks."""
+    from frtools.dump.jobwide import connect_store
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    store = connect_store(store_addr, timeout)
+    manifest = Manifest(job_id=store_addr, mode="torch-store")
+    targets: dict[int, Callable[[], http.client.HTTPConnection]] = {}
+    rank = 0
+    while store.check([f"{prefix}rank{rank}"]):
+        url = store.get(f"{prefix}rank{rank}").decode()
+        m = re.match(r"https?://\[?([^\]/]+?)\]?:(\d+)", url)
+        entry = RankEntry(rank=rank, note=url)
+        manifest.ranks[rank] = entry
+        if m:
+            entry.host = m.group(1)
+            host, port = m.group(1), int(m.group(2))
+            targets[rank] = lambda h=host, p=port: http.client.HTTPConnection(h, p, timeout=timeout)
+        else:
+            entry.note = f"unusable address {url!r}"
+        rank += 1
+    manifest.world_size = rank or None
+    _collect_parallel(targets, manifest, out, timeout)
+    return manifest
+
+
+def collect_pipes(
+    prefix: str,
+    out_dir: str | os.PathLike[str],
+    timeout: float = 5.0,
+    dump_prefix: str | None = None,
+) -> Manifest:
+    """Write to every ``<prefix><rank>.pipe`` FIFO (ProcessGroupNCCL's debug-info pipe) and
+    collect the dumps that appear at ``<dump_prefix><rank>``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dump_prefix = dump_prefix or os.environ.get(
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", DEFAULT_NCCL_DUMP_PREFIX
+    )
+    manifest = Manifest(job_id="torch-fr", mode="torch-pipe")
+    started = time.time()
+    pending: dict[int, Path] = {}
+    for path in sorted(glob.glob(glob.escape(prefix) + "*.pipe")):
+        tail = path[len(prefix) : -len(".pipe")]
+        if not tail.isdigit():
+            continue
+        rank = int(tail)
+        entry = RankEntry(rank=rank, host=manifest.host)
+        manifest.ranks[rank] = entry
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            entry.note = (
+                "nobody reads the pipe (process gone?)" if exc.errno == errno.ENXIO else str(exc)
+            )
+            continue
+        try:
+            os.write(fd, b"1\n")
+        finally:
+            os.close(fd)
+        pending[rank] = Path(f"{dump_prefix}{rank}")
+    deadline = time.monotonic() + timeout
+    sizes: dict[int, int] = {}
+    while pending and time.monotonic() < deadline:
+        for rank, dump in list(pending.items()):
+            try:
+                st = dump.stat()
+            except FileNotFoundError:
+                continue
+            if st.st_mtime >= started - 1 and st.st_size > 0 and sizes.get(rank) == st.st_size:
+                name = f"rank_{rank}.pkl"
+                shutil.copyfile(dump, out / name)
+                manifest.ranks[rank].files.append(name)
+                manifest.ranks[rank].answered = True
+                del pending[rank]
+            else:
+                sizes[rank] = st.st_size
+        time.sleep(0.1)
+    for rank in pending:
+        manifest.ranks[rank].note = f"no dump appeared at {dump_prefix}{rank}"
+    if not manifest.ranks:
+        manifest.notes.append(
+            f"no {prefix}<rank>.pipe found: the pipe exists only with ProcessGroupNCCL "
+            "and TORCH_NCCL_DEBUG_INFO_PIPE_FILE set"
+        )
+    return manifest
