@@ -1,0 +1,526 @@
+"""Read, copy and poke frtools black-box files without torch and without the native module.
+
+The black box (``frtools.recorder._blackbox``) writes one memory-mapped file per rank; this
+module is its other half: the layout below mirrors ``_native/blackbox.cpp`` and is written
+down in docs/snapshot-format.md. Slots are parsed with numpy in one go (no per-slot Python),
+because the analyzer reads thousands of these files.
+
+* ``read_snapshot(path_or_bytes)`` parses a file (live or dead) into a ``Snapshot``; slots
+  whose sequence counter says they were being written are dropped and counted.
+* ``copy_consistent(src, dst)`` copies a live file so that the copy parses: the slots are
+  copied between two reads of their sequence counters and re-copied (or marked torn) where a
+  writer got in between.
+* ``request_dump(path)`` / ``dump_acknowledged(path, seq)`` talk to the rank's native
+  watchdog through the mapping: it answers by writing every thread's Python stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "PG_DTYPE",
+    "SLOT_DTYPE",
+    "STATE_NAMES",
+    "STRING_FULL",
+    "Snapshot",
+    "SnapshotError",
+    "SnapshotGroup",
+    "copy_consistent",
+    "dump_acknowledged",
+    "read_header",
+    "read_snapshot",
+    "request_dump",
+]
+
+MAGIC = b"FRTBOX\x00\x01"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+IDENTITY_OFFSET = 512
+STRING_NONE = 0
+STRING_FULL = 0xFFFFFFFF
+STRING_FULL_TEXT = "<string table full>"
+STRING_MISSING_TEXT = "<missing string>"
+
+# state byte of a slot -> name (0 = never written)
+STATE_NAMES = ("", "scheduled", "started", "completed")
+
+_HEADER = struct.Struct("<8s6I5Qq2Q2Iq2I2q2Qq4Id2Iq")
+_HEADER_FIELDS = (
+    "magic",
+    "version",
+    "header_bytes",
+    "slot_bytes",
+    "capacity",
+    "pg_entry_bytes",
+    "pg_capacity",
+    "pg_offset",
+    "slots_offset",
+    "strings_offset",
+    "strings_bytes",
+    "file_bytes",
+    "created_ns",
+    "next_record_id",
+    "strings_used",
+    "pg_count",
+    "string_count",
+    "heartbeat_ns",
+    "stalled",
+    "watchdog_state",
+    "stall_record_id",
+    "stall_time_ns",
+    "dump_request_seq",
+    "dump_ack_seq",
+    "dump_ack_time_ns",
+    "dump_ack_status",
+    "closed",
+    "strings_dropped",
+    "identity_bytes",
+    "stall_seconds",
+    "poll_ms",
+    "stack_signal",
+    "owner_pid",
+)
+_DUMP_REQUEST_OFFSET = 136
+_DUMP_ACK_OFFSET = 144
+
+SLOT_DTYPE = np.dtype(
+    {
+        "names": [
+            "seq",
+            "record_id",
+            "collective_seq_id",
+            "p2p_seq_id",
+            "time_created_ns",
+            "time_started_ns",
+            "time_completed_ns",
+            "duration_ms",
+            "thread_id",
+            "pg",
+            "peer",
+            "op",
+            "input_sizes",
+            "output_sizes",
+            "input_dtypes",
+            "output_dtypes",
+            "stack",
+            "state",
+            "is_p2p",
+            "flags",
+            "thread_name",
+        ],
+        "formats": [
+            "<u8",
+            "<i8",
+            "<i8",
+            "<i8",
+            "<i8",
+            "<i8",
+            "<i8",
+            "<f8",
+            "<u8",
+            "<i4",
+            "<i4",
+            "<u4",
+            "<u4",
+            "<u4",
+            "<u4",
+            "<u4",
+            "<u4",
+            "u1",
+            "u1",
+            "<u2",
+            "<u4",
+        ],
+        "offsets": [0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 76, 80, 84, 88, 92, 96, 100, 104, 105]
+        + [106, 108],
+        "itemsize": 128,
+    }
+)
+
+PG_DTYPE = np.dtype(
+    {
+        "names": [
+            "name",
+            "desc",
+            "ranks",
+            "size",
+            "last_enqueued_collective",
+            "last_started_collective",
+            "last_completed_collective",
+            "last_enqueued_p2p",
+            "last_completed_p2p",
+        ],
+        "formats": ["<u4", "<u4", "<u4", "<u4", "<i8", "<i8", "<i8", "<i8", "<i8"],
+        "offsets": [0, 4, 8, 12, 16, 24, 32, 40, 48],
+        "itemsize": 64,
+    }
+)
+
+# string-id columns of a slot
+STRING_COLUMNS = (
+    "op",
+    "input_sizes",
+    "output_sizes",
+    "input_dtypes",
+    "output_dtypes",
+    "stack",
+    "thread_name",
+)
+
+
+class SnapshotError(ValueError):
+    """The file is not a usable frtools snapshot; the message is a one-line reason."""
+
+
+@dataclass
+class SnapshotGroup:
+    """One row of the process-group table; ``ranks`` are global ranks."""
+
+    index: int
+    name: str
+    desc: str
+    ranks: tuple[int, ...]
+    last_enqueued_collective: int
+    last_started_collective: int
+    last_completed_collective: int
+    last_enqueued_p2p: int
+    last_completed_p2p: int
+
+
+@dataclass
+class Snapshot:
+    """One rank's black box as read from a file.
+
+    ``slots`` holds the readable slots only, sorted by ``record_id`` (a numpy structured
+    array with ``SLOT_DTYPE``); string columns are ids, resolved with ``string(id)``.
+    """
+
+    header: dict[str, Any]
+    identity: dict[str, Any]
+    groups: list[SnapshotGroup]
+    slots: np.ndarray
+    strings_blob: bytes
+    torn: int = 0
+    notes: list[str] = field(default_factory=list)
+    path: str | None = None
+
+    @property
+    def version(self) -> int:
+        return int(self.header["version"])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.header["capacity"])
+
+    @property
+    def records_written(self) -> int:
+        return int(self.header["next_record_id"])
+
+    @property
+    def wrapped(self) -> bool:
+        """The ring buffer overwrote older records (their record ids are gone)."""
+        first = int(self.slots["record_id"][0]) if len(self.slots) else 0
+        return self.records_written > self.capacity or first > 0
+
+    @property
+    def stalled(self) -> bool:
+        return bool(self.header["stalled"])
+
+    def string(self, sid: int) -> str:
+        """The interned string with id ``sid`` (``""`` for id 0)."""
+        return _decode_string(self.strings_blob, int(sid))
+
+    def strings_for(self, ids: np.ndarray) -> dict[int, str]:
+        """Decode each distinct id once."""
+        return {int(i): _decode_string(self.strings_blob, int(i)) for i in np.unique(ids)}
+
+
+def _decode_string(blob: bytes, sid: int) -> str:
+    if sid == STRING_NONE:
+        return ""
+    if sid == STRING_FULL:
+        return STRING_FULL_TEXT
+    if sid < 8 or sid + 4 > len(blob):
+        return STRING_MISSING_TEXT
+    (n,) = struct.unpack_from("<I", blob, sid)
+    end = sid + 4 + n
+    if n == 0 or end > len(blob):
+        return STRING_MISSING_TEXT
+    return blob[sid + 4 : end].decode("utf-8", errors="replace")
+
+
+def _parse_header(buf: bytes | memoryview, size: int) -> dict[str, Any]:
+    if size < _HEADER.size or bytes(buf[:8]) != MAGIC:
+        if size >= 8 and bytes(buf[:6]) == MAGIC[:6]:
+            raise SnapshotError("frtools snapshot header is incomplete (file being created?)")
+        raise SnapshotError("not an frtools snapshot (bad magic)")
+    header = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(buf, 0), strict=True))
+    if header["version"] != FORMAT_VERSION:
+        raise SnapshotError(
+            f"unsupported frtools snapshot version {header['version']} "
+            f"(this frtools reads version {FORMAT_VERSION})"
+        )
+    if header["slot_bytes"] != SLOT_DTYPE.itemsize or header["pg_entry_bytes"] != 64:
+        raise SnapshotError(
+            f"frtools snapshot has slots of {header['slot_bytes']} bytes, expected "
+            f"{SLOT_DTYPE.itemsize}"
+        )
+    if header["header_bytes"] != HEADER_BYTES or header["capacity"] == 0:
+        raise SnapshotError("corrupt frtools snapshot header")
+    return header
+
+
+def _parse_identity(buf: bytes | memoryview, header: dict[str, Any]) -> tuple[dict, str | None]:
+    n = header["identity_bytes"]
+    raw = bytes(buf[IDENTITY_OFFSET : IDENTITY_OFFSET + min(n, HEADER_BYTES - IDENTITY_OFFSET)])
+    if not raw:
+        return {}, None
+    try:
+        identity = json.loads(raw)
+    except ValueError:
+        return {}, "identity in the header is not valid JSON"
+    if not isinstance(identity, dict):
+        return {}, "identity in the header is not a JSON object"
+    return identity, None
+
+
+def _valid_slots(raw: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Keep slots that are complete and consistent; count the torn ones."""
+    seq = raw["seq"]
+    written = seq != 0
+    state = raw["state"]
+    rid = raw["record_id"]
+    index = np.arange(len(raw), dtype=np.int64)
+    ok = (
+        written
+        & ((seq & 1) == 0)
+        & (state >= 1)
+        & (state <= 3)
+        & (rid >= 0)
+        & (rid % capacity == index)
+    )
+    torn = int(np.count_nonzero(written & ~ok))
+    slots = raw[ok]
+    order = np.argsort(slots["record_id"], kind="stable")
+    return slots[order], torn
+
+
+def _parse(buf: bytes | memoryview, size: int, path: str | None) -> Snapshot:
+    header = _parse_header(buf, size)
+    notes: list[str] = []
+    identity, why = _parse_identity(buf, header)
+    if why:
+        notes.append(why)
+    capacity = header["capacity"]
+    slots_end = header["slots_offset"] + capacity * SLOT_DTYPE.itemsize
+    if size < slots_end:
+        raise SnapshotError(
+            f"truncated frtools snapshot: {size} bytes, the slots end at byte {slots_end}"
+        )
+    raw = np.frombuffer(buf, dtype=SLOT_DTYPE, count=capacity, offset=header["slots_offset"])
+    slots, torn = _valid_slots(raw, capacity)
+    if torn:
+        notes.append(f"dropped {torn} torn slot(s) (being written when the file was read)")
+
+    strings_used = min(header["strings_used"], header["strings_bytes"])
+    s0 = header["strings_offset"]
+    strings_blob = bytes(buf[s0 : min(s0 + strings_used, size)])
+    if len(strings_blob) < strings_used:
+        notes.append("string table truncated: some names show as <missing string>")
+    if header["strings_dropped"]:
+        notes.append(f"string table was full: {header['strings_dropped']} string(s) not stored")
+
+    pg_count = min(header["pg_count"], header["pg_capacity"])
+    pg_end = header["pg_offset"] + pg_count * PG_DTYPE.itemsize
+    if size < pg_end:
+        raise SnapshotError("truncated frtools snapshot: process-group table cut off")
+    pg_rows = np.frombuffer(buf, dtype=PG_DTYPE, count=pg_count, offset=header["pg_offset"])
+    groups = []
+    for i, row in enumerate(pg_rows.tolist()):
+        name_id, desc_id, ranks_id, _size, lec, lsc, lcc, lep, lcp = row
+        try:
+            ranks = tuple(
+                sorted(int(r) for r in json.loads(_decode_string(strings_blob, ranks_id)))
+            )
+        except (ValueError, TypeError):
+            ranks = ()
+        groups.append(
+            SnapshotGroup(
+                index=i,
+                name=_decode_string(strings_blob, name_id),
+                desc=_decode_string(strings_blob, desc_id),
+                ranks=ranks,
+                last_enqueued_collective=lec,
+                last_started_collective=lsc,
+                last_completed_collective=lcc,
+                last_enqueued_p2p=lep,
+                last_completed_p2p=lcp,
+            )
+        )
+    return Snapshot(
+        header=header,
+        identity=identity,
+        groups=groups,
+        slots=slots,
+        strings_blob=strings_blob,
+        torn=torn,
+        notes=notes,
+        path=path,
+    )
+
+
+def read_snapshot(source: str | os.PathLike[str] | bytes | bytearray | memoryview) -> Snapshot:
+    """Parse a black-box file (a path, live or not, or its bytes).
+
+    Raises ``SnapshotError`` for a file that is not a usable snapshot and ``OSError`` when it
+    cannot be read. A slot being written at that moment is dropped and counted in ``torn``.
+    """
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        buf = bytes(source)
+        return _parse(buf, len(buf), None)
+    path = os.fspath(source)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise SnapshotError("empty file")
+        head = f.read(2)
+        f.seek(0)
+        if head == b"\x1f\x8b":
+            import gzip
+
+            buf = gzip.decompress(f.read())
+            return _parse(buf, len(buf), path)
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _parse(mm, size, path)
+    finally:
+        # a view still alive somewhere: let the GC unmap it
+        with contextlib.suppress(BufferError):
+            mm.close()
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The header fields and identity of a black-box file: cheap (one page), for polling
+    the stall flag, the heartbeat and dump acknowledgements."""
+    with open(path, "rb") as f:
+        buf = f.read(HEADER_BYTES)
+    header = _parse_header(buf, len(buf))
+    header["identity"], _ = _parse_identity(buf, header)
+    return header
+
+
+def copy_consistent(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> int:
+    """Copy a live black-box file so that the copy parses; returns the number of slots that
+    stayed torn (marked so in the copy: the reader drops them).
+
+    The slot array is copied between two reads of every slot's sequence counter; a slot whose
+    counter moved or was odd is copied again on its own (a few tries) and marked torn if a
+    writer keeps holding it. The process-group and string tables are copied after the slots:
+    both only grow, and a slot only refers to entries written before it, so every reference in
+    the copied slots resolves.
+    """
+    src = os.fspath(src)
+    with open(src, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < HEADER_BYTES:
+            raise SnapshotError("not an frtools snapshot (too short)")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        header = _parse_header(mm, size)
+        slot_bytes = SLOT_DTYPE.itemsize
+        off = header["slots_offset"]
+        cap = header["capacity"]
+        end = off + cap * slot_bytes
+        if size < end:
+            raise SnapshotError(f"truncated frtools snapshot: {size} bytes, slots end at {end}")
+        live_seq = np.ndarray((cap,), dtype="<u8", buffer=mm, offset=off, strides=(slot_bytes,))
+        before = live_seq.copy()
+        slots = bytearray(mm[off:end])
+        after = live_seq.copy()
+        copied = np.frombuffer(slots, dtype=SLOT_DTYPE)
+        copied_seq = copied["seq"]
+        bad = np.flatnonzero((before != after) | (copied_seq != before) | ((before & 1) == 1))
+        torn = 0
+        for i in bad.tolist():
+            lo = off + i * slot_bytes
+            for _ in range(100):
+                s0 = int(live_seq[i])
+                one = mm[lo : lo + slot_bytes]
+                s1 = int(live_seq[i])
+                if s0 == s1 and s0 % 2 == 0 and struct.unpack_from("<Q", one, 0)[0] == s0:
+                    slots[i * slot_bytes : (i + 1) * slot_bytes] = one
+                    break
+            else:
+                struct.pack_into("<Q", slots, i * slot_bytes, int(copied_seq[i]) | 1)
+                torn += 1
+        del live_seq, copied, copied_seq
+        head = bytes(mm[:HEADER_BYTES])
+        header = _parse_header(head, len(head))
+        pg_count = min(header["pg_count"], header["pg_capacity"])
+        pg_off = header["pg_offset"]
+        pgs = mm[pg_off : pg_off + pg_count * PG_DTYPE.itemsize]
+        s_off = header["strings_offset"]
+        strings = mm[s_off : s_off + min(header["strings_used"], header["strings_bytes"])]
+    finally:
+        with contextlib.suppress(BufferError):
+            mm.close()
+    dst = os.fspath(dst)
+    tmp = f"{dst}.tmp{os.getpid()}"
+    with open(tmp, "wb") as out:
+        out.write(head)
+        out.seek(pg_off)
+        out.write(pgs)
+        out.seek(off)
+        out.write(slots)
+        out.seek(s_off)
+        out.write(strings)
+        out.truncate(max(header["file_bytes"], s_off + len(strings)))
+    os.replace(tmp, dst)
+    return torn
+
+
+def _map_header_rw(path: str | os.PathLike[str]) -> mmap.mmap:
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), HEADER_BYTES, access=mmap.ACCESS_WRITE)
+    try:
+        _parse_header(mm, HEADER_BYTES)
+    except SnapshotError:
+        mm.close()
+        raise
+    return mm
+
+
+def request_dump(path: str | os.PathLike[str]) -> int:
+    """Ask the rank that owns this live file to write its Python stacks; returns the request
+    sequence number to pass to ``dump_acknowledged``.
+
+    The rank's native watchdog sees ``dump_request_seq > dump_ack_seq`` within one poll,
+    raises the stack signal in its own process (faulthandler writes every thread's stack,
+    GIL or not), then acknowledges.
+    """
+    mm = _map_header_rw(path)
+    try:
+        (seq,) = struct.unpack_from("<Q", mm, _DUMP_REQUEST_OFFSET)
+        (ack,) = struct.unpack_from("<Q", mm, _DUMP_ACK_OFFSET)
+        seq = max(seq, ack) + 1
+        struct.pack_into("<Q", mm, _DUMP_REQUEST_OFFSET, seq)
+        return seq
+    finally:
+        mm.close()
+
+
+def dump_acknowledged(path: str | os.PathLike[str], seq: int) -> bool:
+    """True once the rank's watchdog has answered dump request ``seq``."""
+    header = read_header(path)
+    return int(header["dump_ack_seq"]) >= seq
