@@ -16,12 +16,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from frtools.trace import (
     ENTRY_SCHEMA,
     ProcessGroup,
     RankInfo,
     call_site,
-    entries_table,
     format_frame,
     sizes_key,
 )
@@ -75,14 +77,32 @@ def _as_int(v: Any) -> int | None:
 
 
 def _sizes(v: Any) -> str:
-    if not v:
-        return "[]" if isinstance(v, list) else ""
-    # str() of a list of int lists is C-fast and, without spaces, equals trace.sizes_key
-    if isinstance(v, list) and all(isinstance(s, list) for s in v):
-        text = str(v).replace(" ", "")
-        if "L" not in text and "'" not in text:
-            return text
-    return sizes_key(v)
+    if v is None:
+        return ""
+    try:
+        return sizes_key(v)
+    except (TypeError, ValueError):
+        return ""
+
+
+_CANONICAL_SIZES = re.compile(r"^\[(\[(-?\d+(,-?\d+)*)?\](,\[(-?\d+(,-?\d+)*)?\])*)?\]$")
+
+
+def _sizes_column(values: list[Any]) -> list[str]:
+    """``str()`` of a list of int lists without spaces equals ``trace.sizes_key`` and is
+    several times faster; the few distinct results are checked, odd ones recomputed."""
+    out = [str(v).replace(" ", "") if v.__class__ is list else _sizes(v) for v in values]
+    bad = {t for t in set(out) if t and not _CANONICAL_SIZES.match(t)}
+    if bad:
+        out = [_sizes(v) if t in bad else t for t, v in zip(out, values, strict=True)]
+    return out
+
+
+def _dtypes_column(values: list[Any]) -> list[str]:
+    try:
+        return [",".join(v) if v.__class__ is list else _dtypes(v) for v in values]
+    except TypeError:
+        return [_dtypes(v) for v in values]
 
 
 def _dtypes(v: Any) -> str:
@@ -178,44 +198,27 @@ def normalize(dump: Any, path: Path, fmt: str) -> RankDump:
                 ranks = ()
             groups[name] = ProcessGroup(name=name, desc=desc, ranks=ranks or ())
 
-    cols: dict[str, list[Any]] = {n: [] for n in ENTRY_SCHEMA.names}
-    frames_cache: dict[tuple, tuple[str | None, str | None]] = {}
-    pg_id_to_name: dict[str, str] = {}
-    unmapped: set[str] = set()
-    bad = 0
-    for e in raw_entries:
-        try:
-            row = _entry_row(e, groups, pg_id_to_name, frames_cache, unmapped)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
-            bad += 1
-            continue
-        for k, v in row.items():
-            cols[k].append(v)
+    cols, pg_id_to_name, pg_descs, unmapped, bad = _columns(raw_entries, groups)
     if bad:
         notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
     n = len(cols["op"])
     cols["rank"] = [rank] * n
-    try:
-        table = entries_table(cols)
-    except Exception as e:  # pyarrow raises several kinds for out-of-range values
-        raise DumpError(f"entries do not fit the trace schema: {e}") from e
+    table = _table(cols, notes)
 
-    for name in list(groups) + [n for n in set(cols["pg_name"]) if n not in groups]:
-        if name not in groups and name:
-            groups[name] = ProcessGroup(name=name, desc="", ranks=())
-    for name, desc in zip(cols["pg_name"], cols["pg_desc"], strict=True):
+    for name, desc in pg_descs.items():
         g = groups.get(name)
-        if g is not None and not g.desc and desc:
+        if g is None:
+            groups[name] = ProcessGroup(name=name, desc=desc, ranks=())
+        elif not g.desc and desc:
             g.desc = desc
 
     pg_status, note = _pg_status(dump.get("pg_status"), pg_id_to_name)
     if note:
         notes.append(note)
 
-    record_ids = [r for r in cols["record_id"] if r is not None]
-    first_id = min(record_ids) if record_ids else 0
-    wrapped = first_id > 0 or (n in KNOWN_BUFFER_SIZES and bool(record_ids) and record_ids[0] != 0)
-    times = [t for t in cols["time_created_ns"] if t]
+    first_id = pc.min(table.column("record_id")).as_py()
+    wrapped = first_id is not None and first_id > 0
+    newest = pc.max(table.column("time_created_ns")).as_py()
     comm = dump.get("comm_lib_version", dump.get("nccl_version"))
     info = RankInfo(
         rank=rank,
@@ -235,91 +238,199 @@ def normalize(dump: Any, path: Path, fmt: str) -> RankDump:
         unmapped_peer_groups=unmapped,
         bad_entries=bad,
         notes=notes,
-        max_time_created_ns=max(times) if times else None,
+        max_time_created_ns=newest,
         default_pg_all=default_pg_all,
     )
 
 
-def _entry_row(
-    e: Mapping[str, Any],
-    groups: dict[str, ProcessGroup],
-    pg_id_to_name: dict[str, str],
-    frames_cache: dict,
-    unmapped: set[str],
-) -> dict[str, Any]:
-    profiling_name = e["profiling_name"]
-    if not isinstance(profiling_name, str):
-        raise TypeError("profiling_name")
-    # "nccl:send 0->1" -> op "send", meta "0->1"
-    name = profiling_name.split(":", 1)[1] if ":" in profiling_name else profiling_name
-    op, _, meta = name.partition(" ")
+def _table(cols: dict[str, list[Any]], notes: list[str]) -> pa.Table:
+    """One Arrow table; a column whose values do not fit its type is cleaned value by value
+    (bad values become null) instead of failing the file."""
+    n = len(cols["rank"])
+    arrays = []
+    for fld in ENTRY_SCHEMA:
+        values = cols.get(fld.name)
+        if values is None:
+            arrays.append(pa.nulls(n, type=fld.type))
+            continue
+        try:
+            arrays.append(pa.array(values, type=fld.type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+            clean = _CLEANERS.get(str(fld.type), _clean_str)
+            arrays.append(pa.array([clean(v) for v in values], type=fld.type))
+            notes.append(f"unreadable values in '{fld.name}' set to null")
+    return pa.Table.from_arrays(arrays, schema=ENTRY_SCHEMA)
 
-    pg = e.get("process_group")
-    pg_id = e.get("pg_id")
-    if isinstance(pg, (list, tuple)) and len(pg) >= 1:
-        pg_name = str(pg[0])
-        pg_desc = str(pg[1]) if len(pg) > 1 and pg[1] is not None else ""
-    elif isinstance(pg, str):
-        pg_name, pg_desc = pg, ""
-    elif pg_id is not None:
-        pg_name, pg_desc = str(pg_id), ""
-    else:
-        pg_name, pg_desc = "0", ""
-    if pg_id is not None:
-        pg_id_to_name.setdefault(str(pg_id), pg_name)
 
-    is_p2p = e.get("is_p2p")
-    if is_p2p is None:
-        is_p2p = op in _P2P_OPS
-    is_p2p = bool(is_p2p)
-    if "collective_seq_id" in e or "p2p_seq_id" in e:
-        coll_seq = _as_int(e.get("collective_seq_id")) or 0
-        p2p_seq = _as_int(e.get("p2p_seq_id")) or 0
+def _clean_int(v: Any) -> int | None:
+    n = _as_int(v)
+    return n if n is not None and -(2**63) <= n < 2**63 else None
+
+
+def _clean_float(v: Any) -> float | None:
+    try:
+        return float(v) if v is not None and not isinstance(v, bool) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _clean_bool(v: Any) -> bool | None:
+    return bool(v) if isinstance(v, (bool, int)) else None
+
+
+def _clean_str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+_CLEANERS = {
+    "int64": _clean_int,
+    "int32": lambda v: n if (n := _clean_int(v)) is not None and -(2**31) <= n < 2**31 else None,
+    "double": _clean_float,
+    "bool": _clean_bool,
+    "string": _clean_str,
+}
+
+
+def _is_entry(e: Any) -> bool:
+    return isinstance(e, dict) and isinstance(e.get("profiling_name"), str)
+
+
+def _columns(
+    raw_entries: list[Any], groups: dict[str, ProcessGroup]
+) -> tuple[dict[str, list[Any]], dict[str, str], dict[str, str], set[str], int]:
+    """Entries -> columns, column by column (list comprehensions and small caches over
+    the few distinct values of a column: the hot path for thousands of files)."""
+    entries = [e for e in raw_entries if _is_entry(e)]
+    bad = len(raw_entries) - len(entries)
+
+    def col(key: str) -> list[Any]:
+        return [e.get(key) for e in entries]
+
+    # process group: (name, desc) tuple (>= 1.x), JSON list, or only pg_id (oldest)
+    pg_cache: dict[Any, tuple[str, str]] = {}
+    pg_names: list[str] = []
+    pg_desc_col: list[str] = []
+    pg_id_to_name: dict[str, str] = {}
+    for pg, pg_id in zip(col("process_group"), col("pg_id"), strict=True):
+        key = (tuple(pg) if isinstance(pg, list) else pg, pg_id)
+        hit = pg_cache.get(key)
+        if hit is None:
+            hit = _pg_of(pg, pg_id)
+            pg_cache[key] = hit
+            if pg_id is not None:
+                pg_id_to_name.setdefault(str(pg_id), hit[0])
+        pg_names.append(hit[0])
+        pg_desc_col.append(hit[1])
+    pg_descs: dict[str, str] = {}
+    for name, desc in pg_cache.values():
+        if desc and not pg_descs.get(name):
+            pg_descs[name] = desc
+        else:
+            pg_descs.setdefault(name, desc)
+
+    # op name and group-local peer from profiling_name ("nccl:send 0->1")
+    op_cache: dict[str, tuple[str, int | None]] = {}
+    ops: list[str] = []
+    local_peers: list[int | None] = []
+    profiling = col("profiling_name")
+    for pn in profiling:
+        hit = op_cache.get(pn)
+        if hit is None:
+            hit = _op_of(pn)
+            op_cache[pn] = hit
+        ops.append(hit[0])
+        local_peers.append(hit[1])
+
+    is_p2p = col("is_p2p")
+    is_p2p = [
+        bool(v) if v is not None else (op in _P2P_OPS) for v, op in zip(is_p2p, ops, strict=True)
+    ]
+
+    old_seq = bool(entries) and "seq_id" in entries[0] and "collective_seq_id" not in entries[0]
+    if not old_seq:
+        coll_seq = [v or 0 for v in col("collective_seq_id")]
+        p2p_seq = [v or 0 for v in col("p2p_seq_id")]
     else:  # before 1.5 one counter ("seq_id") counted every op of the group
-        seq = _as_int(e.get("seq_id")) or 0
-        coll_seq, p2p_seq = (0, seq) if is_p2p else (seq, 0)
+        seq = [v or 0 for v in col("seq_id")]
+        coll_seq = [0 if p else s for s, p in zip(seq, is_p2p, strict=True)]
+        p2p_seq = [s if p else 0 for s, p in zip(seq, is_p2p, strict=True)]
 
-    peer = None
-    if meta and op in _P2P_OPS:
-        m = (_SEND if op == "send" else _RECV).match(meta)
-        if m:
-            local = int(m.group(2))  # send a->b: peer b; recv a<-b: peer b
-            members = groups.get(pg_name)
-            if members is not None and members.ranks:
-                peer = members.ranks[local] if 0 <= local < len(members.ranks) else None
+    peers: list[int | None] = local_peers
+    unmapped: set[str] = set()
+    if any(p is not None for p in local_peers):
+        peers = []
+        for local, name in zip(local_peers, pg_names, strict=True):
+            if local is None:
+                peers.append(None)
+                continue
+            g = groups.get(name)
+            if g is not None and g.ranks:
+                peers.append(g.ranks[local] if 0 <= local < len(g.ranks) else None)
             else:
-                peer = local
-                unmapped.add(pg_name)
+                peers.append(local)
+                unmapped.add(name)
 
-    started = _as_int(e.get("time_discovered_started_ns"))
-    completed = _as_int(e.get("time_discovered_completed_ns"))
-    duration = e.get("duration_ms")
-    site, stack = _frames_text(e.get("frames"), frames_cache)
-    thread_id = e.get("thread_id")
-    thread_name = e.get("thread_name")
-    return {
-        "record_id": _as_int(e.get("record_id")),
-        "pg_name": pg_name,
-        "pg_desc": pg_desc,
+    frames_cache: dict[tuple, tuple[str | None, str | None]] = {}
+    sites: list[str | None] = []
+    stacks: list[str | None] = []
+    for frames in col("frames"):
+        site, stack = _frames_text(frames, frames_cache)
+        sites.append(site)
+        stacks.append(stack)
+
+    duration = [
+        v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+        for v in col("duration_ms")
+    ]
+    thread_id = [None if v is None else str(v) for v in col("thread_id")]
+    thread_name = [None if v is None else str(v) for v in col("thread_name")]
+    cols: dict[str, list[Any]] = {
+        "record_id": col("record_id"),
+        "pg_name": pg_names,
+        "pg_desc": pg_desc_col,
         "collective_seq_id": coll_seq,
         "p2p_seq_id": p2p_seq,
         "is_p2p": is_p2p,
-        "op": op,
-        "profiling_name": profiling_name,
-        "peer": peer,
-        "input_sizes": _sizes(e.get("input_sizes")),
-        "output_sizes": _sizes(e.get("output_sizes")),
-        "input_dtypes": _dtypes(e.get("input_dtypes")),
-        "output_dtypes": _dtypes(e.get("output_dtypes")),
-        "state": str(e.get("state") or "scheduled"),
-        "time_created_ns": _as_int(e.get("time_created_ns")),
-        "time_started_ns": started or None,
-        "time_completed_ns": completed or None,
-        "duration_ms": float(duration) if isinstance(duration, (int, float)) else None,
-        "retired": bool(e["retired"]) if e.get("retired") is not None else None,
-        "timeout_ms": _as_int(e.get("timeout_ms")),
-        "thread_id": str(thread_id) if thread_id is not None else None,
-        "thread_name": str(thread_name) if thread_name is not None else None,
-        "call_site": site,
-        "stack": stack,
+        "op": ops,
+        "profiling_name": profiling,
+        "peer": peers,
+        "input_sizes": _sizes_column(col("input_sizes")),
+        "output_sizes": _sizes_column(col("output_sizes")),
+        "input_dtypes": _dtypes_column(col("input_dtypes")),
+        "output_dtypes": _dtypes_column(col("output_dtypes")),
+        "state": [v if v.__class__ is str else str(v or "scheduled") for v in col("state")],
+        "time_created_ns": col("time_created_ns"),
+        # JSON writes 0 for "not yet discovered"
+        "time_started_ns": [v or None for v in col("time_discovered_started_ns")],
+        "time_completed_ns": [v or None for v in col("time_discovered_completed_ns")],
+        "duration_ms": duration,
+        "retired": col("retired"),
+        "timeout_ms": col("timeout_ms"),
+        "thread_id": thread_id,
+        "thread_name": thread_name,
+        "call_site": sites,
+        "stack": stacks,
     }
+    return cols, pg_id_to_name, pg_descs, unmapped, bad
+
+
+def _pg_of(pg: Any, pg_id: Any) -> tuple[str, str]:
+    if isinstance(pg, (list, tuple)) and len(pg) >= 1:
+        desc = pg[1] if len(pg) > 1 and pg[1] is not None else ""
+        return str(pg[0]), str(desc)
+    if isinstance(pg, str):
+        return pg, ""
+    if pg_id is not None:
+        return str(pg_id), ""
+    return "0", ""
+
+
+def _op_of(profiling_name: str) -> tuple[str, int | None]:
+    """``nccl:send 0->1`` -> ``("send", 1)``; ``nccl:recv 1<-0`` -> ``("recv", 0)``."""
+    name = profiling_name.split(":", 1)[1] if ":" in profiling_name else profiling_name
+    op, _, meta = name.partition(" ")
+    if meta and op in _P2P_OPS:
+        m = (_SEND if op == "send" else _RECV).match(meta)
+        if m:
+            return op, int(m.group(2))
+    return op, None

@@ -4,6 +4,7 @@ plain or gzip'd."""
 
 from __future__ import annotations
 
+import gc
 import pickle
 from pathlib import Path
 
@@ -21,6 +22,10 @@ def sniff(path: Path, head: bytes) -> bool:
 
 def read(path: Path) -> RankDump:
     data = read_bytes(path)
+    # a dump is ~20 small containers per entry: the cyclic GC would rescan them all many
+    # times while they are built (2-3x the load time), and none of them form cycles
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         dump = loads_data(data)
     except RefusedPickle as e:
@@ -43,4 +48,7 @@ def read(path: Path) -> RankDump:
     ) as e:
         reason = str(e) or type(e).__name__
         raise DumpError(f"corrupt pickle: {reason}") from None
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     return normalize(dump, path, FORMAT)
