@@ -1,0 +1,305 @@
+"""Alignment: put the members' records of each process group side by side.
+
+Collectives are matched by ``(pg_name, collective_seq_id)``: PyTorch counts that id per group
+on every member, so the n-th collective of a group is the same call on every rank.
+
+Rules (see docs/verdict.md):
+
+* **Coalesced units.** Several entries of one rank sharing a group and a collective seq id
+  (the ops of a coalescing block, with or without a trailing ``coalesced`` entry) form one
+  unit: its op is ``coalesced`` and its sizes/dtypes are the parts joined with ``;``.
+* **Completion.** An entry counts as completed when its state says ``completed``, when it is
+  ``retired``, or — only for ranks whose states never leave ``scheduled`` (Gloo) — when its
+  seq id is at or below the rank's ``pg_status`` ``last_completed_collective``. It is known
+  *not* completed when any of those sources exist and none says so; otherwise unknown.
+* **Last issued** on a group is the larger of the highest recorded seq id and the
+  ``pg_status`` ``last_enqueued_collective``; a rank with entries up to seq n certainly
+  issued everything up to n, so a ring buffer that dropped older entries (``first_seq`` > 1)
+  never makes a rank look missing for older seqs.
+* **P2P.** ``p2p_seq_id`` counts per rank per group, not per peer pair, so it is not matched
+  across ranks. Instead, within a group, the k-th send from r to p (in record order) matches
+  the k-th recv at p from r. A pair whose either side wrapped is marked ``uncertain``.
+
+Everything is columnar (pandas over the Arrow entries); the only Python loops are per rank
+or per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from frtools.trace import ProcessGroup, Trace
+
+SIGNATURE_COLUMNS = ("op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes")
+_LOAD_COLUMNS = (
+    "rank",
+    "record_id",
+    "pg_name",
+    "pg_desc",
+    "collective_seq_id",
+    "p2p_seq_id",
+    "is_p2p",
+    "op",
+    "peer",
+    "input_sizes",
+    "output_sizes",
+    "input_dtypes",
+    "output_dtypes",
+    "state",
+    "time_created_ns",
+    "retired",
+    "call_site",
+)
+_P2P_OPS = {"send", "recv", "isend", "irecv", "sendrecv"}
+
+
+@dataclass
+class GroupTimeline:
+    """One process group's aligned view: what each member did at each seq."""
+
+    pg: ProcessGroup
+    ops: pd.DataFrame  # this group's collective units (see Alignment.collectives)
+    status: pd.DataFrame  # per member: first_seq, last_issued, last_completed
+
+    def seq_view(self) -> pd.DataFrame:
+        """Rows = seq, columns = member rank, values = op (NaN where not recorded)."""
+        return self.ops.pivot_table(
+            index="seq", columns="rank", values="op", aggfunc="first", observed=True
+        )
+
+
+@dataclass
+class Alignment:
+    collectives: pd.DataFrame
+    """One row per (rank, pg_name, seq) unit: signature columns, ``sig`` (an int, equal iff
+    the op/sizes/dtypes agree), state, completed (nullable bool), time_created_ns,
+    record_id, call_site, n_ops."""
+    p2p: pd.DataFrame
+    """One row per P2P op: rank, pg_name, op, peer, sender, receiver, pair_index, sizes,
+    completed, time_created_ns, call_site, uncertain."""
+    status: pd.DataFrame
+    """Index (rank, pg_name): first_seq, last_issued, last_completed (nullable ints)."""
+    members: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    process_groups: dict[str, ProcessGroup] = field(default_factory=dict)
+    state_informative: dict[int, bool] = field(default_factory=dict)
+
+    def group(self, pg_name: str) -> GroupTimeline:
+        pg = self.process_groups.get(pg_name) or ProcessGroup(pg_name)
+        ops = self.collectives[self.collectives["pg_name"] == pg_name]
+        try:
+            status = self.status.xs(pg_name, level="pg_name")
+        except KeyError:
+            status = self.status.iloc[0:0]
+        return GroupTimeline(pg, ops, status)
+
+
+def _entries_frame(trace: Trace) -> pd.DataFrame:
+    table = trace.entries.select(list(_LOAD_COLUMNS))
+    df = table.to_pandas()
+    for col in ("pg_name", "pg_desc", "op", "state") + SIGNATURE_COLUMNS[1:]:
+        df[col] = df[col].fillna("").astype(str)
+    df["collective_seq_id"] = df["collective_seq_id"].fillna(0).astype(np.int64)
+    df["p2p_seq_id"] = df["p2p_seq_id"].fillna(0).astype(np.int64)
+    df["record_id"] = df["record_id"].fillna(-1).astype(np.int64)
+    df["is_p2p"] = df["is_p2p"].fillna(False).astype(bool) | df["op"].isin(_P2P_OPS)
+    if df["time_created_ns"].isna().any():
+        # Unknown times sort by record order within the rank.
+        df["time_created_ns"] = df["time_created_ns"].fillna(df["record_id"]).astype(np.int64)
+    else:
+        df["time_created_ns"] = df["time_created_ns"].astype(np.int64)
+    return df
+
+
+def group_members(trace: Trace, seen: pd.DataFrame | None = None) -> dict[str, tuple[int, ...]]:
+    """Global member ranks of every group: the readers' membership, else who recorded on it."""
+    members: dict[str, set[int]] = {}
+    if seen is not None and len(seen):
+        for pg_name, ranks in seen.groupby("pg_name", sort=False)["rank"].unique().items():
+            members[str(pg_name)] = set(int(r) for r in ranks)
+    for info in trace.ranks.values():
+        for pg_name in info.pg_status:
+            members.setdefault(pg_name, set()).add(info.rank)
+    result: dict[str, tuple[int, ...]] = {}
+    for pg_name, ranks in members.items():
+        pg = trace.process_groups.get(pg_name)
+        if pg is not None and pg.ranks:
+            result[pg_name] = tuple(sorted(pg.ranks))
+        elif pg is not None and pg.desc == "default_pg" and trace.world_size:
+            result[pg_name] = tuple(range(trace.world_size))
+        else:
+            result[pg_name] = tuple(sorted(ranks))
+    for pg_name, pg in trace.process_groups.items():
+        if pg_name not in result and pg.ranks:
+            result[pg_name] = tuple(sorted(pg.ranks))
+    return result
+
+
+def _pg_status_frame(trace: Trace) -> pd.DataFrame:
+    rows = []
+    for info in trace.ranks.values():
+        for pg_name, st in info.pg_status.items():
+            if not isinstance(st, dict):
+                continue
+            enq = st.get("last_enqueued_collective")
+            comp = st.get("last_completed_collective")
+            rows.append(
+                (
+                    info.rank,
+                    str(pg_name),
+                    enq if isinstance(enq, int) and enq >= 0 else None,
+                    comp if isinstance(comp, int) and comp >= 0 else None,
+                )
+            )
+    df = pd.DataFrame(rows, columns=["rank", "pg_name", "ps_enqueued", "ps_completed"])
+    df["rank"] = df["rank"].astype(np.int64)
+    df["ps_enqueued"] = df["ps_enqueued"].astype("Int64")
+    df["ps_completed"] = df["ps_completed"].astype("Int64")
+    return df
+
+
+def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
+    dup = coll.duplicated(["rank", "pg_name", "collective_seq_id"], keep=False)
+    coll = coll.assign(n_ops=1)
+    if not dup.any():
+        return coll
+    single = coll[~dup]
+    multi = coll[dup].sort_values("record_id")
+    keys = ["rank", "pg_name", "collective_seq_id"]
+
+    def _join(values: pd.Series) -> str:
+        return ";".join(v for v in values if v)
+
+    agg = multi.groupby(keys, sort=False).agg(
+        record_id=("record_id", "min"),
+        pg_desc=("pg_desc", "first"),
+        p2p_seq_id=("p2p_seq_id", "first"),
+        is_p2p=("is_p2p", "first"),
+        peer=("peer", "first"),
+        input_sizes=("input_sizes", _join),
+        output_sizes=("output_sizes", _join),
+        input_dtypes=("input_dtypes", _join),
+        output_dtypes=("output_dtypes", _join),
+        state=("state", "last"),
+        time_created_ns=("time_created_ns", "min"),
+        retired=("retired", "last"),
+        call_site=("call_site", "first"),
+        n_ops=("op", "size"),
+    )
+    agg["op"] = "coalesced"
+    agg = agg.reset_index()
+    return pd.concat([single, agg[single.columns]], ignore_index=True)
+
+
+def align(trace: Trace) -> Alignment:
+    """Match every group's members' entries by seq (collectives) and by peer pair (P2P)."""
+    df = _entries_frame(trace)
+    members = group_members(trace, df[["rank", "pg_name"]])
+
+    # A rank whose states ever leave "scheduled" has informative states (NCCL, frtools).
+    informative = df.groupby("rank", sort=False)["state"].agg(
+        lambda s: bool(((s == "completed") | (s == "started")).any())
+    )
+    state_informative = {int(k): bool(v) for k, v in informative.items()}
+
+    ps = _pg_status_frame(trace)
+
+    coll = df[~df["is_p2p"] & (df["collective_seq_id"] > 0)]
+    coll = _collapse_coalesced(coll).rename(columns={"collective_seq_id": "seq"})
+    coll = coll.merge(ps, on=["rank", "pg_name"], how="left")
+    coll["informative"] = coll["rank"].map(state_informative).fillna(False).astype(bool)
+    coll["completed"] = _completion(coll, use_pg_status=True)
+    if len(coll):
+        coll["sig"] = coll.groupby(list(SIGNATURE_COLUMNS), sort=False).ngroup().astype(np.int64)
+    else:
+        coll["sig"] = pd.Series(dtype=np.int64)
+    coll = coll.drop(columns=["ps_enqueued", "ps_completed"])
+
+    status = _status(coll, ps)
+
+    p2p = df[df["is_p2p"]].copy()
+    p2p["informative"] = p2p["rank"].map(state_informative).fillna(False).astype(bool)
+    p2p["ps_completed"] = pd.array([pd.NA] * len(p2p), dtype="Int64")
+    p2p["completed"] = _completion(p2p, use_pg_status=False)
+    p2p = _pair_p2p(p2p, trace)
+
+    return Alignment(
+        collectives=coll.reset_index(drop=True),
+        p2p=p2p.reset_index(drop=True),
+        status=status,
+        members=members,
+        process_groups=dict(trace.process_groups),
+        state_informative=state_informative,
+    )
+
+
+def _completion(df: pd.DataFrame, use_pg_status: bool) -> pd.Series:
+    """Nullable bool: True completed, False known not completed, NA unknown."""
+    if not len(df):
+        return pd.Series(pd.array([], dtype="boolean"), index=df.index)
+    done = (df["state"] == "completed") | (df["retired"].fillna(False).astype(bool))
+    known = df["informative"] | df["retired"].notna()
+    if use_pg_status:
+        pc = df["ps_completed"]
+        seq = df["seq"] if "seq" in df.columns else df["collective_seq_id"]
+        by_status = (~df["informative"]) & pc.notna() & (seq <= pc.fillna(-1))
+        done = done | by_status.fillna(False).astype(bool)
+        known = known | pc.notna()
+    out = pd.array(done.to_numpy(), dtype="boolean")
+    out[~known.to_numpy() & ~done.to_numpy()] = pd.NA
+    return pd.Series(out, index=df.index)
+
+
+def _status(coll: pd.DataFrame, ps: pd.DataFrame) -> pd.DataFrame:
+    if len(coll):
+        per = coll.groupby(["rank", "pg_name"], sort=False).agg(
+            first_seq=("seq", "min"), last_seq=("seq", "max")
+        )
+        done = coll[coll["completed"].fillna(False).astype(bool)]
+        last_done = done.groupby(["rank", "pg_name"], sort=False)["seq"].max().rename("done_seq")
+        per = per.join(last_done, how="left")
+    else:
+        per = pd.DataFrame(
+            columns=["first_seq", "last_seq", "done_seq"],
+            index=pd.MultiIndex.from_arrays([[], []], names=["rank", "pg_name"]),
+        )
+    ps_idx = ps.set_index(["rank", "pg_name"])
+    status = per.join(ps_idx, how="outer")
+    last_issued = pd.concat(
+        [status["last_seq"].astype("Int64"), status["ps_enqueued"].astype("Int64")], axis=1
+    ).max(axis=1, skipna=True)
+    last_completed = pd.concat(
+        [status["done_seq"].astype("Int64"), status["ps_completed"].astype("Int64")], axis=1
+    ).max(axis=1, skipna=True)
+    out = pd.DataFrame(
+        {
+            "first_seq": status["first_seq"].astype("Int64"),
+            "last_issued": last_issued.astype("Int64"),
+            "last_completed": last_completed.astype("Int64"),
+        },
+        index=status.index,
+    )
+    return out.sort_index()
+
+
+def _pair_p2p(p2p: pd.DataFrame, trace: Trace) -> pd.DataFrame:
+    if not len(p2p):
+        for col in ("sender", "receiver", "pair_index", "uncertain"):
+            p2p[col] = pd.Series(dtype=object)
+        return p2p
+    is_send = p2p["op"].str.contains("send")
+    peer = p2p["peer"].astype("Int64")
+    p2p["sender"] = np.where(is_send, p2p["rank"], peer.fillna(-1).astype(np.int64))
+    p2p["receiver"] = np.where(is_send, peer.fillna(-1).astype(np.int64), p2p["rank"])
+    p2p["direction"] = np.where(is_send, "send", "recv")
+    p2p = p2p.sort_values(["rank", "record_id"])
+    p2p["pair_index"] = p2p.groupby(
+        ["pg_name", "sender", "receiver", "direction"], sort=False
+    ).cumcount()
+    wrapped = {r for r, info in trace.ranks.items() if info.wrapped}
+    p2p["uncertain"] = (
+        p2p["sender"].isin(wrapped) | p2p["receiver"].isin(wrapped) | peer.isna().to_numpy()
+    )
+    return p2p

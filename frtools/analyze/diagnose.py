@@ -1,0 +1,868 @@
+"""Diagnosis: from an aligned Trace to exactly one Verdict.
+
+The core is a *wait-for graph*. Each rank is blocked on its oldest op that did not complete
+(without any completion information: on its latest op). It waits for the members of that
+op's group that never issued the op, have no record at all, or issued something different
+at that seq (the minority of a mismatch). Ranks that are waited on but wait for nobody are
+the root cause (``guilty``); ranks that wait are victims (``waiting``), however many groups
+show them as missing. Waiting ranks that reach no root sit in a cycle: a cross-group
+deadlock (``order``).
+
+The graph is kept compressed: a rank points to the *point* it is blocked at (a group + seq,
+or a P2P pair + index) and a point points to the ranks it waits for, so a world-sized
+collective with half the world missing costs O(ranks), not O(ranks^2).
+
+Priority when several things are wrong (docs/verdict.md): roots of the graph first
+(``dead`` > ``mismatch`` > ``missing`` by the reasons of the guilty ranks), then cycles
+(``order``), then ops every member issued and nobody completed (``stuck``), then
+inconsistent collectives that did not hang (``mismatch``), then ``straggler``, else
+``healthy``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from frtools.analyze.align import SIGNATURE_COLUMNS, Alignment, align
+from frtools.analyze.verdict import GuiltyRank, RankGroup, Verdict, collapse_ranks
+from frtools.trace import ProcessGroup, Trace, is_user_frame
+
+# A guilty rank whose dump was written this much earlier than the others' is a stale
+# record of a process that was already gone.
+STALE_DUMP_NS = 60 * 1_000_000_000
+
+# Straggler rule: last into >= STRAGGLER_LAST_SHARE of the (>= STRAGGLER_MIN_COLLECTIVES)
+# matched collectives it took part in, and median lateness behind the others' median
+# >= max(STRAGGLER_MIN_LATE_NS, STRAGGLER_SPREAD_FACTOR x the others' median spread).
+STRAGGLER_LAST_SHARE = 0.6
+STRAGGLER_MIN_COLLECTIVES = 5
+STRAGGLER_MIN_LATE_NS = 5_000_000
+STRAGGLER_SPREAD_FACTOR = 3.0
+
+_REASON_PRIORITY = {"absent": 0, "dead": 0, "mismatch": 1, "missing": 2}
+
+
+@dataclass
+class Point:
+    """Where blocked ranks wait: a collective (pg, seq) or a P2P (pg, sender, receiver, k)."""
+
+    key: tuple
+    pg_name: str
+    seq: int | None = None
+    p2p_index: int | None = None
+    op: str | None = None
+    blockers: list[int] = field(default_factory=list)
+    issued: list[int] = field(default_factory=list)  # agree with the majority
+    missing: list[int] = field(default_factory=list)  # recorded, never issued it
+    absent: list[int] = field(default_factory=list)  # no record at all
+    unknown: list[int] = field(default_factory=list)  # record does not reach back (wrap)
+    minority: list[int] = field(default_factory=list)  # issued something else
+    mismatch_attrs: list[str] = field(default_factory=list)
+    rows: pd.DataFrame | None = None  # the members' entries at this point
+    time_ns: int = 0
+
+    @property
+    def targets(self) -> set[int]:
+        return set(self.missing) | set(self.absent) | set(self.minority)
+
+
+def diagnose(trace: Trace, alignment: Alignment | None = None) -> Verdict:
+    """The one Verdict for this trace (see module docstring for the rules)."""
+    al = alignment if alignment is not None else align(trace)
+    ctx = _Context(trace, al)
+    verdict = (
+        ctx.from_graph() or ctx.stuck() or ctx.silent_mismatch() or ctx.straggler() or ctx.healthy()
+    )
+    ctx.finish(verdict)
+    return verdict
+
+
+class _Context:
+    def __init__(self, trace: Trace, al: Alignment) -> None:
+        self.trace = trace
+        self.al = al
+        self.coll = al.collectives
+        self.present = set(int(r) for r in trace.ranks)
+        if len(self.coll):
+            self.present |= set(int(r) for r in self.coll["rank"].unique())
+        if len(al.p2p):
+            self.present |= set(int(r) for r in al.p2p["rank"].unique())
+        self.expected = set(trace.expected_ranks) | self.present
+        for ranks in al.members.values():
+            self.expected |= set(ranks)
+        self.absent = self.expected - self.present
+        self.wrapped = {r for r, info in trace.ranks.items() if info.wrapped}
+        self.status = {
+            key: (row.first_seq, row.last_issued, row.last_completed)
+            for key, row in zip(al.status.index, al.status.itertuples(index=False), strict=True)
+        }
+        self.notes: list[str] = []
+        self.points: dict[tuple, Point] = {}
+        self.blocked_at: dict[int, tuple] = {}
+        self.has_completion_info = bool(
+            len(self.coll) and self.coll["completed"].notna().any()
+        ) or bool(len(al.p2p) and al.p2p["completed"].notna().any())
+
+    # ----- the wait-for graph ---------------------------------------------------------
+
+    def _blocked_ops(self) -> pd.DataFrame:
+        cols = ["rank", "pg_name", "kind", "seq", "time_created_ns", "record_id", "completed"]
+        parts = []
+        if len(self.coll):
+            c = self.coll.assign(kind="coll")
+            parts.append(c[cols])
+        p2p = self.al.p2p
+        if len(p2p):
+            p = p2p.assign(kind="p2p", seq=p2p.index.to_numpy())  # seq := row in al.p2p
+            parts.append(p[cols])
+        if not parts:
+            return pd.DataFrame(columns=cols)
+        ops = pd.concat(parts, ignore_index=True)
+        info = ops.groupby("rank")["completed"].apply(lambda s: bool(s.notna().any()))
+        ops["rank_has_info"] = ops["rank"].map(info).astype(bool)
+        with_info = ops[ops["rank_has_info"] & (ops["completed"] == False)]  # noqa: E712
+        oldest = with_info.sort_values(["time_created_ns", "record_id"]).drop_duplicates("rank")
+        no_info = ops[~ops["rank_has_info"]]
+        latest = no_info.sort_values(["time_created_ns", "record_id"]).drop_duplicates(
+            "rank", keep="last"
+        )
+        return pd.concat([oldest, latest], ignore_index=True)
+
+    def _member_state(self, m: int, pg_name: str, seq: int) -> str:
+        if m in self.absent:
+            return "absent"
+        st = self.status.get((m, pg_name))
+        last = None if st is None else st[1]
+        if last is None or pd.isna(last):
+            return "unknown" if m in self.wrapped else "missing"
+        return "issued" if int(last) >= seq else "missing"
+
+    def build_graph(self) -> None:
+        blocked = self._blocked_ops()
+        coll_blocked = blocked[blocked["kind"] == "coll"]
+        if len(coll_blocked):
+            keys = coll_blocked[["pg_name", "seq"]].drop_duplicates()
+            rows = self.coll.merge(keys, on=["pg_name", "seq"], how="inner")
+            rows_by_point = dict(iter(rows.groupby(["pg_name", "seq"], sort=False)))
+            for (pg_name, seq), who in coll_blocked.groupby(["pg_name", "seq"], sort=False):
+                point = self._collective_point(
+                    str(pg_name), int(seq), rows_by_point.get((pg_name, seq))
+                )
+                point.blockers = sorted(int(r) for r in who["rank"])
+                for r in point.blockers:
+                    self.blocked_at[r] = point.key
+        for row in blocked[blocked["kind"] == "p2p"].itertuples(index=False):
+            point = self._p2p_point(int(row.seq))
+            if point is None:
+                continue
+            point.blockers.append(int(row.rank))
+            self.blocked_at[int(row.rank)] = point.key
+
+    def _collective_point(self, pg_name: str, seq: int, rows: pd.DataFrame | None) -> Point:
+        key = ("coll", pg_name, seq)
+        point = Point(key=key, pg_name=pg_name, seq=seq, rows=rows)
+        members = set(self.al.members.get(pg_name, ()))
+        if rows is not None:
+            members |= set(int(r) for r in rows["rank"])
+        recorded = set() if rows is None else set(int(r) for r in rows["rank"])
+        for m in sorted(members):
+            if m in recorded:
+                continue
+            state = self._member_state(m, pg_name, seq)
+            if state == "issued":
+                point.issued.append(m)
+            else:
+                getattr(point, state).append(m)
+        if rows is not None and len(rows):
+            majority_sig, minority = self._majority(rows, pg_name, seq)
+            point.minority = sorted(minority)
+            point.issued = sorted(set(point.issued) | (recorded - set(minority)))
+            major = rows[rows["sig"] == majority_sig]
+            point.op = str(major["op"].iloc[0])
+            point.time_ns = int(major["time_created_ns"].min())
+            if minority:
+                odd = rows[rows["rank"].isin(minority)]
+                point.mismatch_attrs = [
+                    col for col in SIGNATURE_COLUMNS if (odd[col] != major[col].iloc[0]).any()
+                ]
+        self.points[key] = point
+        return point
+
+    def _majority(self, rows: pd.DataFrame, pg_name: str, seq: int) -> tuple[int, list[int]]:
+        counts = rows["sig"].value_counts()
+        top = counts[counts == counts.max()].index.tolist()
+        if len(top) > 1:
+            top = self._tie_break(top, pg_name, seq) or top[:1]
+        majority = int(top[0])
+        minority = [int(r) for r in rows.loc[rows["sig"] != majority, "rank"]]
+        return majority, minority
+
+    def _tie_break(self, sigs: list[int], pg_name: str, seq: int) -> list[int]:
+        """Equal counts inside the group: ask the groups of the same kind at the same seq."""
+        kind = self._group_kind(pg_name)
+        same_kind = [g for g in self.al.members if g != pg_name and self._group_kind(g) == kind]
+        if not same_kind:
+            return []
+        peers = self.coll[(self.coll["seq"] == seq) & self.coll["pg_name"].isin(same_kind)]
+        counts = peers["sig"].value_counts()
+        counts = counts[counts.index.isin(sigs)]
+        if not len(counts) or (counts == counts.max()).sum() > 1:
+            return []
+        return [int(counts.idxmax())]
+
+    def _group_kind(self, pg_name: str) -> str:
+        pg = self.al.process_groups.get(pg_name)
+        desc = pg.desc if pg else ""
+        size = len(self.al.members.get(pg_name, ()))
+        if desc and desc not in ("undefined", "default_pg"):
+            return f"{desc}/{size}"
+        return f"{desc or 'group'}/{size}"
+
+    def _p2p_point(self, idx: int) -> Point | None:
+        p2p = self.al.p2p
+        row = p2p.loc[idx]
+        sender, receiver = int(row["sender"]), int(row["receiver"])
+        if sender < 0 or receiver < 0:
+            return None
+        k = int(row["pair_index"])
+        key = ("p2p", str(row["pg_name"]), sender, receiver, k)
+        if key in self.points:
+            return self.points[key]
+        point = Point(
+            key=key,
+            pg_name=str(row["pg_name"]),
+            p2p_index=int(row["p2p_seq_id"]) or None,
+            op=str(row["op"]),
+            time_ns=int(row["time_created_ns"]),
+        )
+        me = int(row["rank"])
+        peer = receiver if me == sender else sender
+        other_dir = "recv" if row["direction"] == "send" else "send"
+        match = p2p[
+            (p2p["pg_name"] == row["pg_name"])
+            & (p2p["sender"] == sender)
+            & (p2p["receiver"] == receiver)
+            & (p2p["direction"] == other_dir)
+            & (p2p["pair_index"] == k)
+        ]
+        point.rows = pd.concat([p2p.loc[[idx]], match])
+        point.issued.append(me)
+        if peer in self.absent:
+            point.absent.append(peer)
+        elif not len(match):
+            if bool(row["uncertain"]) or peer in self.wrapped:
+                point.unknown.append(peer)
+            else:
+                point.missing.append(peer)
+        else:
+            other = match.iloc[0]
+            attrs = [
+                col
+                for col in ("input_sizes", "input_dtypes")
+                if other[col] and row[col] and other[col] != row[col]
+            ]
+            if attrs:
+                point.mismatch_attrs = attrs
+                point.minority = sorted({me, peer})
+                point.issued = []
+            else:
+                point.issued.append(peer)
+        self.points[key] = point
+        return point
+
+    def _targets_of(self, rank: int) -> set[int]:
+        key = self.blocked_at.get(rank)
+        if key is None:
+            return set()
+        point = self.points[key]
+        if rank in point.minority:
+            return set()
+        return point.targets - {rank}
+
+    def from_graph(self) -> Verdict | None:
+        self.build_graph()
+        waiting = {r for r in self.blocked_at if self._targets_of(r)}
+        targeted: set[int] = set()
+        for r in waiting:
+            targeted |= self._targets_of(r)
+        roots = targeted - waiting
+        # Which waiting ranks reach a root (fixpoint over the functional rank -> point map).
+        reaches: dict[int, bool] = {r: False for r in waiting}
+        changed = True
+        while changed:
+            changed = False
+            for r in waiting:
+                if reaches[r]:
+                    continue
+                if any(t in roots or reaches.get(t, False) for t in self._targets_of(r)):
+                    reaches[r] = True
+                    changed = True
+        cyclic = {r for r, ok in reaches.items() if not ok}
+        if roots:
+            verdict = self._root_verdict(roots, waiting)
+            if cyclic:
+                verdict.evidence.append(
+                    f"Also a wait cycle among ranks {collapse_ranks(sorted(cyclic))} "
+                    "(a cross-group ordering problem)."
+                )
+            return verdict
+        if cyclic:
+            return self._order_verdict(cyclic, waiting)
+        return None
+
+    # ----- verdicts from the graph ------------------------------------------------------
+
+    def _reasons(self, roots: set[int]) -> dict[int, tuple[str, Point]]:
+        found: dict[int, tuple[str, Point]] = {}
+        for point in self.points.values():
+            if not any(b in point.blockers and self._targets_of(b) for b in point.blockers):
+                continue
+            for r in roots:
+                if r in point.absent:
+                    reason = "absent"
+                elif r in point.minority:
+                    reason = "mismatch"
+                elif r in point.missing:
+                    reason = "missing"
+                else:
+                    continue
+                if r in self.present:
+                    info = self.trace.ranks.get(r)
+                    gone = info is not None and info.alive is False
+                    if reason == "missing" and (gone or self._stale(r)):
+                        reason = "dead"
+                prev = found.get(r)
+                if prev is None or (
+                    _REASON_PRIORITY[reason],
+                    -len(point.blockers),
+                ) < (_REASON_PRIORITY[prev[0]], -len(prev[1].blockers)):
+                    found[r] = (reason, point)
+        return found
+
+    def _stale(self, rank: int) -> bool:
+        info = self.trace.ranks.get(rank)
+        if info is None or info.dump_time_ns is None:
+            return False
+        others = [
+            i.dump_time_ns
+            for r, i in self.trace.ranks.items()
+            if r != rank and i.dump_time_ns is not None
+        ]
+        if not others:
+            return False
+        return float(np.median(others)) - info.dump_time_ns > STALE_DUMP_NS
+
+    def _root_verdict(self, roots: set[int], waiting: set[int]) -> Verdict:
+        reasons = self._reasons(roots)
+        kind_of = {"absent": "dead", "dead": "dead", "mismatch": "mismatch", "missing": "missing"}
+        kinds = sorted({kind_of[r[0]] for r in reasons.values()}, key=_kind_rank)
+        kind = kinds[0]
+        # The point to show: the one with the most blocked ranks among those naming a guilty
+        # rank of the chosen kind.
+        points = [p for r, p in reasons.values() if kind_of[r] == kind]
+        point = max(points, key=lambda p: (len(p.blockers), -p.time_ns))
+        guilty = []
+        for r in sorted(roots):
+            reason, p = reasons.get(r, ("missing", point))
+            guilty.append(self._guilty(r, reason, p))
+        waiting_list = sorted(waiting)
+        verdict = Verdict(
+            kind=kind,
+            headline="",
+            confidence=0.0,
+            guilty=guilty,
+            waiting=waiting_list,
+        )
+        self._fill_point(verdict, point)
+        verdict.headline = self._headline_root(kind, guilty, point, waiting_list)
+        conf = {"dead": 0.9, "mismatch": 0.9, "missing": 0.85}[kind]
+        if kind == "dead" and all(reasons[g.rank][0] == "absent" for g in guilty):
+            conf = 0.9
+        if any(r in self.wrapped for r in roots):
+            conf -= 0.1
+        if len(kinds) > 1:
+            conf -= 0.1
+        if kind == "mismatch" and point.rows is not None:
+            counts = point.rows["sig"].value_counts() if "sig" in point.rows else None
+            if counts is not None and len(counts) > 1 and counts.iloc[0] == counts.iloc[1]:
+                conf = 0.6
+        verdict.confidence = conf
+        for g in guilty:
+            verdict.evidence.append(f"Rank {g.rank}: {g.reason}.")
+        for p in sorted(self.points.values(), key=lambda p: -len(p.blockers))[:5]:
+            if not p.targets or not p.blockers:
+                continue
+            verdict.evidence.append(
+                f"Ranks {collapse_ranks(p.blockers)} blocked in {self._point_name(p)}, "
+                f"waiting for {collapse_ranks(sorted(p.targets))}."
+            )
+        return verdict
+
+    def _guilty(self, rank: int, reason: str, point: Point) -> GuiltyRank:
+        info = self.trace.ranks.get(rank)
+        g = GuiltyRank(rank=rank)
+        if info is not None:
+            ident = info.identity()
+            g.host, g.pid, g.local_rank = ident["host"], ident["pid"], ident["local_rank"]
+            g.device, g.device_id = ident["device"], ident["device_id"]
+        where = self._point_name(point)
+        if reason == "absent":
+            g.reason = (
+                f"no usable dump; ranks {collapse_ranks(point.blockers)} wait for it in {where}"
+            )
+        elif reason == "dead":
+            why = "its process is gone" if info and info.alive is False else "its record is stale"
+            g.reason = f"{why}; it never issued {where}"
+        elif reason == "mismatch":
+            attrs = ", ".join(point.mismatch_attrs) or "signature"
+            g.reason = f"issued a different {attrs} than its peers at {where}"
+        else:
+            g.reason = f"alive but never issued {where}, where its peers wait"
+        g.call_site = self._call_site(rank, point if reason == "mismatch" else None)
+        return g
+
+    def _call_site(self, rank: int, point: Point | None) -> str | None:
+        if point is not None and point.rows is not None and "call_site" in point.rows:
+            mine = point.rows[point.rows["rank"] == rank]
+            if len(mine) and isinstance(mine["call_site"].iloc[0], str):
+                return mine["call_site"].iloc[0]
+        info = self.trace.ranks.get(rank)
+        if info is not None and info.stacks:
+            site = stack_call_site(info.stacks)
+            if site:
+                return site
+        mine = self.coll[self.coll["rank"] == rank]
+        if len(self.al.p2p):
+            mine = pd.concat([mine, self.al.p2p[self.al.p2p["rank"] == rank]])
+        if not len(mine):
+            return None
+        last = mine.sort_values(["time_created_ns", "record_id"]).iloc[-1]
+        site = last.get("call_site")
+        return site if isinstance(site, str) else None
+
+    def _point_name(self, point: Point) -> str:
+        pg = self._pg(point.pg_name)
+        label = f"group {pg.name}" + (f" ({pg.desc})" if pg.desc else "")
+        if point.key[0] == "coll":
+            return f"{point.op or 'collective'} #{point.seq} on {label}"
+        _, _, sender, receiver, k = point.key
+        return f"{point.op} {sender}->{receiver} (#{k + 1} of the pair) on {label}"
+
+    def _pg(self, pg_name: str) -> ProcessGroup:
+        pg = self.al.process_groups.get(pg_name)
+        members = self.al.members.get(pg_name, ())
+        if pg is None:
+            return ProcessGroup(pg_name, "", tuple(members), True)
+        if not pg.ranks and members:
+            return ProcessGroup(pg.name, pg.desc, tuple(members), True)
+        return pg
+
+    def _fill_point(self, verdict: Verdict, point: Point) -> None:
+        verdict.process_group = self._pg(point.pg_name)
+        verdict.op = point.op
+        if point.key[0] == "coll":
+            verdict.collective_seq_id = point.seq
+        else:
+            verdict.p2p_seq_id = point.p2p_index
+        verdict.groups = self._rank_groups(point)
+
+    def _rank_groups(self, point: Point) -> list[RankGroup]:
+        groups: list[RankGroup] = []
+        rows = point.rows
+        if rows is not None and len(rows):
+            keyed = rows.assign(
+                _done=rows["completed"].map(
+                    lambda v: "completed" if v is True or v == True else None  # noqa: E712
+                )
+            )
+            for _, part in keyed.groupby(list(SIGNATURE_COLUMNS), sort=False, dropna=False):
+                first = part.iloc[0]
+                done = part["_done"].notna().all()
+                states = part["state"].value_counts()
+                state = "completed" if done else (str(states.index[0]) if len(states) else None)
+                groups.append(
+                    RankGroup(
+                        ranks=sorted(int(r) for r in part["rank"]),
+                        op=str(first["op"]),
+                        input_sizes=str(first["input_sizes"]),
+                        input_dtypes=str(first["input_dtypes"]),
+                        output_sizes=str(first["output_sizes"]),
+                        output_dtypes=str(first["output_dtypes"]),
+                        state=state,
+                    )
+                )
+            groups.sort(key=lambda g: -len(g.ranks))
+        recorded = set() if rows is None else set(int(r) for r in rows["rank"])
+        issued_unrecorded = sorted(set(point.issued) - recorded)
+        for ranks, state in (
+            (issued_unrecorded, "issued (entry not in record)"),
+            (point.missing, "not issued"),
+            (point.absent, "no record"),
+            (point.unknown, "unknown (record wrapped)"),
+        ):
+            if ranks:
+                groups.append(RankGroup(ranks=sorted(ranks), state=state))
+        return groups
+
+    def _headline_root(
+        self, kind: str, guilty: list[GuiltyRank], point: Point, waiting: list[int]
+    ) -> str:
+        who = ", ".join(_who(g) for g in guilty[:4]) + (" …" if len(guilty) > 4 else "")
+        ranks = "Rank" if len(guilty) == 1 else "Ranks"
+        where = self._point_name(point)
+        n = len(waiting)
+        if kind == "dead":
+            return f"{ranks} {who} dead: {n} rank(s) wait for it in {where}"
+        if kind == "mismatch":
+            attrs = "/".join(point.mismatch_attrs) or "signature"
+            return f"{ranks} {who} issued a different {attrs} at {where}"
+        return f"{ranks} {who} never issued {where}; {n} rank(s) wait"
+
+    def _order_verdict(self, cyclic: set[int], waiting: set[int]) -> Verdict:
+        # The sink cycles: cyclic ranks whose targets are all cyclic form the deadlock core;
+        # ranks upstream of it only wait.
+        core = _sink_core(cyclic, self._targets_of)
+        deviants = self._order_deviants(core)
+        blamed = deviants or sorted(core)
+        points = {self.blocked_at[r] for r in core}
+        shown = sorted((self.points[k] for k in points), key=lambda p: -len(p.blockers))
+        guilty = []
+        for r in blamed:
+            p = self.points[self.blocked_at[r]]
+            g = self._guilty(r, "missing", p)
+            others = [self._point_name(q) for q in shown if q.key != p.key]
+            g.reason = f"blocked in {self._point_name(p)} before " + (
+                " / ".join(others) or "the op its peers wait in"
+            )
+            g.call_site = self._call_site(r, p)
+            guilty.append(g)
+        verdict = Verdict(
+            kind="order",
+            headline="",
+            confidence=0.75 if deviants else 0.5,
+            guilty=guilty,
+            waiting=sorted(waiting - set(blamed)),
+        )
+        self._fill_point(verdict, shown[0])
+        verdict.headline = (
+            f"Cross-group deadlock: rank(s) {collapse_ranks(blamed)} issued collectives in "
+            f"a different order than their peers; ranks {collapse_ranks(sorted(core))} wait "
+            "for each other"
+        )
+        for p in shown:
+            verdict.evidence.append(
+                f"Ranks {collapse_ranks(p.blockers)} blocked in {self._point_name(p)}, "
+                f"waiting for {collapse_ranks(sorted(p.targets))}."
+            )
+        if not deviants:
+            verdict.evidence.append(
+                "No rank's order differs from the majority's history; blaming the whole cycle."
+            )
+        return verdict
+
+    def _order_deviants(self, core: set[int]) -> list[int]:
+        """Cycle ranks whose blocked op follows a different op than that op usually follows.
+
+        Tokens are (group kind, op); the history of every rank votes on which token usually
+        precedes each token. A rank that jumped ahead to another group's op shows an unusual
+        predecessor for its blocked op.
+        """
+        if not len(self.coll):
+            return []
+        kinds = {g: self._group_kind(g) for g in self.al.members}
+        c = self.coll.sort_values(["rank", "time_created_ns", "record_id"])
+        token = c["pg_name"].map(kinds).astype(str) + "|" + c["op"].astype(str)
+        prev = token.groupby(c["rank"]).shift(1).fillna("<start>")
+        table = pd.DataFrame({"rank": c["rank"], "pg": c["pg_name"], "seq": c["seq"]})
+        table["token"], table["prev"] = token, prev
+        deviants = []
+        for r in sorted(core):
+            point = self.points[self.blocked_at[r]]
+            if point.key[0] != "coll":
+                continue
+            mine = table[(table["rank"] == r) & (table["pg"] == point.pg_name)]
+            mine = mine[mine["seq"] == point.seq]
+            if not len(mine):
+                continue
+            tok, pre = mine["token"].iloc[0], mine["prev"].iloc[0]
+            usual = table.loc[table["token"] == tok, "prev"].value_counts()
+            if len(usual) and usual.index[0] != pre:
+                deviants.append(r)
+        if len(deviants) == len(core):
+            return []
+        return deviants
+
+    # ----- no hang --------------------------------------------------------------------
+
+    def stuck(self) -> Verdict | None:
+        if not self.has_completion_info:
+            return None
+        stuck_points = []
+        for point in self.points.values():
+            if point.key[0] != "coll" or point.targets or point.unknown:
+                continue
+            rows = point.rows
+            if rows is None or not len(rows) or not point.blockers:
+                continue
+            if rows["completed"].fillna(False).astype(bool).any():
+                continue
+            if rows["completed"].isna().all():
+                continue
+            stuck_points.append(point)
+        if not stuck_points:
+            return None
+        point = min(stuck_points, key=lambda p: p.time_ns)
+        rows = point.rows
+        assert rows is not None
+        started = set(int(r) for r in rows.loc[rows["state"] == "started", "rank"])
+        members = sorted(set(point.issued))
+        laggards = [r for r in members if r not in started] if started else []
+        blamed = laggards if laggards and len(laggards) < len(members) else members
+        guilty = []
+        for r in blamed:
+            g = self._guilty(r, "missing", point)
+            g.reason = (
+                f"issued {self._point_name(point)} but never started it while its peers did"
+                if laggards and len(blamed) < len(members)
+                else f"issued {self._point_name(point)}; it never completed on any member"
+            )
+            g.call_site = self._call_site(r, point)
+            guilty.append(g)
+        verdict = Verdict(
+            kind="stuck",
+            headline="",
+            confidence=0.7 if len(blamed) < len(members) else 0.6,
+            guilty=guilty,
+            waiting=sorted(set(members) - set(blamed)),
+        )
+        self._fill_point(verdict, point)
+        verdict.headline = (
+            f"Stuck: every member issued {self._point_name(point)}, none completed it"
+            + (f"; rank(s) {collapse_ranks(blamed)} never started it" if started else "")
+        )
+        verdict.evidence.append(
+            f"All {len(members)} members issued it with the same op/sizes/dtypes; "
+            "no member completed it."
+        )
+        return verdict
+
+    def silent_mismatch(self) -> Verdict | None:
+        """Collectives that did not hang but whose members disagreed."""
+        c = self.coll
+        if not len(c):
+            return None
+        n = c.groupby(["pg_name", "seq"], sort=False)["sig"].nunique()
+        bad = n[n > 1]
+        if not len(bad):
+            return None
+        first = c.set_index(["pg_name", "seq"]).loc[bad.index]
+        t = first.groupby(level=[0, 1])["time_created_ns"].min().sort_values()
+        pg_name, seq = t.index[0]
+        rows = c[(c["pg_name"] == pg_name) & (c["seq"] == seq)]
+        point = self._collective_point(str(pg_name), int(seq), rows)
+        guilty = [self._guilty(r, "mismatch", point) for r in point.minority]
+        verdict = Verdict(
+            kind="mismatch",
+            headline="",
+            confidence=0.7,
+            guilty=guilty,
+            waiting=[],
+        )
+        self._fill_point(verdict, point)
+        attrs = "/".join(point.mismatch_attrs) or "signature"
+        verdict.headline = (
+            f"Rank(s) {', '.join(_who(g) for g in guilty)} issued a different {attrs} at "
+            f"{self._point_name(point)} (no hang recorded)"
+        )
+        verdict.evidence.append(f"{len(bad)} collective(s) where members disagree.")
+        return verdict
+
+    def straggler(self) -> Verdict | None:
+        c = self.coll
+        if not len(c):
+            return None
+        sizes = {g: len(m) for g, m in self.al.members.items()}
+        c = c[c["pg_name"].map(sizes).fillna(0) >= 2]
+        if not len(c):
+            return None
+        grp = c.groupby(["pg_name", "seq"], sort=False)
+        counts = grp["rank"].transform("size")
+        full = counts == c["pg_name"].map(sizes)
+        c = c[full]
+        if not len(c):
+            return None
+        grp = c.groupby(["pg_name", "seq"], sort=False)["time_created_ns"]
+        tmax = grp.transform("max")
+        tmed = grp.transform("median")
+        tmin = grp.transform("min")
+        is_last = (c["time_created_ns"] == tmax) & (tmax > tmin)
+        late = (c["time_created_ns"] - tmed).astype(np.float64)
+        spread = (tmax - tmin).astype(np.float64)
+        per = pd.DataFrame(
+            {"rank": c["rank"], "last": is_last, "late": late, "spread": spread}
+        ).groupby("rank")
+        share = per["last"].mean()
+        n = per["last"].size()
+        median_late = per["late"].median()
+        cand = share[(share >= STRAGGLER_LAST_SHARE) & (n >= STRAGGLER_MIN_COLLECTIVES)]
+        found = []
+        for r in cand.index:
+            others = c[c["rank"] != r]
+            keys = c.loc[c["rank"] == r, ["pg_name", "seq"]]
+            o = others.merge(keys, on=["pg_name", "seq"])
+            spread_others = o.groupby(["pg_name", "seq"])["time_created_ns"].agg(
+                lambda s: s.max() - s.min()
+            )
+            base = float(spread_others.median()) if len(spread_others) else 0.0
+            threshold = max(STRAGGLER_MIN_LATE_NS, STRAGGLER_SPREAD_FACTOR * base)
+            if float(median_late[r]) >= threshold:
+                found.append((int(r), float(share[r]), float(median_late[r]), int(n[r])))
+        if not found:
+            return None
+        guilty = []
+        for r, sh, lt, cnt in found:
+            g = self._guilty(r, "missing", Point(key=("none",), pg_name=""))
+            g.reason = (
+                f"last into {sh:.0%} of its {cnt} collectives, median {lt / 1e6:.1f} ms "
+                "behind its peers"
+            )
+            guilty.append(g)
+        verdict = Verdict(
+            kind="straggler",
+            headline=(
+                f"Straggler: {', '.join(_who(g) for g in guilty)} enters collectives last "
+                f"(median {found[0][2] / 1e6:.1f} ms late); no hang"
+            ),
+            confidence=0.75,
+            guilty=guilty,
+        )
+        verdict.evidence.append(
+            f"Rule: last in >= {STRAGGLER_LAST_SHARE:.0%} of >= {STRAGGLER_MIN_COLLECTIVES} "
+            f"matched collectives and median lateness >= max({STRAGGLER_MIN_LATE_NS / 1e6:.0f} "
+            f"ms, {STRAGGLER_SPREAD_FACTOR:g} x the others' spread)."
+        )
+        return verdict
+
+    def healthy(self) -> Verdict:
+        n = len(self.present)
+        if self.has_completion_info:
+            headline = f"Healthy: {n} rank(s) consistent, no op left incomplete"
+            conf = 0.9
+        else:
+            headline = f"Healthy: {n} rank(s) reached the same collectives (no completion info)"
+            conf = 0.6
+        verdict = Verdict(kind="healthy", headline=headline, confidence=conf)
+        if self.points:
+            incomplete = [p for p in self.points.values() if p.blockers]
+            if incomplete:
+                verdict.evidence.append(
+                    f"{len(incomplete)} in-flight op(s) that every member issued."
+                )
+        return verdict
+
+    # ----- common ---------------------------------------------------------------------
+
+    def finish(self, verdict: Verdict) -> None:
+        trace = self.trace
+        verdict.ranks_expected = len(self.expected)
+        verdict.ranks_found = len(self.present)
+        verdict.ranks_missing = sorted(self.absent)
+        verdict.inputs = list(trace.inputs)
+        blamed = set(verdict.guilty_ranks)
+        unexplained = sorted(self.absent - blamed)
+        if unexplained:
+            verdict.evidence.append(
+                f"No usable record for rank(s) {collapse_ranks(unexplained)}; nobody waits "
+                "for them in the recorded ops."
+            )
+            verdict.confidence -= 0.1
+        bad = [i for i in trace.inputs if i.status == "error"]
+        if bad:
+            verdict.evidence.append(f"{len(bad)} input file(s) could not be used.")
+        if self.wrapped:
+            verdict.evidence.append(
+                f"Ring buffer wrapped on rank(s) {collapse_ranks(sorted(self.wrapped))}: "
+                "older ops were dropped; ops before their oldest entry are not judged."
+            )
+        verdict.confidence = float(min(1.0, max(0.05, verdict.confidence)))
+
+
+def _kind_rank(kind: str) -> int:
+    return {"dead": 0, "mismatch": 1, "missing": 2}.get(kind, 3)
+
+
+def _who(g: GuiltyRank) -> str:
+    parts = [str(g.rank)]
+    extra = [x for x in (g.host, g.device) if x]
+    if extra:
+        parts.append(f"({' '.join(extra)})")
+    return " ".join(parts)
+
+
+def _sink_core(nodes: set[int], targets_of) -> set[int]:
+    """Ranks of the sink strongly connected components of the wait-for subgraph on ``nodes``."""
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    on_stack: set[int] = set()
+    stack: list[int] = []
+    comps: list[set[int]] = []
+    counter = 0
+    for start in sorted(nodes):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(targets_of(start) & nodes)))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            advanced = False
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(targets_of(w) & nodes))))
+                    advanced = True
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.add(w)
+                    if w == v:
+                        break
+                comps.append(comp)
+    comp_of = {r: i for i, comp in enumerate(comps) for r in comp}
+    core: set[int] = set()
+    for i, comp in enumerate(comps):
+        leaves = all(comp_of[t] == i for r in comp for t in targets_of(r) & nodes)
+        if leaves and len(comp) > 1:
+            core |= comp
+    return core or set(nodes)
+
+
+_STACK_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+
+
+def stack_call_site(stacks: str) -> str | None:
+    """Top user frame of the first thread in a faulthandler dump (innermost first)."""
+    for line in stacks.splitlines():
+        m = _STACK_FRAME.search(line)
+        if m and is_user_frame(m.group(1)):
+            return f"{m.group(1)}:{m.group(2)} in {m.group(3)}"
+    return None

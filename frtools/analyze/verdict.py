@@ -1,0 +1,129 @@
+"""The Verdict: the one answer ``frtools analyze`` gives, and the JSON document it is written as.
+
+Reporters only render a Verdict; nothing downstream re-derives the diagnosis. The JSON form
+(``Verdict.to_document``) follows ``docs/verdict.schema.json``; bump ``SCHEMA_VERSION`` when a
+field changes meaning or disappears (adding an optional field is a minor bump).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from frtools import __version__
+from frtools.trace import InputFile, ProcessGroup
+
+SCHEMA_VERSION = "1.0"
+
+KINDS = ("healthy", "missing", "dead", "mismatch", "order", "stuck", "straggler")
+
+
+@dataclass
+class GuiltyRank:
+    """A rank the verdict blames, with what a human needs to find it (host, GPU, code line)."""
+
+    rank: int
+    host: str | None = None
+    pid: int | None = None
+    local_rank: int | None = None
+    device: str | None = None
+    device_id: str | None = None
+    reason: str = ""
+    call_site: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RankGroup:
+    """One set of ranks that agree on what they did at the verdict's collective.
+
+    ``op`` is None and ``state`` says why ("not issued", "no record") for ranks that did not
+    issue it.
+    """
+
+    ranks: list[int]
+    op: str | None = None
+    input_sizes: str | None = None
+    input_dtypes: str | None = None
+    output_sizes: str | None = None
+    output_dtypes: str | None = None
+    state: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Verdict:
+    kind: str
+    headline: str
+    confidence: float
+    guilty: list[GuiltyRank] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    process_group: ProcessGroup | None = None
+    collective_seq_id: int | None = None
+    p2p_seq_id: int | None = None
+    op: str | None = None
+    groups: list[RankGroup] = field(default_factory=list)
+    evidence: list[str] = field(default_factory=list)
+    ranks_expected: int = 0
+    ranks_found: int = 0
+    ranks_missing: list[int] = field(default_factory=list)
+    inputs: list[InputFile] = field(default_factory=list)
+
+    @property
+    def guilty_ranks(self) -> list[int]:
+        return [g.rank for g in self.guilty]
+
+    @property
+    def exit_code(self) -> int:
+        """0 when healthy, 1 for any problem found (the CLI's contract)."""
+        return 0 if self.kind == "healthy" else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "headline": self.headline,
+            "confidence": round(float(self.confidence), 3),
+            "guilty": [g.to_dict() for g in self.guilty],
+            "waiting": list(self.waiting),
+            "process_group": self.process_group.to_dict() if self.process_group else None,
+            "collective_seq_id": self.collective_seq_id,
+            "p2p_seq_id": self.p2p_seq_id,
+            "op": self.op,
+            "groups": [g.to_dict() for g in self.groups],
+            "evidence": list(self.evidence),
+        }
+
+    def to_document(self) -> dict[str, Any]:
+        """The full JSON report (``docs/verdict.schema.json``)."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "tool": {"name": "frtools", "version": __version__},
+            "verdict": self.to_dict(),
+            "ranks": {
+                "expected": self.ranks_expected,
+                "found": self.ranks_found,
+                "missing": list(self.ranks_missing),
+            },
+            "inputs": [i.to_dict() for i in self.inputs],
+        }
+
+
+def collapse_ranks(ranks: list[int] | tuple[int, ...]) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3,5"``: rank lists that fit on one line."""
+    values = sorted(set(int(r) for r in ranks))
+    if not values:
+        return "-"
+    parts = []
+    start = prev = values[0]
+    for v in values[1:]:
+        if v == prev + 1:
+            prev = v
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = v
+    parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
