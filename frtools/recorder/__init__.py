@@ -1,0 +1,215 @@
+"""The frtools recorder: every c10d op of this process into a crash-proof black-box file.
+
+Turn it on in one of three ways:
+
+* ``frtools.recorder.enable()`` in the training script, before ``init_process_group``. Called
+  later, it records the groups created from then on (the default group stays unrecorded).
+* ``FRTOOLS_RECORD=1`` with ``frtools/recorder/_bootstrap`` on ``PYTHONPATH``: its
+  ``sitecustomize`` calls ``enable()`` as soon as ``torch.distributed`` is imported.
+* ``frtools run [--dir D] -- CMD ...`` does the above for every Python process of CMD.
+
+The file, ``<FRTOOLS_DIR>/<job_id>/rank_<R>.frt``, is opened at the first process group this
+process creates (when the rank is known). Any failure — no native module, unwritable
+directory, unknown backend — prints one line ``frtools: recording disabled: <reason>`` and
+the job runs on unrecorded. Settings: ``frtools.recorder.config``.
+
+This module imports neither torch nor the native part until ``enable()`` is called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+__all__ = ["enable", "disable", "is_enabled", "output_path"]
+
+_session: dict[str, Any] = {}
+
+
+def _warn(reason: str) -> None:
+    from frtools.recorder.config import truthy
+
+    if _session.get("warned"):
+        return
+    _session["warned"] = True
+    msg = f"frtools: recording disabled: {reason}"
+    if truthy(os.environ.get("FRTOOLS_RECORD")):
+        # launched by `frtools run`: one plain line, not a multi-line Python warning
+        print(msg, file=sys.stderr, flush=True)
+        return
+    import warnings
+
+    try:
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    except Exception:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _identity(rank: int, world_size: int, backend: str, job_id: str) -> dict[str, Any]:
+    import torch
+
+    device, device_id = "cpu", None
+    if "nccl" in backend and torch.cuda.is_available():
+        try:
+            index = torch.cuda.current_device()
+            device = f"cuda:{index}"
+            device_id = str(torch.cuda.get_device_properties(index).uuid)
+        except Exception:
+            device = "cuda"
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    return {
+        "job_id": job_id,
+        "rank": rank,
+        "world_size": world_size,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "local_rank": int(local_rank) if local_rank.isdigit() else None,
+        "device": device,
+        "device_id": device_id,
+        "torch_version": torch.__version__,
+        "backend": backend,
+    }
+
+
+def _open(rank: int, world_size: int, backend: str) -> Any:
+    """Create this rank's black box, stacks file and watchdog; None (after one line) if not."""
+    import faulthandler
+
+    from frtools.recorder import capture
+    from frtools.recorder.blackbox import NativeUnavailable, load_native
+    from frtools.recorder.config import STRINGS_BYTES
+
+    cfg = _session["config"]
+    path = cfg.rank_path(rank)
+    try:
+        native = load_native()
+    except NativeUnavailable as exc:
+        _warn(str(exc))
+        return None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        identity = json.dumps(_identity(rank, world_size, backend, cfg.job_id))
+        box = native.BlackBox(path, cfg.buffer_size, STRINGS_BYTES, identity)
+    except Exception as exc:
+        _warn(f"cannot create {path}: {exc}")
+        return None
+    try:
+        stacks = open(cfg.rank_path(rank, ".stacks"), "a")  # noqa: SIM115 - kept for the process
+        faulthandler.register(cfg.stack_signal, file=stacks, all_threads=True, chain=True)
+        _session["stacks_file"] = stacks
+    except Exception as exc:  # stacks are a bonus: record without them
+        print(f"frtools: no stacks file for rank {rank}: {exc}", file=sys.stderr)
+    try:
+        box.start_watchdog(cfg.poll_ms, cfg.stall_seconds, cfg.stack_signal)
+    except Exception as exc:
+        print(f"frtools: watchdog not started: {exc}", file=sys.stderr)
+    _session["path"] = path
+    _session["box"] = box
+    return capture.Recorder(box)
+
+
+def enable(
+    dir: str | None = None,
+    job_id: str | None = None,
+    buffer_size: int | None = None,
+    stall_seconds: float | None = None,
+) -> bool:
+    """Record every c10d op of the process groups created from now on.
+
+    Arguments override the ``FRTOOLS_*`` environment variables. Returns False (after one
+    warning line) when recording cannot start; the job is never stopped by it.
+    """
+    from frtools.recorder.config import ConfigError, from_env
+
+    try:
+        cfg = from_env(dir=dir, job_id=job_id, buffer_size=buffer_size, stall_seconds=stall_seconds)
+    except ConfigError as exc:
+        _warn(str(exc))
+        return False
+    _session["config"] = cfg
+    try:
+        from frtools.recorder import capture
+
+        capture.install(_open)
+        import torch.distributed.distributed_c10d as c10d
+
+        if c10d.is_initialized() and capture.current_recorder() is None:
+            default = c10d._get_default_group()
+            capture._recorder_for(
+                c10d.get_rank(), c10d.get_world_size(), False, str(c10d.get_backend(default))
+            )
+    except Exception as exc:
+        _warn(f"{type(exc).__name__}: {exc}")
+        return False
+    _session["enabled"] = True
+    return True
+
+
+def disable() -> None:
+    """Stop recording (existing groups stop recording; new groups are plain ones)."""
+    if not _session.get("enabled"):
+        return
+    from frtools.recorder import capture
+
+    capture.uninstall()
+    _session["enabled"] = False
+
+
+def is_enabled() -> bool:
+    """True while ops are being recorded (or will be, from the first group on)."""
+    if not _session.get("enabled"):
+        return False
+    from frtools.recorder import capture
+
+    recorder = capture.current_recorder()
+    return (
+        recorder is None
+        and not capture._installed.get("open_failed")
+        or bool(recorder is not None and recorder.enabled)
+    )
+
+
+def output_path() -> str | None:
+    """This process's black-box file, once it is open."""
+    return _session.get("path")
+
+
+def enable_on_torch_distributed_import() -> None:
+    """Call ``enable()`` right after ``torch.distributed`` is imported (sitecustomize uses it).
+
+    Importing torch in every Python process a launcher starts would be slow and pointless;
+    this only costs a path-finder lookup per import until torch.distributed appears.
+    """
+    import importlib.abc
+    import importlib.machinery
+
+    target = "torch.distributed.distributed_c10d"
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target_mod: Any = None) -> Any:
+            if fullname != target:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is None or spec.loader is None:
+                return spec
+            loader = spec.loader
+            original_exec = loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                original_exec(module)
+                try:
+                    enable()
+                except Exception as exc:  # never break the import of torch
+                    _warn(f"{type(exc).__name__}: {exc}")
+
+            loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    if target in sys.modules:
+        enable()
+    else:
+        sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,704 @@
+"""See every c10d op a job issues, and hand each one to the native black box.
+
+How (checked on torch 2.13 with Gloo, 4 ranks; see tests/test_recorder_capture.py):
+
+* ``install()`` registers a c10d backend plugin named ``frtools``
+  (``torch.distributed.Backend.register_backend(..., extended_api=True)``) and wraps
+  ``torch.distributed.distributed_c10d._new_process_group_helper`` — the one function through
+  which ``init_process_group``, ``new_group``, ``new_subgroups`` and friends create a group.
+  For a group whose backends are all ``gloo``/``nccl`` the wrapper asks the helper for backend
+  ``frtools`` instead, and afterwards puts the user's backend name back into ``_world``
+  (``dist.get_backend(group)`` still answers ``gloo``/``nccl``; ``pg.name()`` too).
+* The plugin's creator builds the real backends (``ProcessGroupGloo``/``ProcessGroupNCCL``,
+  with the same options, sequence numbers and NCCL split source as the helper would) and
+  returns a ``RecordingProcessGroup``: a Python subclass of ``torch.distributed.ProcessGroup``
+  that registers those backends for their devices (DDP's start-up checks and
+  ``pg._get_backend(device)`` find the real ones) and overrides every op method.
+* Because the subclass goes through pybind11's trampoline (``PyProcessGroup``), C++ callers
+  reach the Python overrides too: DDP's reducer all-reduces (``process_group_->allreduce``),
+  ``allreduce_coalesced``, ``all_gather_single_coalesced``, ``reduce_scatter_single_coalesced``,
+  ``all_to_all_single``, ``barrier``, ``broadcast``, ``allgather``, ``reduce_scatter``,
+  ``send``, ``recv``. Python callers (``dist.*``, FSDP's ``all_gather_into_tensor`` /
+  ``reduce_scatter_tensor``, ``batch_isend_irecv``, coalescing managers) look the method up on
+  the object and reach every override, including ``all_gather_single``,
+  ``reduce_scatter_single``, ``reduce``, ``gather``, ``scatter``, ``alltoall``,
+  ``recv_anysource``.
+* Each override records, then forwards with ``super().<op>(...)``: the C++ base method, which
+  dispatches through the c10d op registry to the registered real backend exactly as an
+  unwrapped group does (pybind11 sees the call comes from the override of the same name and
+  does not re-enter Python). If recording raises, the op is still forwarded.
+* Functional collectives (``torch.distributed._functional_collectives``) resolve the group by
+  name in C++ and call the op methods of the group object registered under that name; the
+  registered object is the ``RecordingProcessGroup``, so the overridable ones are recorded
+  (``all_reduce``, ``all_to_all_single``; ``all_gather_into_tensor`` and
+  ``reduce_scatter_tensor`` call non-virtual C++ paths — see the test for what is seen).
+* Known limits: ``batch_isend_irecv`` only groups P2P ops for plain ``ProcessGroup`` objects
+  (``type(group) is ProcessGroup``), so on a recorded group each P2P op is issued on its own
+  (correct, each recorded with its own ``p2p_seq_id``; NCCL then does not fuse them). A group
+  whose backend is neither gloo nor nccl (mpi, ucc, xccl, a third-party plugin) is left
+  unwrapped and unrecorded, with one warning.
+
+Per op the Python part is thin: bump the group's counter, look the shapes/dtypes and the
+call stack up in small caches (interned once in the black box's string table), one
+``BlackBox.record()`` call, and a completion hook: ``work.get_future()`` +
+``BlackBox.completer(rid)``; on CUDA a start and an end ``torch.cuda.Event`` (the end one
+recorded on the collective's stream after the op) handed to ``BlackBox.watch_cuda``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import ProcessGroup
+
+BACKEND_NAME = "frtools"
+_WRAPPABLE = ("gloo", "nccl")
+
+# Op codes index this table; names are PyTorch Flight Recorder's op names (the part after
+# "nccl:" / "gloo:" in its profiling names), so both kinds of trace align.
+OP_NAMES = (
+    "all_reduce",  # 0
+    "allreduce_coalesced",  # 1
+    "broadcast",  # 2
+    "reduce",  # 3
+    "all_gather",  # 4
+    "_all_gather_base",  # 5
+    "all_gather_coalesced",  # 6
+    "all_gather_into_tensor_coalesced",  # 7
+    "gather",  # 8
+    "scatter",  # 9
+    "reduce_scatter",  # 10
+    "_reduce_scatter_base",  # 11
+    "reduce_scatter_tensor_coalesced",  # 12
+    "all_to_all",  # 13
+    "all_to_all",  # 14 (list form)
+    "barrier",  # 15
+    "send",  # 16
+    "recv",  # 17
+    "recv",  # 18 (any source)
+    "coalesced",  # 19
+)
+
+_STACK_DEPTH = 32
+
+
+def warn_disabled(reason: str) -> None:
+    """The one line a user sees when recording cannot go on; the job itself goes on."""
+    msg = f"frtools: recording disabled: {reason}"
+    try:
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    except Exception:  # warnings configured as errors must not break the job
+        print(msg, file=sys.stderr)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """PyTorch Flight Recorder's dtype spelling (c10::ScalarType names: Float, BFloat16 …)."""
+    try:
+        legacy = torch.empty(0, dtype=dtype).type()  # "torch.FloatTensor"
+        name = legacy.rsplit(".", 1)[-1]
+        if name.endswith("Tensor"):
+            return name[: -len("Tensor")]
+    except Exception:
+        pass
+    return str(dtype).replace("torch.", "")
+
+
+class Recorder:
+    """Everything the hooks share: the black box, the string caches, the failure switch."""
+
+    def __init__(self, box: Any, cuda_events: bool = True) -> None:
+        self.box = box
+        self.enabled = True
+        self.cuda_events = cuda_events
+        self._op_tables: dict[str, list[int]] = {}
+        self._sizes: dict[Any, int] = {}
+        self._dtypes: dict[Any, int] = {}
+        self._frames: dict[Any, str] = {}
+        self._stacks: dict[tuple, int] = {}
+        self._lock = threading.Lock()
+        self._failed_once = False
+        self._cuda_keep: list[tuple[Any, Any]] = []
+        self._here = __file__
+        # (rid, work) of ops whose Work has no future (Gloo send/recv): polled on later ops
+        self._polled: list[tuple[int, Any]] = []
+
+    def fail(self, exc: BaseException) -> None:
+        """Turn recording off for the rest of the process, saying so once."""
+        self.enabled = False
+        if not self._failed_once:
+            self._failed_once = True
+            warn_disabled(f"{type(exc).__name__}: {exc}")
+
+    def op_ids(self, backend: str) -> list[int]:
+        """Interned profiling names (``gloo:all_reduce`` …) for one backend, by op code."""
+        table = self._op_tables.get(backend)
+        if table is None:
+            table = self._op_tables[backend] = [
+                self.box.intern(f"{backend}:{name}") for name in OP_NAMES
+            ]
+        return table
+
+    # -- interning -------------------------------------------------------------------------
+
+    def sizes_id(self, tensors: Any) -> tuple[int, int]:
+        """(sizes id, dtypes id) for a list of tensors (or one tensor)."""
+        if tensors.__class__ is torch.Tensor or isinstance(tensors, torch.Tensor):
+            key = (tensors.shape,)
+            dkey = (tensors.dtype,)
+        else:
+            key = tuple([t.shape for t in tensors])
+            dkey = tuple([t.dtype for t in tensors])
+        sid = self._sizes.get(key)
+        if sid is None:
+            from frtools.trace import sizes_key  # first sight of this shape only
+
+            text = sizes_key(key)
+            sid = self._sizes[key] = self.box.intern(text) if text != "[]" else 0
+        did = self._dtypes.get(dkey)
+        if did is None:
+            from frtools.trace import dtypes_key
+
+            text = dtypes_key([_dtype_name(d) for d in dkey])
+            did = self._dtypes[dkey] = self.box.intern(text) if text else 0
+        return sid, did
+
+    def nested_sizes_id(self, lists: Any) -> tuple[int, int]:
+        """Shapes of a list of lists of tensors, flattened (as PyTorch's recorder does)."""
+        return self.sizes_id([t for ts in lists for t in ts])
+
+    def stack_id(self) -> int:
+        """The calling Python stack, innermost first, interned; frames of this module skipped."""
+        frame = sys._getframe(1)
+        here = self._here
+        while frame is not None and frame.f_code.co_filename == here:
+            frame = frame.f_back
+        key = []
+        while frame is not None and len(key) < _STACK_DEPTH:
+            key.append((frame.f_code, frame.f_lineno))
+            frame = frame.f_back
+        tkey = tuple(key)
+        sid = self._stacks.get(tkey)
+        if sid is None:
+            lines = []
+            frames = self._frames
+            for fkey in tkey:
+                line = frames.get(fkey)
+                if line is None:
+                    code, lineno = fkey
+                    line = frames[fkey] = f"{code.co_filename}:{lineno} in {code.co_name}"
+                lines.append(line)
+            sid = self._stacks[tkey] = self.box.intern("\n".join(lines))
+        return sid
+
+    # -- completion ------------------------------------------------------------------------
+
+    def watch(self, rid: int, work: Any, tensor: Any) -> None:
+        """Mark ``rid`` completed when ``work`` is; on CUDA via events the watchdog polls."""
+        if work is None:
+            self.box.mark_completed(rid)
+            return
+        if self.cuda_events and tensor is not None and tensor.is_cuda:
+            self._watch_cuda(rid, work)
+            return
+        try:
+            fut = work.get_future()
+        except RuntimeError:  # "Work::getFuture not implemented" (Gloo P2P)
+            self._polled.append((rid, work))
+            return
+        fut.add_done_callback(self.box.completer(rid))
+
+    def poll(self) -> None:
+        """Mark the future-less works that finished since the last op."""
+        still = []
+        for rid, work in self._polled:
+            if work.is_completed():
+                self.box.mark_completed(rid)
+            else:
+                still.append((rid, work))
+        self._polled = still
+
+    def _watch_cuda(self, rid: int, work: Any) -> None:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()  # after the op's kernels on the current stream's view: start proxy
+        end = torch.cuda.Event(enable_timing=True)
+        fut = work.get_future()
+
+        def _record_end(_: Any) -> None:
+            # Runs with the collective's stream as the current stream (CUDA futures set
+            # it), so this event is ordered after the collective.
+            end.record()
+            self.box.watch_cuda(rid, start.cuda_event, end.cuda_event)
+
+        fut.then(_record_end)
+        # keep both events alive while the watchdog polls them
+        self._cuda_keep.append((start, end))
+        if len(self._cuda_keep) > 4096:
+            del self._cuda_keep[:2048]
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _first_tensor(x: Any) -> Any:
+    """The first tensor of a tensor / list / list of lists (for the device check)."""
+    while isinstance(x, list | tuple):
+        if not x:
+            return None
+        x = x[0]
+    return x if _is_tensor(x) else None
+
+
+class RecordingProcessGroup(ProcessGroup):
+    """A ProcessGroup that records each op in the black box and forwards it unchanged."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        recorder: Recorder,
+        backends: list[tuple[str, Any, Any]],
+        global_ranks: list[int],
+        backend_name: str,
+    ) -> None:
+        super().__init__(rank, size)
+        self._fr = recorder
+        self._fr_box = recorder.box
+        self._fr_ranks = global_ranks
+        self._fr_backend_name = backend_name
+        self._fr_pg = -1
+        prefix = "nccl" if any(b[1] == ProcessGroup.BackendType.NCCL for b in backends) else "gloo"
+        self._fr_ops = recorder.op_ids(prefix)
+        self._fr_coll_seq = 0
+        self._fr_p2p_seq = 0
+        self._fr_coalescing = False
+        self._fr_real = {}
+        first_type = None
+        for device, backend_type, backend in backends:
+            self._register_backend(torch.device(device), backend_type, backend)
+            self._fr_real[device] = backend
+            first_type = first_type or backend_type
+        if first_type is not None:
+            self._set_default_backend(first_type)
+
+    def getBackendName(self) -> str:  # noqa: N802 - C++ virtual name
+        return self._fr_backend_name
+
+    def name(self) -> str:
+        return self._fr_backend_name
+
+    def _fr_register(self, name: str, desc: str) -> None:
+        self._fr_pg = self._fr_box.add_process_group(name, desc, self._fr_ranks)
+
+    # -- the hot path ----------------------------------------------------------------------
+
+    def _fr_coll(self, op: int, inputs: Any, outputs: Any) -> int:
+        """Record one collective; returns the record id (-1: not recorded)."""
+        fr = self._fr
+        if not fr.enabled:
+            return -1
+        try:
+            if fr._polled:
+                fr.poll()
+            if not self._fr_coalescing:
+                self._fr_coll_seq += 1
+            isz, idt = fr.sizes_id(inputs)
+            if outputs is inputs:
+                osz, odt = isz, idt
+            else:
+                osz, odt = fr.sizes_id(outputs)
+            return self._fr_box.record(
+                self._fr_pg,
+                self._fr_ops[op],
+                self._fr_coll_seq,
+                0,
+                -1,
+                False,
+                isz,
+                osz,
+                idt,
+                odt,
+                fr.stack_id(),
+            )
+        except Exception as exc:
+            fr.fail(exc)
+            return -1
+
+    def _fr_p2p(self, op: int, tensors: Any, peer: int) -> int:
+        fr = self._fr
+        if not fr.enabled:
+            return -1
+        try:
+            if fr._polled:
+                fr.poll()
+            self._fr_p2p_seq += 1
+            sz, dt = fr.sizes_id(tensors)
+            gpeer = self._fr_ranks[peer] if 0 <= peer < len(self._fr_ranks) else peer
+            return self._fr_box.record(
+                self._fr_pg,
+                self._fr_ops[op],
+                0,
+                self._fr_p2p_seq,
+                gpeer,
+                True,
+                sz,
+                sz,
+                dt,
+                dt,
+                fr.stack_id(),
+            )
+        except Exception as exc:
+            fr.fail(exc)
+            return -1
+
+    def _fr_done(self, rid: int, work: Any, tensors: Any) -> Any:
+        if rid >= 0:
+            try:
+                self._fr.watch(rid, work, _first_tensor(tensors))
+            except Exception as exc:
+                self._fr.fail(exc)
+        return work
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def allreduce(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll(0, tensors, tensors)
+        return self._fr_done(rid, super().allreduce(tensors, *args, **kwargs), tensors)
+
+    def allreduce_coalesced(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll(1, tensors, tensors)
+        return self._fr_done(rid, super().allreduce_coalesced(tensors, *args, **kwargs), tensors)
+
+    def broadcast(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll(2, tensors, tensors)
+        return self._fr_done(rid, super().broadcast(tensors, *args, **kwargs), tensors)
+
+    def reduce(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll(3, tensors, tensors)
+        return self._fr_done(rid, super().reduce(tensors, *args, **kwargs), tensors)
+
+    def allgather(self, output_tensors: Any, input_tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll_nested(4, input_tensors, output_tensors)
+        work = super().allgather(output_tensors, input_tensors, *args, **kwargs)
+        return self._fr_done(rid, work, input_tensors)
+
+    def all_gather_single(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll(5, input, output)
+        return self._fr_done(rid, super().all_gather_single(output, input, *args, **kwargs), input)
+
+    def _allgather_base(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll(5, input, output)
+        return self._fr_done(rid, super()._allgather_base(output, input, *args, **kwargs), input)
+
+    def allgather_coalesced(
+        self, output_lists: Any, input_tensors: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        rid = self._fr_coll_nested(6, input_tensors, output_lists)
+        work = super().allgather_coalesced(output_lists, input_tensors, *args, **kwargs)
+        return self._fr_done(rid, work, input_tensors)
+
+    def all_gather_single_coalesced(
+        self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        rid = self._fr_coll(7, inputs, outputs)
+        work = super().all_gather_single_coalesced(outputs, inputs, *args, **kwargs)
+        return self._fr_done(rid, work, inputs)
+
+    def gather(self, output_lists: Any, input_tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll_nested(8, input_tensors, output_lists)
+        work = super().gather(output_lists, input_tensors, *args, **kwargs)
+        return self._fr_done(rid, work, input_tensors)
+
+    def scatter(self, output_tensors: Any, input_lists: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll_nested(9, input_lists, output_tensors)
+        work = super().scatter(output_tensors, input_lists, *args, **kwargs)
+        return self._fr_done(rid, work, output_tensors)
+
+    def reduce_scatter(
+        self, output_tensors: Any, input_lists: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        rid = self._fr_coll_nested(10, input_lists, output_tensors)
+        work = super().reduce_scatter(output_tensors, input_lists, *args, **kwargs)
+        return self._fr_done(rid, work, output_tensors)
+
+    def reduce_scatter_single(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll(11, input, output)
+        work = super().reduce_scatter_single(output, input, *args, **kwargs)
+        return self._fr_done(rid, work, input)
+
+    def _reduce_scatter_base(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll(11, input, output)
+        work = super()._reduce_scatter_base(output, input, *args, **kwargs)
+        return self._fr_done(rid, work, input)
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        rid = self._fr_coll(12, inputs, outputs)
+        work = super().reduce_scatter_single_coalesced(outputs, inputs, *args, **kwargs)
+        return self._fr_done(rid, work, inputs)
+
+    def all_to_all_single(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll(13, input, output)
+        work = super().all_to_all_single(output, input, *args, **kwargs)
+        return self._fr_done(rid, work, input)
+
+    def alltoall(self, output_tensors: Any, input_tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll(14, input_tensors, output_tensors)
+        work = super().alltoall(output_tensors, input_tensors, *args, **kwargs)
+        return self._fr_done(rid, work, input_tensors)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll(15, (), ())
+        return self._fr_done(rid, super().barrier(*args, **kwargs), None)
+
+    # -- point to point --------------------------------------------------------------------
+
+    def send(self, tensors: Any, dst: int, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_p2p(16, tensors, dst)
+        return self._fr_done(rid, super().send(tensors, dst, *args, **kwargs), tensors)
+
+    def recv(self, tensors: Any, src: int, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_p2p(17, tensors, src)
+        return self._fr_done(rid, super().recv(tensors, src, *args, **kwargs), tensors)
+
+    def recv_anysource(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_p2p(18, tensors, -1)
+        return self._fr_done(rid, super().recv_anysource(tensors, *args, **kwargs), tensors)
+
+    # -- coalescing ------------------------------------------------------------------------
+
+    def _start_coalescing(self, device: Any) -> None:
+        """Ops issued until ``_end_coalescing`` share one collective_seq_id (as in NCCL's FR)."""
+        if self._fr.enabled:
+            self._fr_coll_seq += 1
+            self._fr_coalescing = True
+        super()._start_coalescing(device)
+
+    def _end_coalescing(self, device: Any) -> Any:
+        self._fr_coalescing = False
+        return super()._end_coalescing(device)
+
+    def _fr_coll_nested(self, op: int, inputs: Any, outputs: Any) -> int:
+        return self._fr_coll(op, _flatten(inputs), _flatten(outputs))
+
+
+def _flatten(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    out = []
+    for item in x:
+        if isinstance(item, list | tuple):
+            out.extend(item)
+        else:
+            out.append(item)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Redirecting group creation
+# --------------------------------------------------------------------------------------
+
+_state = threading.local()
+_installed: dict[str, Any] = {}
+
+
+def _real_backend_map(backend: Any) -> dict[str, str] | None:
+    """device -> backend the user asked for; None when it is not one we can wrap."""
+    try:
+        mapping = c10d.BackendConfig(c10d.Backend(str(backend))).get_device_backend_map()
+    except Exception:
+        return None
+    result = {dev: str(b).lower() for dev, b in mapping.items()}
+    if not result or any(b not in _WRAPPABLE for b in result.values()):
+        return None
+    return result
+
+
+def _make_backend(
+    backend_str: str,
+    device: str,
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: Any,
+    opts: Any,
+    pending: dict[str, Any],
+) -> tuple[Any, Any]:
+    """Build a real backend the way ``_new_process_group_helper`` does."""
+    ranks = list(opts.global_ranks_in_group)
+    group_name = opts.group_id
+    if backend_str == "gloo":
+        backend = c10d.ProcessGroupGloo(store, rank, size, timeout=timeout)
+        backend.options.global_ranks_in_group = ranks
+        backend.options.group_name = group_name
+        backend._set_sequence_number_for_group()
+        return ProcessGroup.BackendType.GLOO, backend
+    options = pending.get("backend_options")
+    if options is None:
+        options = c10d.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+    options._timeout = timeout
+    split_from = pending.get("split_from")
+    if split_from is not None:
+        options.split_from = split_from
+        options.split_color = c10d._process_group_color(ranks)
+    options.global_ranks_in_group = ranks
+    options.group_name = group_name
+    backend = c10d.ProcessGroupNCCL(store, rank, size, options)
+    backend._set_sequence_number_for_group()
+    return ProcessGroup.BackendType.NCCL, backend
+
+
+def _create(dist_opts: Any, backend_options: Any) -> Any:
+    """The ``frtools`` backend creator: real backends inside a RecordingProcessGroup."""
+    pending = getattr(_state, "pending", None)
+    if pending is None:
+        raise RuntimeError("the frtools backend is only used through frtools.recorder.enable()")
+    pending["backend_options"] = backend_options
+    store = dist_opts.store
+    rank, size, timeout = dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout
+    backends = []
+    made: dict[str, tuple[Any, Any]] = {}
+    for device, backend_str in pending["map"].items():
+        if backend_str not in made:
+            sub_store = c10d.PrefixStore(f"{backend_str}/", store)
+            made[backend_str] = _make_backend(
+                backend_str, device, sub_store, rank, size, timeout, dist_opts, pending
+            )
+        backend_type, backend = made[backend_str]
+        backends.append((device, backend_type, backend))
+    ranks = list(dist_opts.global_ranks_in_group) or list(range(size))
+    pg = RecordingProcessGroup(
+        store, rank, size, pending["recorder"], backends, ranks, pending["backend_name"]
+    )
+    pending["pg"] = pg
+    return pg
+
+
+def _recorder_for(group_rank: int, group_size: int, is_default: bool, backend: str) -> Any:
+    """The process's Recorder, opened at the first group it creates (None: not recording)."""
+    recorder = _installed.get("recorder")
+    if recorder is not None or _installed.get("open_failed"):
+        return recorder
+    opener = _installed.get("opener")
+    if opener is None:
+        return None
+    if is_default:
+        rank, world_size = group_rank, group_size
+    else:  # enabled after init_process_group: the default group exists, unrecorded
+        rank, world_size = c10d.get_rank(), c10d.get_world_size()
+    recorder = opener(rank, world_size, backend)
+    if recorder is None:
+        _installed["open_failed"] = True
+    _installed["recorder"] = recorder
+    return recorder
+
+
+def _wrapped_helper(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _new_process_group_helper(
+        group_size: int,
+        group_rank: int,
+        global_ranks_in_group: list[int],
+        backend: Any,
+        store: Any,
+        group_name: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        def plain() -> Any:
+            return original(
+                group_size, group_rank, global_ranks_in_group, backend, store, group_name,
+                *args, **kwargs,
+            )  # fmt: skip
+
+        if _installed.get("paused"):
+            return plain()
+        mapping = _real_backend_map(backend)
+        if mapping is None:
+            warnings.warn(
+                f"frtools: process group {group_name!r} with backend {str(backend)!r} is not "
+                "recorded (only gloo and nccl are)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return plain()
+        if group_rank < 0 and global_ranks_in_group:
+            return plain()  # not a member: nothing to record
+        try:
+            recorder = _recorder_for(
+                group_rank, group_size, not global_ranks_in_group, str(backend)
+            )
+        except Exception as exc:
+            _installed["open_failed"] = True
+            warn_disabled(f"{type(exc).__name__}: {exc}")
+            recorder = None
+        if recorder is None or not recorder.enabled:
+            return plain()
+        pending: dict[str, Any] = {
+            "map": mapping,
+            "backend_name": str(backend),
+            "recorder": recorder,
+        }
+        if c10d.is_initialized() and c10d._get_default_group().bound_device_id:
+            try:
+                pending["split_from"] = c10d._get_split_source(c10d._get_default_group())
+            except Exception:
+                pending["split_from"] = None
+        _state.pending = pending
+        try:
+            pg, prefix_store = original(
+                group_size, group_rank, global_ranks_in_group, BACKEND_NAME, store, group_name,
+                *args, **kwargs,
+            )  # fmt: skip
+        finally:
+            _state.pending = None
+        if isinstance(pg, RecordingProcessGroup):
+            world = c10d._world
+            world.pg_map[pg] = (backend, prefix_store)
+            world.pg_backend_config[pg] = str(c10d.BackendConfig(c10d.Backend(str(backend))))
+            try:
+                pg._fr_register(str(pg.group_name), str(pg.group_desc))
+            except Exception as exc:
+                recorder.fail(exc)
+        return pg, prefix_store
+
+    _new_process_group_helper.__wrapped__ = original  # type: ignore[attr-defined]
+    return _new_process_group_helper
+
+
+def install(opener: Callable[[int, int, str], Recorder | None]) -> None:
+    """Route every process group created from now on through a RecordingProcessGroup.
+
+    ``opener(rank, world_size, backend)`` is called once, at the first group this process
+    creates, and returns the Recorder (or None after warning: the job goes on unrecorded).
+    """
+    _installed["opener"] = opener
+    _installed["paused"] = False
+    if "original" in _installed:
+        return
+    if BACKEND_NAME.upper() not in c10d.Backend._plugins:
+        c10d.Backend.register_backend(
+            BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"]
+        )
+    _installed["original"] = c10d._new_process_group_helper
+    c10d._new_process_group_helper = _wrapped_helper(c10d._new_process_group_helper)
+
+
+def current_recorder() -> Recorder | None:
+    return _installed.get("recorder")
+
+
+def uninstall() -> None:
+    """Stop recording: existing groups stop recording, new groups are plain ones."""
+    recorder = _installed.get("recorder")
+    if recorder is not None:
+        recorder.enabled = False
+    _installed["paused"] = True
