@@ -1,0 +1,65 @@
+"""Markdown report for CI job summaries (e.g. ``$GITHUB_STEP_SUMMARY``)."""
+
+from __future__ import annotations
+
+from frtools.analyze.verdict import Verdict, collapse_ranks
+
+_ICON = {"healthy": "✅"}
+
+
+def _cell(value: object) -> str:
+    text = "" if value is None else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render(verdict: Verdict, verbose: bool = False) -> str:
+    """Headline, guilty ranks, the rank groups at the collective, and bad inputs."""
+    icon = _ICON.get(verdict.kind, "❌")
+    out = [f"## {icon} frtools: `{verdict.kind}`", "", f"**{_cell(verdict.headline)}**", ""]
+    out.append(
+        f"Confidence {verdict.confidence:.0%} · ranks found {verdict.ranks_found}"
+        f"/{verdict.ranks_expected}"
+        + (f" · missing {collapse_ranks(verdict.ranks_missing)}" if verdict.ranks_missing else "")
+    )
+    out.append("")
+    pg = verdict.process_group
+    if pg is not None:
+        where = f"Process group `{pg.name}`" + (f" ({_cell(pg.desc)})" if pg.desc else "")
+        where += f", ranks {collapse_ranks(list(pg.ranks))}"
+        if verdict.op:
+            where += f", op `{verdict.op}`"
+        if verdict.collective_seq_id is not None:
+            where += f", collective_seq_id {verdict.collective_seq_id}"
+        if verdict.p2p_seq_id is not None:
+            where += f", p2p_seq_id {verdict.p2p_seq_id}"
+        out += [where, ""]
+    if verdict.guilty:
+        out += [
+            "| guilty rank | host | device | pid | reason | call site |",
+            "|---|---|---|---|---|---|",
+        ]
+        for g in verdict.guilty:
+            out.append(
+                f"| {g.rank} | {_cell(g.host)} | {_cell(g.device)} | {_cell(g.pid)} "
+                f"| {_cell(g.reason)} | {_cell(g.call_site)} |"
+            )
+        out.append("")
+    if verdict.waiting:
+        out += [f"Waiting ranks: {collapse_ranks(verdict.waiting)}", ""]
+    if verdict.groups:
+        out += ["| ranks | op | input sizes | dtypes | state |", "|---|---|---|---|---|"]
+        for g in verdict.groups:
+            out.append(
+                f"| {collapse_ranks(g.ranks)} | {_cell(g.op)} | {_cell(g.input_sizes)} "
+                f"| {_cell(g.input_dtypes)} | {_cell(g.state)} |"
+            )
+        out.append("")
+    if verbose and verdict.evidence:
+        out += ["### Evidence", ""] + [f"- {_cell(e)}" for e in verdict.evidence] + [""]
+    bad = [i for i in verdict.inputs if i.status != "ok"]
+    if bad:
+        out += ["### Inputs not used", "", "| file | status | reason |", "|---|---|---|"]
+        for i in bad:
+            out.append(f"| `{_cell(i.path)}` | {i.status} | {_cell(i.reason)} |")
+        out.append("")
+    return "\n".join(out)

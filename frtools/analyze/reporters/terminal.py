@@ -1,0 +1,143 @@
+"""Terminal report (rich): the answer first, on one screen at 100 columns.
+
+Colour means something: red = guilty, yellow = waiting, green = healthy.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from frtools.analyze.verdict import Verdict, collapse_ranks
+
+
+def renderable(verdict: Verdict, verbose: bool = False) -> Group:
+    """The whole report as one rich renderable."""
+    parts: list = []
+    healthy = verdict.kind == "healthy"
+    colour = "green" if healthy else "red"
+    head = Text()
+    head.append(f" {verdict.kind.upper()} ", style=f"bold white on {colour}")
+    head.append(" ")
+    head.append(verdict.headline, style=f"bold {colour}")
+    parts.append(head)
+    meta = Text(f"confidence {verdict.confidence:.0%}", style="dim")
+    meta.append(
+        f" · ranks {verdict.ranks_found}/{verdict.ranks_expected} with a record", style="dim"
+    )
+    parts.append(meta)
+
+    for g in verdict.guilty:
+        line = Text("  ")
+        line.append(f"rank {g.rank}", style="bold red")
+        ident = [x for x in (g.host, g.device, f"pid {g.pid}" if g.pid else None) if x]
+        if g.local_rank is not None:
+            ident.append(f"local rank {g.local_rank}")
+        if g.device_id:
+            ident.append(g.device_id)
+        if ident:
+            line.append(" (" + ", ".join(ident) + ")", style="red")
+        line.append(f": {g.reason}")
+        parts.append(line)
+        if g.call_site:
+            parts.append(Text(f"    at {g.call_site}", style="cyan"))
+
+    pg = verdict.process_group
+    if pg is not None:
+        where = Text("  group ")
+        where.append(pg.name, style="bold")
+        if pg.desc:
+            where.append(f" ({pg.desc})")
+        where.append(f" ranks {collapse_ranks(list(pg.ranks))}")
+        if pg.inferred:
+            where.append(" (membership inferred)", style="dim")
+        if verdict.op:
+            where.append(f" · op {verdict.op}")
+        if verdict.collective_seq_id is not None:
+            where.append(f" · collective_seq_id {verdict.collective_seq_id}")
+        if verdict.p2p_seq_id is not None:
+            where.append(f" · p2p_seq_id {verdict.p2p_seq_id}")
+        parts.append(where)
+    if verdict.waiting:
+        w = Text("  waiting: ")
+        w.append(collapse_ranks(verdict.waiting), style="yellow")
+        parts.append(w)
+
+    if verdict.groups:
+        parts.append(_groups_table(verdict, verbose))
+
+    if verbose and verdict.evidence:
+        parts.append(Text("Evidence", style="bold"))
+        for e in verdict.evidence:
+            parts.append(Text(f"  • {e}"))
+
+    bad = [i for i in verdict.inputs if i.status != "ok"]
+    if bad or verdict.ranks_missing:
+        parts.append(Text("Inputs", style="bold"))
+        if verdict.ranks_missing:
+            parts.append(
+                Text(f"  no usable record for rank(s) {collapse_ranks(verdict.ranks_missing)}")
+            )
+        shown = bad if verbose else bad[:8]
+        for i in shown:
+            style = "red" if i.status == "error" else "dim"
+            line = Text("  ")
+            line.append(f"{i.status:9}", style=style)
+            line.append(f" {i.path}: {i.reason}")
+            parts.append(line)
+        if len(bad) > len(shown):
+            parts.append(Text(f"  … {len(bad) - len(shown)} more (-v lists all)", style="dim"))
+    return Group(*parts)
+
+
+def _groups_table(verdict: Verdict, verbose: bool) -> Table:
+    guilty = set(verdict.guilty_ranks)
+    waiting = set(verdict.waiting)
+    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
+    table.add_column("ranks", overflow="fold", max_width=24)
+    table.add_column("op")
+    table.add_column("input sizes", overflow="fold", max_width=28)
+    table.add_column("dtypes", overflow="fold", max_width=14)
+    if verbose:
+        table.add_column("output sizes", overflow="fold", max_width=20)
+    table.add_column("state")
+    for g in verdict.groups:
+        ranks = set(g.ranks)
+        style = "red" if ranks & guilty else ("yellow" if ranks <= waiting else "")
+        row = [
+            Text(collapse_ranks(g.ranks), style=style),
+            g.op or "-",
+            g.input_sizes or "-",
+            g.input_dtypes or "-",
+        ]
+        if verbose:
+            row.append(g.output_sizes or "-")
+        row.append(Text(g.state or "-", style=style))
+        table.add_row(*row)
+    return table
+
+
+def render(
+    verdict: Verdict, verbose: bool = False, width: int = 100, color: bool | None = None
+) -> str:
+    """The report as text (ANSI colours when ``color``; plain text otherwise)."""
+    console = Console(
+        width=width,
+        record=True,
+        force_terminal=bool(color),
+        no_color=not color,
+        color_system="standard" if color else None,
+        file=_Null(),
+        highlight=False,
+    )
+    console.print(renderable(verdict, verbose))
+    return console.export_text(styles=bool(color))
+
+
+class _Null:
+    def write(self, _: str) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
