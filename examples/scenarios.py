@@ -1,0 +1,221 @@
+"""The fault scenarios of ``faulty_job.py``: how to run each one and the verdict it must get.
+
+Shared by ``scripts/make_sample_dumps.py`` (regenerates ``sample_dumps/``) and
+``tests/test_scenarios.py`` (runs them and checks ``frtools analyze``). Importing this module
+does not import torch: the jobs run as subprocesses through ``tests/jobs.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parent.parent
+FAULTY_JOB = REPO / "examples" / "faulty_job.py"
+WORLD = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One dump set: the fault injected and the verdict ``frtools analyze`` owes it."""
+
+    case: str  # directory name under sample_dumps/
+    fault: str  # faulty_job.py --fault
+    rank: int | None  # the faulty rank (None: healthy)
+    kinds: tuple[str, ...]  # acceptable verdict kinds, the preferred one first
+    guilty: tuple[int, ...]  # exact guilty rank set
+    groups: tuple[tuple[int, ...], ...] | None  # acceptable process groups (member ranks);
+    # None: not checked (a straggler is late everywhere)
+    what: str  # one line for the README
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.kinds == ("healthy",) else 1
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("healthy", "none", None, ("healthy",), (), None, "no fault; every rank completes"),
+    Scenario(
+        "missing",
+        "compute",
+        1,
+        ("missing",),
+        (1,),
+        (WORLD,),
+        "rank 1 hangs in compute (time.sleep) before the step-2 loss all_reduce on the world "
+        "group; ranks 0, 2, 3 wait in it",
+    ),
+    Scenario(
+        "skipped",
+        "skip",
+        2,
+        ("mismatch", "missing"),
+        (2,),
+        ((2, 3),),
+        "rank 2 skips the step-2 tensor-parallel all_reduce; its next TP op (all_gather) meets "
+        "rank 3's all_reduce at the same collective_seq_id and both hang; ranks 0, 1 wait in "
+        "their data-parallel all_reduce",
+    ),
+    Scenario(
+        "dead",
+        "exit",
+        3,
+        ("dead",),
+        (3,),
+        (WORLD,),
+        "rank 3 calls os._exit(1) before the step-2 loss all_reduce (no dump); Gloo raises "
+        "'Connection closed by peer' on the others, which dump and exit",
+    ),
+    Scenario(
+        "order",
+        "order",
+        1,
+        ("order",),
+        (1,),
+        ((1, 3), WORLD),
+        "rank 1 issues the world loss all_reduce before the data-parallel gradient all_reduce, "
+        "its peers the other way round: rank 1 waits for rank 3 on the world group, rank 3 "
+        "for rank 1 on data-parallel [1, 3]",
+    ),
+    Scenario(
+        "size-mismatch",
+        "size",
+        2,
+        ("mismatch",),
+        (2,),
+        (WORLD,),
+        "rank 2 passes a [16] buffer to the step-2 world broadcast, its peers [8]; Gloo "
+        "completes it silently and the job finishes",
+    ),
+    Scenario(
+        "op-mismatch",
+        "op",
+        3,
+        ("mismatch",),
+        (3,),
+        (WORLD,),
+        "rank 3 calls broadcast where its peers call the step-2 loss all_reduce (world "
+        "group); all hang",
+    ),
+    Scenario(
+        "straggler",
+        "late",
+        2,
+        ("straggler",),
+        (2,),
+        None,
+        "rank 2 sleeps 80 ms before every collective; the job completes",
+    ),
+)
+
+# A hang case with damaged inputs: the analyzer must still answer and list the bad files.
+DAMAGED_FROM = "missing"
+DAMAGED_TRUNCATED = 0  # rank whose dump is cut to half its length
+DAMAGED_REMOVED = 3  # rank whose dump is deleted
+DAMAGED = Scenario(
+    "damaged",
+    "compute",
+    1,
+    ("missing",),
+    (1,),
+    (WORLD,),
+    f"the 'missing' set with rank_{DAMAGED_TRUNCATED}.pkl truncated, "
+    f"rank_{DAMAGED_REMOVED}.pkl removed and a README.txt added",
+)
+
+BY_CASE = {s.case: s for s in (*SCENARIOS, DAMAGED)}
+
+# Job parameters shared by the sample dumps and the tests.
+STEPS = 3
+FAULT_STEP = 2
+HANG_SECONDS = 4.0
+JOB_TIMEOUT = 90.0
+
+
+def _jobs_module() -> ModuleType:
+    """``tests/jobs.py``, the one launcher of real multi-process jobs, imported by path."""
+    name = "frtools_test_jobs"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "jobs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_scenario(scenario: Scenario, out: Path, timeout: float = JOB_TIMEOUT):  # noqa: ANN201
+    """Run the 4-rank job with the scenario's fault; dumps land in ``out/rank_<R>.pkl``.
+
+    Returns ``tests/jobs.py``'s ``JobResult`` (every process is gone when it returns)."""
+    jobs = _jobs_module()
+    out.mkdir(parents=True, exist_ok=True)
+    args = [
+        "--fault",
+        scenario.fault,
+        "--rank",
+        str(scenario.rank if scenario.rank is not None else 0),
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--fault-step",
+        str(FAULT_STEP),
+        "--hang-seconds",
+        str(HANG_SECONDS),
+    ]
+    return jobs.run_job(FAULTY_JOB, world_size=len(WORLD), args=args, timeout=timeout, cwd=REPO)
+
+
+def make_damaged(source: Path, out: Path) -> None:
+    """Copy a dump set, then truncate one rank's file, remove another's, add a non-dump."""
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(source, out)
+    truncated = out / f"rank_{DAMAGED_TRUNCATED}.pkl"
+    data = truncated.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    (out / f"rank_{DAMAGED_REMOVED}.pkl").unlink()
+    (out / "README.txt").write_text(
+        "Not a dump: notes a user left next to the rank files.\n", encoding="utf-8"
+    )
+
+
+def generate(
+    root: Path, scenarios: Iterable[Scenario] = SCENARIOS, parallel: int = 2
+) -> dict[str, object]:
+    """Run the scenarios ``parallel`` at a time into ``root/<case>/`` and build ``damaged``.
+
+    Returns case -> JobResult."""
+    scenarios = list(scenarios)
+    root.mkdir(parents=True, exist_ok=True)
+    for s in scenarios:
+        if (root / s.case).exists():
+            shutil.rmtree(root / s.case)
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = {s.case: pool.submit(run_scenario, s, root / s.case) for s in scenarios}
+        results = {case: f.result() for case, f in futures.items()}
+    for s in scenarios:
+        for tmp in (root / s.case).glob(".*.tmp"):
+            tmp.unlink()
+    if DAMAGED_FROM in results:
+        make_damaged(root / DAMAGED_FROM, root / DAMAGED.case)
+    return results
+
+
+def dumps_present(out: Path) -> set[int]:
+    return {int(p.stem.split("_", 1)[1]) for p in out.glob("rank_*.pkl")}
+
+
+def expected_dumps(scenario: Scenario) -> set[int]:
+    """Ranks that must leave a dump: all but a rank that died."""
+    if scenario.fault == "exit":
+        return set(WORLD) - {scenario.rank}
+    return set(WORLD)
