@@ -13,6 +13,7 @@ import ast
 import json
 import re
 from collections.abc import Mapping
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -138,18 +139,34 @@ def _pg_status(raw: Any, pg_id_to_name: Mapping[str, str]) -> tuple[dict[str, di
     return out, note
 
 
-def _frames_text(frames: Any, cache: dict[tuple, tuple[str | None, str | None]]) -> tuple:
-    if not frames or not isinstance(frames, list):
-        return None, None
-    try:
-        key = tuple((f.get("filename"), f.get("line"), f.get("name")) for f in frames)
-    except AttributeError:
-        return None, None
-    hit = cache.get(key)
-    if hit is None:
-        hit = (call_site(frames), "\n".join(format_frame(f) for f in frames))
-        cache[key] = hit
-    return hit
+_FRAME_KEY = itemgetter("filename", "line", "name")
+
+
+class _Stacks:
+    """Distinct stacks of one file, interned: a job repeats a few dozen call paths."""
+
+    def __init__(self) -> None:
+        self.index: dict[tuple, int] = {}
+        self.sites: list[str | None] = []
+        self.texts: list[str] = []
+
+    def intern(self, frames: Any) -> int | None:
+        if not frames or frames.__class__ is not list:
+            return None
+        try:
+            key = tuple(map(_FRAME_KEY, frames))
+        except (KeyError, TypeError):
+            try:
+                key = tuple((f.get("filename"), f.get("line"), f.get("name")) for f in frames)
+            except AttributeError:
+                return None
+        i = self.index.get(key)
+        if i is None:
+            i = len(self.texts)
+            self.index[key] = i
+            self.sites.append(call_site(frames))
+            self.texts.append("\n".join(format_frame(f) for f in frames))
+        return i
 
 
 def normalize(dump: Any, path: Path, fmt: str) -> RankDump:
@@ -177,7 +194,7 @@ def normalize(dump: Any, path: Path, fmt: str) -> RankDump:
             "cannot tell which rank this dump belongs to: the dump has no 'rank' and the file "
             "name carries none (expected e.g. rank_3.pkl)"
         )
-    if _as_int(dump.get("host")) is None and isinstance(dump.get("host"), str):
+    if isinstance(dump.get("host"), str) and dump["host"]:
         host = dump["host"]
 
     # process groups this file knows
@@ -250,6 +267,9 @@ def _table(cols: dict[str, list[Any]], notes: list[str]) -> pa.Table:
     arrays = []
     for fld in ENTRY_SCHEMA:
         values = cols.get(fld.name)
+        if isinstance(values, pa.Array):
+            arrays.append(values)
+            continue
         if values is None:
             arrays.append(pa.nulls(n, type=fld.type))
             continue
@@ -297,7 +317,7 @@ def _is_entry(e: Any) -> bool:
 
 def _columns(
     raw_entries: list[Any], groups: dict[str, ProcessGroup]
-) -> tuple[dict[str, list[Any]], dict[str, str], dict[str, str], set[str], int]:
+) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str], int]:
     """Entries -> columns, column by column (list comprehensions and small caches over
     the few distinct values of a column: the hot path for thousands of files)."""
     entries = [e for e in raw_entries if _is_entry(e)]
@@ -370,13 +390,12 @@ def _columns(
                 peers.append(local)
                 unmapped.add(name)
 
-    frames_cache: dict[tuple, tuple[str | None, str | None]] = {}
-    sites: list[str | None] = []
-    stacks: list[str | None] = []
-    for frames in col("frames"):
-        site, stack = _frames_text(frames, frames_cache)
-        sites.append(site)
-        stacks.append(stack)
+    interned = _Stacks()
+    stack_ids = [interned.intern(f) for f in col("frames")]
+    sites = [None if i is None else interned.sites[i] for i in stack_ids]
+    stacks = pa.DictionaryArray.from_arrays(
+        pa.array(stack_ids, type=pa.int32()), pa.array(interned.texts, type=pa.string())
+    )
 
     duration = [
         v if isinstance(v, (int, float)) and not isinstance(v, bool) else None

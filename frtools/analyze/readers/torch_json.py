@@ -28,8 +28,11 @@ def read(path: Path) -> RankDump:
         raise DumpError("not UTF-8 text; not a JSON dump") from None
     except RecursionError:
         raise DumpError("JSON nests too deeply to be a dump; refused") from None
+    except json.JSONDecodeError as e:
+        end = len(data.rstrip())
+        if e.pos >= end - 1 or e.msg.startswith("Unterminated"):
+            raise DumpError(f"truncated JSON (ends at byte {len(data)} inside the dump)") from None
+        raise DumpError(f"invalid JSON: {e}") from None
     except ValueError as e:
-        if "Expecting" in str(e) and e.args and getattr(e, "pos", 0) >= len(data.rstrip()) - 1:
-            raise DumpError(f"truncated JSON (ends at byte {len(data)})") from None
         raise DumpError(f"invalid JSON: {e}") from None
     return normalize(dump, path, FORMAT)

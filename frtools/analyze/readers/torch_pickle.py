@@ -15,9 +15,16 @@ from .torch_fr import normalize
 FORMAT = "torch-pickle"
 
 
+_PICKLE_NAMES = (".pkl", ".pickle", ".pkl.gz", ".pickle.gz")
+
+
 def sniff(path: Path, head: bytes) -> bool:
-    # protocol 2+ starts with PROTO (0x80 <n>); PyTorch's pickler writes protocol 2
-    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+    # protocol 2+ starts with PROTO (0x80 <n>); PyTorch's pickler writes protocol 2. A file
+    # named like a pickle is claimed whatever its protocol, so that a hostile protocol-0
+    # pickle is refused by name instead of being skipped as "not a dump".
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return True
+    return path.name.lower().endswith(_PICKLE_NAMES)
 
 
 def read(path: Path) -> RankDump:
@@ -47,6 +54,8 @@ def read(path: Path) -> RankDump:
         OverflowError,
     ) as e:
         reason = str(e) or type(e).__name__
+        if "truncated" in reason:
+            raise DumpError("truncated pickle (data ends before the dump does)") from None
         raise DumpError(f"corrupt pickle: {reason}") from None
     finally:
         if gc_was_enabled:
