@@ -495,6 +495,7 @@ struct Box {
       uint8_t st = __atomic_load_n(&s->state, __ATOMIC_RELAXED);
       int64_t t = __atomic_load_n(&s->time_created_ns, __ATOMIC_RELAXED);
       if ((a & 1) || aload(&s->seq) != a) break;  // being written: look again next time
+      if (st == kEmpty) break;                      // claimed, not yet written
       if (uint64_t(r) != rid) {
         if (uint64_t(r) > rid) {  // overwritten by a newer record: skip
           if (rid == stall_cursor) ++stall_cursor;

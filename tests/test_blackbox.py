@@ -1,0 +1,360 @@
+"""The native black box: ring buffer, crash survival, watchdog (stall flag, dump requests),
+CUDA-event bookkeeping (with fake events on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from jobs import start_ranks, stop, wait_ranks
+
+from frtools.recorder.blackbox import load_native
+from frtools.recorder.snapshot import (
+    STRING_FULL,
+    dump_acknowledged,
+    read_header,
+    read_snapshot,
+    request_dump,
+)
+
+native = load_native()
+IDENTITY = {"job_id": "t", "rank": 0, "world_size": 4, "host": "h", "backend": "gloo"}
+
+
+def make_box(tmp_path: Path, capacity: int = 64, strings: int = 1 << 16, name: str = "rank_0"):
+    path = tmp_path / f"{name}.frt"
+    box = native.BlackBox(str(path), capacity, strings, json.dumps(IDENTITY))
+    return box, path
+
+
+def record_n(box, n: int, pg: int = 0, first_seq: int = 1) -> list[int]:
+    op = box.intern("all_reduce")
+    sizes = box.intern("[[4,2]]")
+    dtypes = box.intern("Float")
+    return [
+        box.record(pg, op, first_seq + i, 0, -1, False, sizes, sizes, dtypes, dtypes, 0)
+        for i in range(n)
+    ]
+
+
+def wait_for(predicate, timeout: float, step: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
+
+
+@pytest.mark.timeout(10)
+def test_ring_keeps_newest_records_and_says_it_wrapped(tmp_path):
+    box, path = make_box(tmp_path, capacity=8)
+    box.add_process_group("0", "default_pg", [0, 1, 2, 3])
+    rids = record_n(box, 20)
+    assert rids == list(range(20))
+    snap = read_snapshot(path)
+    assert snap.slots["record_id"].tolist() == list(range(12, 20))
+    assert snap.slots["collective_seq_id"].tolist() == list(range(13, 21))
+    assert snap.wrapped
+    assert snap.records_written == 20
+    box.close()
+
+
+@pytest.mark.timeout(10)
+def test_small_ring_that_did_not_wrap_is_not_flagged(tmp_path):
+    box, path = make_box(tmp_path, capacity=8)
+    record_n(box, 8)
+    snap = read_snapshot(path)
+    assert len(snap.slots) == 8 and not snap.wrapped
+
+
+@pytest.mark.timeout(10)
+def test_intern_and_process_groups_are_idempotent(tmp_path):
+    box, path = make_box(tmp_path, strings=128)
+    assert box.intern("all_reduce") == box.intern("all_reduce")
+    assert box.intern("send") != box.intern("all_reduce")
+    assert box.add_process_group("1", "tp", [0, 1]) == 0
+    assert box.add_process_group("2", "dp", [0, 2]) == 1
+    assert box.add_process_group("1", "tp", [0, 1]) == 0
+    assert box.intern("x" * 200) == STRING_FULL
+    snap = read_snapshot(path)
+    assert [(g.name, g.desc, g.ranks) for g in snap.groups] == [
+        ("1", "tp", (0, 1)),
+        ("2", "dp", (0, 2)),
+    ]
+    assert snap.string(STRING_FULL) == "<string table full>"
+    assert any("string table was full" in n for n in snap.notes)
+
+
+@pytest.mark.timeout(10)
+def test_states_and_completer_stamp_only_their_own_record(tmp_path):
+    box, path = make_box(tmp_path, capacity=4)
+    r0, r1 = record_n(box, 2)
+    box.mark_started(r0)
+    done = box.completer(r1)
+    done("any", "arguments", future=None)
+    assert done.record_id == r1
+    assert (box.state(r0), box.state(r1)) == (2, 3)
+    snap = read_snapshot(path)
+    state = dict(zip(snap.slots["record_id"].tolist(), snap.slots["state"].tolist(), strict=True))
+    assert state == {r0: 2, r1: 3}
+    assert snap.slots["time_started_ns"][0] >= snap.slots["time_created_ns"][0] > 0
+    assert snap.slots["time_completed_ns"][1] > 0
+    # r0's slot is reused by record 4: a late completion of r0 must not touch record 4
+    later = record_n(box, 3)
+    assert later[-1] == 4
+    box.mark_completed(r0)
+    assert box.state(4) == 1 and box.state(r0) == 0
+
+
+@pytest.mark.timeout(30)
+def test_two_threads_recording_get_unique_ids_and_no_torn_slot(tmp_path):
+    box, path = make_box(tmp_path, capacity=32768)
+    results: dict[str, list[int]] = {}
+
+    def worker(name: str) -> None:
+        results[name] = record_n(box, 10_000)
+        for rid in results[name][::2]:
+            box.mark_completed(rid)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    all_ids = results["a"] + results["b"]
+    assert len(set(all_ids)) == 20_000
+    snap = read_snapshot(path)
+    assert snap.torn == 0
+    assert len(snap.slots) == 20_000
+    assert sorted(snap.slots["record_id"].tolist()) == sorted(all_ids)
+    assert len(set(snap.slots["thread_id"].tolist())) == 2
+
+
+CRASH_SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from frtools.recorder._blackbox import BlackBox
+    path, n, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    box = BlackBox(path, 4096, 1 << 16, json.dumps({"rank": 3, "world_size": 4}))
+    pg = box.add_process_group("0", "default_pg", [0, 1, 2, 3])
+    op = box.intern("all_reduce")
+    for i in range(n):
+        rid = box.record(pg, op, i + 1, 0, -1, False, 0, 0, 0, 0, 0)
+        if i < n - 1:
+            box.mark_completed(rid)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(7)
+    """
+)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how,code", [("kill", -signal.SIGKILL), ("exit", 7)])
+def test_records_survive_the_process_dying(tmp_path, how, code):
+    path = tmp_path / "rank_3.frt"
+    procs = start_ranks([sys.executable, "-c", CRASH_SCRIPT, str(path), "1000", how], 1)
+    result = wait_ranks(procs, timeout=20)
+    assert result.ranks[0].returncode == code, result.output()
+    snap = read_snapshot(path)
+    assert snap.identity["rank"] == 3
+    assert len(snap.slots) == 1000 and snap.torn == 0
+    assert snap.slots["collective_seq_id"].tolist() == list(range(1, 1001))
+    assert snap.slots["state"].tolist() == [3] * 999 + [1]
+
+
+@pytest.mark.timeout(10)
+def test_watchdog_flags_a_stall_and_clears_it_when_the_op_completes(tmp_path):
+    box, path = make_box(tmp_path)
+    box.start_watchdog(20, 0.5, 0)
+    first, stuck = record_n(box, 2)
+    box.mark_completed(first)
+    assert not box.stalled()
+    assert wait_for(lambda: read_header(path)["stalled"] == 1, timeout=2.5)
+    header = read_header(path)
+    assert box.stalled()
+    assert header["stall_record_id"] == stuck
+    assert header["stall_time_ns"] > 0 and header["heartbeat_ns"] > 0
+    box.mark_completed(stuck)
+    assert wait_for(lambda: not box.stalled(), timeout=2)
+    box.close()
+    assert read_header(path)["watchdog_state"] == 2
+
+
+@pytest.mark.timeout(10)
+def test_stall_detection_is_off_with_zero_seconds(tmp_path):
+    box, path = make_box(tmp_path)
+    record_n(box, 1)
+    box.start_watchdog(10, 0.0, 0)
+    time.sleep(0.3)
+    assert not box.stalled()
+    assert read_header(path)["heartbeat_ns"] > 0
+    box.close()
+
+
+DUMP_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, faulthandler, json, signal, sys, threading, time
+    from frtools.recorder._blackbox import BlackBox
+    path, stacks, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    out = open(stacks, "a")
+    faulthandler.register(signal.SIGUSR2, file=out, all_threads=True, chain=False)
+
+    def helper_thread_waiting():
+        time.sleep(60)
+
+    threading.Thread(target=helper_thread_waiting, daemon=True).start()
+    box = BlackBox(path, 64, 1 << 16, json.dumps({"rank": 0}))
+    box.start_watchdog(20, 0.0, int(signal.SIGUSR2))
+
+    def main_thread_holding_the_gil():
+        ctypes.PyDLL(None).sleep(30)  # libc sleep called with the GIL held
+
+    if mode == "gil":
+        main_thread_holding_the_gil()
+    else:
+        time.sleep(30)
+    """
+)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["sleep", "gil"])
+def test_dump_request_is_answered_with_every_threads_stack(tmp_path, mode):
+    path = tmp_path / "rank_0.frt"
+    stacks = tmp_path / "rank_0.stacks"
+    procs = start_ranks([sys.executable, "-c", DUMP_SCRIPT, str(path), str(stacks), mode], 1)
+    try:
+
+        def watchdog_running() -> bool:
+            try:
+                return read_header(path)["watchdog_state"] == 1
+            except (OSError, ValueError):
+                return False
+
+        assert wait_for(watchdog_running, timeout=15), "subprocess never started its watchdog"
+        time.sleep(0.2)  # let the main thread reach its sleep
+        seq = request_dump(path)
+        assert seq == 1
+        t0 = time.monotonic()
+        assert wait_for(lambda: dump_acknowledged(path, seq), timeout=2)
+        assert time.monotonic() - t0 < 2
+        assert read_header(path)["dump_ack_status"] == 1
+        text = stacks.read_text()
+        assert "helper_thread_waiting" in text
+        if mode == "gil":
+            assert "main_thread_holding_the_gil" in text
+        assert procs[0].poll() is None, "the dump must not kill the process"
+        seq2 = request_dump(path)
+        assert seq2 == 2 and wait_for(lambda: dump_acknowledged(path, seq2), timeout=2)
+    finally:
+        stop(procs)
+
+
+@pytest.mark.timeout(10)
+def test_dump_request_without_a_stack_handler_is_acknowledged_and_harmless(tmp_path):
+    box, path = make_box(tmp_path)
+    # SIGUSR1 left at its default action (terminate): the watchdog must not raise it
+    box.start_watchdog(10, 0.0, int(signal.SIGUSR1))
+    previous = signal.getsignal(signal.SIGUSR1)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    try:
+        seq = request_dump(path)
+        assert wait_for(lambda: dump_acknowledged(path, seq), timeout=2)
+        assert read_header(path)["dump_ack_status"] == 2
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        box.close()
+
+
+@pytest.mark.timeout(10)
+def test_cuda_events_drive_started_completed_and_duration(tmp_path):
+    box, path = make_box(tmp_path)
+    box._fake_events(True)
+    rid, other = record_n(box, 2)
+    start, end = 0x1000, 0x2000
+    box._fake_event_set(start, False, 0.0)
+    box._fake_event_set(end, False, 0.0)
+    box.watch_cuda(rid, start, end)
+    box._poll_once()
+    assert box.state(rid) == 1 and box.cuda_pending() == 1
+    box._fake_event_set(start, True, 100.0)
+    box._poll_once()
+    assert box.state(rid) == 2
+    box._fake_event_set(end, True, 112.5)
+    box._poll_once()
+    assert box.state(rid) == 3 and box.cuda_pending() == 0
+    assert box.drain_cuda_done() == [rid]
+    assert box.drain_cuda_done() == []
+    snap = read_snapshot(path)
+    row = snap.slots[snap.slots["record_id"] == rid][0]
+    assert row["duration_ms"] == pytest.approx(12.5)
+    assert row["flags"] & 1
+    assert row["time_started_ns"] <= row["time_completed_ns"]
+    assert box.state(other) == 1
+
+
+@pytest.mark.timeout(10)
+def test_cuda_events_polled_by_the_watchdog_thread(tmp_path):
+    box, path = make_box(tmp_path)
+    box._fake_events(True)
+    (rid,) = record_n(box, 1)
+    box._fake_event_set(1, True, 5.0)
+    box._fake_event_set(2, False, 0.0)
+    box.watch_cuda(rid, 1, 2)
+    box.start_watchdog(10, 0.0, 0)
+    assert wait_for(lambda: box.state(rid) == 2, timeout=2)
+    box._fake_event_set(2, True, 7.0)
+    assert wait_for(lambda: box.state(rid) == 3, timeout=2)
+    box.close()
+    row = read_snapshot(path).slots[0]
+    assert row["duration_ms"] == pytest.approx(2.0)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_unwritable_directory_raises_oserror_naming_the_path(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(OSError, match="locked"):
+        native.BlackBox(str(locked / "rank_0.frt"), 8, 4096, "{}")
+
+
+@pytest.mark.timeout(10)
+def test_path_under_a_file_raises_oserror_naming_the_path(tmp_path):
+    (tmp_path / "plain_file").write_text("")
+    target = tmp_path / "plain_file" / "rank_0.frt"
+    with pytest.raises(OSError, match="plain_file"):
+        native.BlackBox(str(target), 8, 4096, "{}")
+
+
+@pytest.mark.timeout(10)
+def test_missing_directory_raises_oserror_naming_the_path(tmp_path):
+    target = tmp_path / "no" / "such" / "dir" / "rank_0.frt"
+    with pytest.raises(OSError) as info:
+        native.BlackBox(str(target), 8, 4096, "{}")
+    assert info.value.filename == str(target)
+    assert str(target) in str(info.value)
+
+
+@pytest.mark.timeout(10)
+def test_closed_box_ignores_records_and_keeps_the_file(tmp_path):
+    box, path = make_box(tmp_path)
+    record_n(box, 3)
+    box.close()
+    box.close()
+    assert box.closed
+    assert box.record(0, 8, 4, 0, -1, False, 0, 0, 0, 0, 0) == -1
+    with pytest.raises(ValueError, match="closed"):
+        box.intern("all_reduce")
+    box.mark_completed(0)
+    snap = read_snapshot(path)
+    assert len(snap.slots) == 3 and snap.header["closed"] == 1
