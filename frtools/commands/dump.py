@@ -1,0 +1,233 @@
+"""``frtools dump``: collect a job's flight records and stacks into one directory."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from frtools.dump.manifest import Manifest
+
+_err = Console(stderr=True, highlight=False)
+
+
+def _fail(message: str) -> None:
+    _err.print(f"[red]frtools dump: {message}[/red]")
+    raise SystemExit(2)
+
+
+def _default_out(name: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    return Path(f"frtools-dump-{safe}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def print_summary(console: Console, manifest: Manifest, out: Path) -> None:
+    """The one-screen answer of a collection: who answered, who is gone, what next."""
+    found, gone, silent = manifest.ranks_found, manifest.ranks_gone, manifest.ranks_no_answer
+    head = f"[bold]{manifest.job_id}[/bold]: {len(found)} rank file(s) collected into {out}"
+    console.print(head)
+    table = Table(show_edge=False, pad_edge=False, box=None)
+    for col in ("rank", "host", "pid", "status", "files"):
+        table.add_column(col)
+    for rank in sorted(manifest.ranks):
+        e = manifest.ranks[rank]
+        if e.answered:
+            status = "[green]answered[/green]"
+        elif e.alive is False:
+            status = "[red]process gone[/red]"
+        else:
+            status = "[yellow]no answer[/yellow]"
+        table.add_row(
+            str(rank), e.host or "?", str(e.pid or "?"), status, ", ".join(e.files) or "-"
+        )
+    if manifest.ranks:
+        console.print(table)
+    if gone:
+        console.print(f"[red]process gone:[/red] ranks {', '.join(map(str, gone))}")
+    if silent:
+        console.print(f"[yellow]did not answer:[/yellow] ranks {', '.join(map(str, silent))}")
+    for rank in sorted(manifest.ranks):
+        note = manifest.ranks[rank].note
+        if note and not manifest.ranks[rank].answered:
+            console.print(f"  rank {rank}: {note}", soft_wrap=True)
+    for note in manifest.notes:
+        console.print(f"note: {note}", soft_wrap=True)
+    console.print(f"next: [bold]frtools analyze {out}[/bold]")
+
+
+@click.command("dump")
+@click.argument("job", required=False)
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    type=click.Path(file_okay=False),
+    help="Directory to write into (default: ./frtools-dump-<job>-<time>).",
+)
+@click.option(
+    "--timeout",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Seconds to wait for live ranks to answer, all ranks together.",
+)
+@click.option(
+    "--dir",
+    "root",
+    type=click.Path(file_okay=False),
+    help="Where the recorder writes (default: $FRTOOLS_DIR or /dev/shm/frtools).",
+)
+@click.option(
+    "--job-wide",
+    is_flag=True,
+    help="Ask every rank on every host through the job's TCPStore (needs --store; -o on a shared file system).",
+)
+@click.option(
+    "--store",
+    "store_addr",
+    metavar="HOST:PORT",
+    help="The job's TCPStore (MASTER_ADDR:MASTER_PORT under torchrun).",
+)
+@click.option(
+    "--prefix",
+    default=None,
+    help="Key prefix in the store (default: $FRTOOLS_STORE_PREFIX or 'frtools/').",
+)
+@click.option(
+    "--torch-socket",
+    "torch_sockets",
+    multiple=True,
+    metavar="GLOB",
+    help="PyTorch FR only: worker-server unix sockets (TORCH_WORKER_SERVER_SOCKET), rank = last number in the name.",
+)
+@click.option(
+    "--torch-store",
+    "torch_store",
+    metavar="HOST:PORT",
+    help="PyTorch FR only: ranks' torch.distributed.debug servers, found in this store.",
+)
+@click.option(
+    "--torch-pipe",
+    "torch_pipe",
+    metavar="PREFIX",
+    help="PyTorch FR only (NCCL): the TORCH_NCCL_DEBUG_INFO_PIPE_FILE prefix.",
+)
+@click.option(
+    "--torch-dump-prefix",
+    default=None,
+    metavar="PREFIX",
+    help="With --torch-pipe: where NCCL writes dumps (default: $TORCH_NCCL_DEBUG_INFO_TEMP_FILE or /tmp/nccl_trace_rank_).",
+)
+def dump(
+    job: str | None,
+    output: str | None,
+    timeout: float,
+    root: str | None,
+    job_wide: bool,
+    store_addr: str | None,
+    prefix: str | None,
+    torch_sockets: tuple[str, ...],
+    torch_store: str | None,
+    torch_pipe: str | None,
+    torch_dump_prefix: str | None,
+) -> None:
+    """Collect a job's flight records and Python stacks into one directory.
+
+    \b
+    frtools dump [JOB] -o DIR                     this host's ranks (live or dead)
+    frtools dump --job-wide --store H:P -o DIR    every rank, through the job's store
+    frtools dump --torch-socket '/tmp/ws_*.sock' -o DIR   PyTorch's own recorder
+    """
+    console = Console(highlight=False)
+    if timeout <= 0:
+        _fail("--timeout must be positive")
+    modes = sum(bool(x) for x in (job_wide, torch_sockets, torch_store, torch_pipe))
+    if modes > 1:
+        _fail("choose one of --job-wide, --torch-socket, --torch-store, --torch-pipe")
+
+    if job_wide or torch_sockets or torch_store or torch_pipe:
+        out = Path(output) if output else _default_out("job")
+        manifest = _collect_remote(
+            job, out, timeout, job_wide, store_addr, prefix, torch_sockets, torch_store,
+            torch_pipe, torch_dump_prefix,
+        )  # fmt: skip
+        if manifest.mode.startswith("torch"):
+            manifest.write(out)
+        print_summary(console, manifest, out)
+        if not manifest.ranks_found:
+            raise SystemExit(2)
+        return
+
+    from frtools.dump.local import collect_job, find_jobs, frtools_dir
+
+    base = Path(root) if root else frtools_dir()
+    jobs = find_jobs(base)
+    if job is not None:
+        if job not in jobs:
+            known = ", ".join(jobs) or "none"
+            _fail(f"no job {job!r} under {base} (jobs found: {known})")
+        jobs = {job: jobs[job]}
+    if not jobs:
+        _fail(f"no recorder files under {base} (is the recorder on? FRTOOLS_DIR set?)")
+    if len(jobs) > 1:
+        console.print(f"{len(jobs)} jobs under {base}: {', '.join(jobs)}")
+    out = Path(output) if output else _default_out(next(iter(jobs)) if len(jobs) == 1 else "all")
+    for job_id, job_dir in jobs.items():
+        target = out if len(jobs) == 1 else out / job_id
+        try:
+            manifest = collect_job(job_dir, target, timeout)
+        except OSError as exc:
+            _err.print(f"[red]frtools dump: {job_dir}: {exc.strerror or exc}[/red]")
+            continue
+        print_summary(console, manifest, target)
+
+
+def _collect_remote(
+    job: str | None,
+    out: Path,
+    timeout: float,
+    job_wide: bool,
+    store_addr: str | None,
+    prefix: str | None,
+    torch_sockets: tuple[str, ...],
+    torch_store: str | None,
+    torch_pipe: str | None,
+    torch_dump_prefix: str | None,
+) -> Manifest:
+    try:
+        if job_wide:
+            from frtools.dump.jobwide import StoreUnavailable, dump_job_wide
+
+            if not store_addr:
+                store_addr = _store_from_env()
+            if not store_addr:
+                _fail("--job-wide needs --store HOST:PORT (the job's MASTER_ADDR:MASTER_PORT)")
+            try:
+                return dump_job_wide(store_addr, out, prefix=prefix, timeout=timeout, job_id=job)
+            except StoreUnavailable as exc:
+                _fail(str(exc))
+        from frtools.dump import torch_fr
+
+        if torch_sockets:
+            return torch_fr.collect_sockets(torch_sockets, out, timeout)
+        if torch_store:
+            from frtools.dump.jobwide import StoreUnavailable
+
+            try:
+                return torch_fr.collect_debug_servers(torch_store, out, timeout)
+            except StoreUnavailable as exc:
+                _fail(str(exc))
+        assert torch_pipe is not None
+        return torch_fr.collect_pipes(torch_pipe, out, timeout, torch_dump_prefix)
+    except ValueError as exc:
+        _fail(str(exc))
+    raise AssertionError("unreachable")
+
+
+def _store_from_env() -> str | None:
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"{addr}:{port}" if addr and port else None

@@ -1,0 +1,139 @@
+"""A small training-like job on Gloo that hangs on purpose: the job behind ``frtools demo``
+(and the tests of ``frtools dump``).
+
+Every rank runs a few steps of "forward, all-reduce the gradients"; at ``--hang-step`` the
+``--fault-rank`` misbehaves while the others go on into the next all-reduce and wait:
+
+* ``compute`` — stuck in its own compute loop (a bug in user code);
+* ``gil`` — a C call that holds the GIL forever (``sleep`` through ``ctypes.PyDLL``);
+* ``kill`` — SIGKILLs itself (an OOM kill, a node failure);
+* ``none`` — no fault: the job finishes.
+
+When a rank reaches its final position it touches ``<marker-dir>/rank_<R>.ready`` so a
+caller knows the hang is in place without guessing with sleeps. Run as
+``python -m frtools.demo_job`` with the usual RANK / WORLD_SIZE / MASTER_* variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import frtools.recorder as recorder
+
+
+def _mark(marker_dir: str | None, rank: int) -> None:
+    if marker_dir:
+        Path(marker_dir).mkdir(parents=True, exist_ok=True)
+        (Path(marker_dir) / f"rank_{rank}.ready").touch()
+
+
+def forward(weight: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(batch @ weight).sum(dim=0)
+
+
+def compute_forever(weight: torch.Tensor) -> None:
+    """The injected bug: a data-dependent loop that never ends."""
+    x = torch.ones(64, 64)
+    while True:
+        x = torch.tanh(x @ weight[:64, :64])
+
+
+def hold_gil_forever() -> None:
+    """A C call made through PyDLL keeps the GIL: no Python thread of this process runs."""
+    import ctypes
+
+    ctypes.PyDLL(None).sleep(600)
+
+
+def train(args: argparse.Namespace) -> None:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    weight = torch.randn(64, 64)
+    for step in range(args.steps):
+        grad = forward(weight, torch.randn(16, 64))
+        if step == args.hang_step and rank == args.fault_rank and args.fault != "none":
+            _mark(args.marker_dir, rank)
+            if args.fault == "compute":
+                compute_forever(weight)
+            elif args.fault == "gil":
+                hold_gil_forever()
+            elif args.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.hang_step and args.fault != "none":
+            _mark(args.marker_dir, rank)
+        dist.all_reduce(grad)
+        weight -= 0.01 * grad.unsqueeze(0) / dist.get_world_size()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fault", choices=("compute", "gil", "kill", "none"), default="compute")
+    parser.add_argument("--fault-rank", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--hang-step", type=int, default=3)
+    parser.add_argument("--marker-dir", default=None)
+    parser.add_argument("--pg-timeout", type=float, default=300.0)
+    parser.add_argument("--no-record", action="store_true", help="run without the recorder")
+    args = parser.parse_args(argv)
+
+    if not args.no_record:
+        _keep_stack_signal_harmless()
+        recorder.enable()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    if not args.no_record:
+        _start_jobwide()
+    train(args)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _keep_stack_signal_harmless() -> None:
+    """faulthandler registered with ``chain=True`` re-raises the stack signal to the previous
+    handler; when that is the default action (terminate), a dump request would kill the rank.
+    A no-op Python handler underneath makes the chain harmless."""
+    from frtools.recorder.config import from_env
+
+    try:
+        sig = from_env().stack_signal
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, lambda *_: None)
+    except Exception:
+        pass
+
+
+def _start_jobwide() -> None:
+    """Start the job-wide watcher unless ``enable()`` already did."""
+    from frtools.recorder import jobwide
+
+    if getattr(jobwide, "_started", None):
+        return
+    session = getattr(recorder, "_session", {})
+    path, box = session.get("path"), session.get("box")
+    if not path:
+        return
+    import torch.distributed.distributed_c10d as c10d
+
+    jobwide.start(
+        c10d._get_default_store(),
+        dist.get_rank(),
+        path,
+        os.path.splitext(path)[0] + ".stacks",
+        world_size=dist.get_world_size(),
+        stalled=box.stalled if box is not None else None,
+    )
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)

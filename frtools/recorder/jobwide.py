@@ -1,0 +1,264 @@
+"""The in-process side of job-wide dumps and of the stall hand-off.
+
+``enable()`` calls ``start(...)`` once the default process group exists. A daemon thread
+then polls the job's own TCPStore (one ``add(key, 0)`` round trip per poll, default every
+0.5 s, on its own client connection so it never queues behind the training thread's store
+calls) and the local black box's stall flag:
+
+* a **dump request** (``frtools dump --job-wide``, or another rank's stall) → write this
+  rank's snapshot (``rank_<R>.frt``, a consistent copy of the live black box) and all
+  threads' Python stacks (``rank_<R>.stacks``) into the requested directory, and record the
+  answer in the store;
+* a **stall** (the native watchdog set the header's stall flag) → write the same into
+  ``FRTOOLS_DUMP_DIR`` (default ``<FRTOOLS_DIR>/<job>/dumps``), and, for the first rank to
+  notice, ask every other rank to do the same, wait briefly for their answers and write
+  ``manifest.json`` there. One line on stderr names the directory.
+
+A rank whose Python threads cannot run (another thread holds the GIL) cannot answer here;
+its black box stays on its host, where ``frtools dump`` (per host) still collects it.
+Nothing here may hurt the job: every failure warns once and the thread goes on or stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from frtools.dump import protocol
+
+DEFAULT_POLL_S = 0.5
+# how long the rank that saw the stall waits for the others before writing the manifest
+STALL_GATHER_S = 5.0
+_MAX_FAILURES = 20  # consecutive store errors before the watcher gives up (job ending)
+
+
+_started: JobWideWatcher | None = None
+
+
+def _log(msg: str) -> None:
+    with contextlib.suppress(Exception):
+        print(f"frtools: {msg}", file=sys.stderr, flush=True)
+
+
+def _own_connection(store: Any) -> Any:
+    raw = protocol.unwrap_store(store)
+    clone = getattr(raw, "clone", None)
+    if clone is not None:
+        try:
+            return clone()
+        except Exception:
+            pass
+    return raw
+
+
+def write_rank_dump(
+    rank: int, blackbox_path: str | os.PathLike[str], directory: str | os.PathLike[str]
+) -> list[str]:
+    """Write this process's snapshot and all threads' stacks into ``directory``; returns the
+    file names written. Called from a Python thread, so faulthandler writes the stacks
+    directly (the main thread shows where it stands)."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    stacks = out / f"rank_{rank}.stacks"
+    tmp = out / f".rank_{rank}.stacks.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+    os.replace(tmp, stacks)
+    files.append(stacks.name)
+    dst = out / f"rank_{rank}.frt"
+    tmp = out / f".rank_{rank}.frt.{os.getpid()}.tmp"
+    try:
+        from frtools.recorder.snapshot import copy_consistent
+    except ImportError:
+        shutil.copyfile(blackbox_path, tmp)
+    else:
+        copy_consistent(str(blackbox_path), str(tmp))
+    os.replace(tmp, dst)
+    files.append(dst.name)
+    return files
+
+
+def default_dump_dir(blackbox_path: str | os.PathLike[str]) -> Path:
+    """``FRTOOLS_DUMP_DIR``, else ``dumps/`` next to the black box (``<FRTOOLS_DIR>/<job>``)."""
+    env = os.environ.get("FRTOOLS_DUMP_DIR")
+    return Path(env) if env else Path(blackbox_path).parent / "dumps"
+
+
+class JobWideWatcher:
+    """The watcher thread of one rank; ``start()`` builds and starts it."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        blackbox_path: str | os.PathLike[str],
+        stacks_path: str | os.PathLike[str] | None = None,
+        *,
+        world_size: int | None = None,
+        stalled: Callable[[], bool] | None = None,
+        dump_dir: str | os.PathLike[str] | None = None,
+        prefix: str | None = None,
+        poll_s: float | None = None,
+    ) -> None:
+        self.store = _own_connection(store)
+        self.rank = rank
+        self.blackbox_path = str(blackbox_path)
+        self.stacks_path = str(stacks_path) if stacks_path else None
+        self.world_size = world_size
+        self.stalled = stalled
+        self.dump_dir = Path(dump_dir) if dump_dir else default_dump_dir(blackbox_path)
+        self.prefix = prefix if prefix is not None else protocol.prefix_from_env()
+        self.poll_s = poll_s or float(os.environ.get("FRTOOLS_JOBWIDE_POLL", DEFAULT_POLL_S))
+        self.host = socket.gethostname()
+        self.last_seq = 0
+        self.stall_handled = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="frtools-jobwide", daemon=True)
+
+    def start(self) -> JobWideWatcher:
+        p = self.prefix
+        self.last_seq = int(self.store.add(protocol.seq_key(p), 0))
+        self.store.set(
+            protocol.rank_key(p, self.rank),
+            protocol.encode(
+                {"host": self.host, "pid": os.getpid(), "blackbox": self.blackbox_path}
+            ),
+        )
+        if self.world_size:
+            self.store.set(protocol.world_size_key(p), str(self.world_size))
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll_once()
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                if failures == 1 and not _interpreter_ending():
+                    _log(f"rank {self.rank}: job-wide dump watcher: {type(exc).__name__}: {exc}")
+                if failures >= _MAX_FAILURES:
+                    return
+
+    def poll_once(self) -> None:
+        if not self.stall_handled and self.stalled is not None and self.stalled():
+            self.stall_handled = True
+            self._on_stall()
+        p = self.prefix
+        current = int(self.store.add(protocol.seq_key(p), 0))
+        if current > self.last_seq and self.store.check([protocol.request_key(p, current)]):
+            request = protocol.decode(self.store.get(protocol.request_key(p, current)))
+            self.last_seq = current
+            self._answer(current, request)
+
+    def _answer(self, seq: int, request: dict[str, Any]) -> Path:
+        directory = Path(request["dir"]) if request.get("dir") else self.dump_dir
+        files = write_rank_dump(self.rank, self.blackbox_path, directory)
+        p = self.prefix
+        self.store.set(
+            protocol.answer_key(p, seq, self.rank),
+            protocol.encode(
+                {
+                    "rank": self.rank,
+                    "host": self.host,
+                    "pid": os.getpid(),
+                    "dir": str(directory),
+                    "files": files,
+                    "blackbox": self.blackbox_path,
+                }
+            ),
+        )
+        self.store.add(protocol.answered_key(p, seq), 1)
+        return directory
+
+    def _on_stall(self) -> None:
+        p = self.prefix
+        first = int(self.store.add(protocol.stall_claim_key(p), 1)) == 1
+        if not first:
+            files = write_rank_dump(self.rank, self.blackbox_path, self.dump_dir)
+            _log(
+                f"rank {self.rank}: stall detected; snapshot and stacks written to "
+                f"{self.dump_dir} ({', '.join(files)})"
+            )
+            return
+        seq = protocol.issue_request(
+            self.store,
+            p,
+            {
+                "dir": None,
+                "reason": f"stall detected on rank {self.rank}",
+                "by": f"rank {self.rank} on {self.host}",
+                "time_ns": time.time_ns(),
+            },
+        )
+        self.last_seq = max(self.last_seq, seq)
+        directory = self._answer(seq, {})
+        _log(
+            f"rank {self.rank}: stall detected; every rank writes its snapshot and stacks "
+            f"to {directory} (analyze with: frtools analyze {directory})"
+        )
+        self._write_stall_manifest(seq, directory)
+
+    def _write_stall_manifest(self, seq: int, directory: Path) -> None:
+        from frtools.dump.jobwide import gather_answers
+        from frtools.dump.manifest import Manifest
+
+        job_id = Path(self.blackbox_path).parent.name
+        manifest = Manifest(job_id=job_id, mode="stall", world_size=self.world_size)
+        gather_answers(self.store, self.prefix, seq, manifest, STALL_GATHER_S)
+        manifest.notes.append(f"requested by rank {self.rank} after its watchdog saw a stall")
+        manifest.write(directory)
+
+
+def _interpreter_ending() -> bool:
+    return sys.is_finalizing()
+
+
+def start(
+    store: Any,
+    rank: int,
+    blackbox_path: str | os.PathLike[str],
+    stacks_path: str | os.PathLike[str] | None = None,
+    *,
+    world_size: int | None = None,
+    stalled: Callable[[], bool] | None = None,
+) -> JobWideWatcher | None:
+    """Start this rank's job-wide dump watcher (a daemon thread); never raises.
+
+    ``store``: the default group's store (``c10d._get_default_store()``; PrefixStores are
+    unwrapped). ``stalled``: the black box's ``stalled`` method, to hand a watchdog stall
+    to every rank. Returns None (after one warning) when the watcher cannot start.
+    """
+    global _started
+    if os.environ.get("FRTOOLS_JOBWIDE", "1") == "0":
+        return None
+    if _started is not None:
+        return _started
+    try:
+        _started = JobWideWatcher(
+            store,
+            rank,
+            blackbox_path,
+            stacks_path,
+            world_size=world_size,
+            stalled=stalled,
+        ).start()
+        return _started
+    except Exception as exc:
+        _log(f"rank {rank}: job-wide dumps disabled: {type(exc).__name__}: {exc}")
+        return None
