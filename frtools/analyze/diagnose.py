@@ -43,6 +43,9 @@ STRAGGLER_MIN_COLLECTIVES = 5
 STRAGGLER_MIN_LATE_NS = 5_000_000
 STRAGGLER_SPREAD_FACTOR = 3.0
 
+# Tokens of context when comparing a rank's recent order of ops with its peers'.
+_CONTEXT = 4
+
 _REASON_PRIORITY = {"absent": 0, "dead": 0, "mismatch": 1, "missing": 2}
 
 
@@ -189,6 +192,11 @@ class _Context:
                 point.mismatch_attrs = [
                     col for col in SIGNATURE_COLUMNS if (odd[col] != major[col].iloc[0]).any()
                 ]
+        if point.absent and (point.missing or point.minority):
+            # A present rank already explains the wait; whether the absent one got here is
+            # unknown (its dump is missing), so it is not blamed for it.
+            point.unknown = sorted(point.unknown + point.absent)
+            point.absent = []
         self.points[key] = point
         return point
 
@@ -319,7 +327,7 @@ class _Context:
     def _reasons(self, roots: set[int]) -> dict[int, tuple[str, Point]]:
         found: dict[int, tuple[str, Point]] = {}
         for point in self.points.values():
-            if not any(b in point.blockers and self._targets_of(b) for b in point.blockers):
+            if not point.minority and not any(self._targets_of(b) for b in point.blockers):
                 continue
             for r in roots:
                 if r in point.absent:
@@ -336,12 +344,17 @@ class _Context:
                     if reason == "missing" and (gone or self._stale(r)):
                         reason = "dead"
                 prev = found.get(r)
-                if prev is None or (
-                    _REASON_PRIORITY[reason],
-                    -len(point.blockers),
-                ) < (_REASON_PRIORITY[prev[0]], -len(prev[1].blockers)):
+                if prev is None or self._point_rank(reason, point, roots) < self._point_rank(
+                    prev[0], prev[1], roots
+                ):
                     found[r] = (reason, point)
         return found
+
+    @staticmethod
+    def _point_rank(reason: str, point: Point, roots: set[int]) -> tuple:
+        """Prefer the strongest reason, then points that wait only for guilty ranks (the
+        direct victims), then the most blocked ranks."""
+        return (_REASON_PRIORITY[reason], not point.targets <= roots, -len(point.blockers))
 
     def _stale(self, rank: int) -> bool:
         info = self.trace.ranks.get(rank)
@@ -364,7 +377,7 @@ class _Context:
         # The point to show: the one with the most blocked ranks among those naming a guilty
         # rank of the chosen kind.
         points = [p for r, p in reasons.values() if kind_of[r] == kind]
-        point = max(points, key=lambda p: (len(p.blockers), -p.time_ns))
+        point = max(points, key=lambda p: (p.targets <= roots, len(p.blockers), -p.time_ns))
         guilty = []
         for r in sorted(roots):
             reason, p = reasons.get(r, ("missing", point))
@@ -402,13 +415,18 @@ class _Context:
             )
         return verdict
 
-    def _guilty(self, rank: int, reason: str, point: Point) -> GuiltyRank:
+    def _identity(self, rank: int) -> GuiltyRank:
         info = self.trace.ranks.get(rank)
         g = GuiltyRank(rank=rank)
         if info is not None:
             ident = info.identity()
             g.host, g.pid, g.local_rank = ident["host"], ident["pid"], ident["local_rank"]
             g.device, g.device_id = ident["device"], ident["device_id"]
+        return g
+
+    def _guilty(self, rank: int, reason: str, point: Point) -> GuiltyRank:
+        info = self.trace.ranks.get(rank)
+        g = self._identity(rank)
         where = self._point_name(point)
         if reason == "absent":
             g.reason = (
@@ -474,14 +492,10 @@ class _Context:
         groups: list[RankGroup] = []
         rows = point.rows
         if rows is not None and len(rows):
-            keyed = rows.assign(
-                _done=rows["completed"].map(
-                    lambda v: "completed" if v is True or v == True else None  # noqa: E712
-                )
-            )
+            keyed = rows.assign(_done=rows["completed"].fillna(False).astype(bool))
             for _, part in keyed.groupby(list(SIGNATURE_COLUMNS), sort=False, dropna=False):
                 first = part.iloc[0]
-                done = part["_done"].notna().all()
+                done = bool(part["_done"].all())
                 states = part["state"].value_counts()
                 state = "completed" if done else (str(states.index[0]) if len(states) else None)
                 groups.append(
@@ -527,7 +541,9 @@ class _Context:
         # ranks upstream of it only wait.
         core = _sink_core(cyclic, self._targets_of)
         deviants = self._order_deviants(core)
-        blamed = deviants or sorted(core)
+        blamed = sorted(deviants) or sorted(core)
+        if deviants and all(how == "skip" for how in deviants.values()):
+            return self._skip_verdict(sorted(deviants), waiting, core)
         points = {self.blocked_at[r] for r in core}
         shown = sorted((self.points[k] for k in points), key=lambda p: -len(p.blockers))
         guilty = []
@@ -535,8 +551,8 @@ class _Context:
             p = self.points[self.blocked_at[r]]
             g = self._guilty(r, "missing", p)
             others = [self._point_name(q) for q in shown if q.key != p.key]
-            g.reason = f"blocked in {self._point_name(p)} before " + (
-                " / ".join(others) or "the op its peers wait in"
+            g.reason = f"entered {self._point_name(p)} before " + (
+                " / ".join(others[:2]) or "the op its peers wait in"
             )
             g.call_site = self._call_site(r, p)
             guilty.append(g)
@@ -547,53 +563,111 @@ class _Context:
             guilty=guilty,
             waiting=sorted(waiting - set(blamed)),
         )
-        self._fill_point(verdict, shown[0])
+        self._fill_point(verdict, self.points[self.blocked_at[blamed[0]]])
         verdict.headline = (
             f"Cross-group deadlock: rank(s) {collapse_ranks(blamed)} issued collectives in "
             f"a different order than their peers; ranks {collapse_ranks(sorted(core))} wait "
             "for each other"
         )
-        for p in shown:
+        for p in shown[:6]:
             verdict.evidence.append(
                 f"Ranks {collapse_ranks(p.blockers)} blocked in {self._point_name(p)}, "
                 f"waiting for {collapse_ranks(sorted(p.targets))}."
             )
         if not deviants:
             verdict.evidence.append(
-                "No rank's order differs from the majority's history; blaming the whole cycle."
+                "No rank's order differs from its peers' history; blaming the whole cycle."
             )
         return verdict
 
-    def _order_deviants(self, core: set[int]) -> list[int]:
-        """Cycle ranks whose blocked op follows a different op than that op usually follows.
+    def _skip_verdict(self, skippers: list[int], waiting: set[int], core: set[int]) -> Verdict:
+        """A cycle explained by ranks that skipped a collective and moved on."""
+        guilty = []
+        where: list[Point] = []
+        for r in skippers:
+            cand = [p for p in self.points.values() if r in p.targets and p.blockers and p.key[0]]
+            p = max(cand, key=lambda q: (len(q.blockers), -q.time_ns)) if cand else None
+            mine = self.points[self.blocked_at[r]]
+            g = self._guilty(r, "missing", p or mine)
+            skipped = self._point_name(p) if p else "a collective"
+            g.reason = (
+                f"skipped {skipped}, where its peers wait, and moved on to {self._point_name(mine)}"
+            )
+            guilty.append(g)
+            if p is not None:
+                where.append(p)
+        verdict = Verdict(
+            kind="missing",
+            headline="",
+            confidence=0.75,
+            guilty=guilty,
+            waiting=sorted(waiting - set(skippers)),
+        )
+        point = where[0] if where else self.points[self.blocked_at[skippers[0]]]
+        self._fill_point(verdict, point)
+        verdict.headline = (
+            f"{'Rank' if len(guilty) == 1 else 'Ranks'} {', '.join(_who(g) for g in guilty)} "
+            f"skipped {self._point_name(point)}; {len(verdict.waiting)} rank(s) wait"
+        )
+        verdict.evidence.append(
+            f"Ranks {collapse_ranks(sorted(core))} wait for each other; the skipping rank's "
+            "recent ops are its peers' sequence with this collective left out."
+        )
+        return verdict
 
-        Tokens are (group kind, op); the history of every rank votes on which token usually
-        precedes each token. A rank that jumped ahead to another group's op shows an unusual
-        predecessor for its blocked op.
+    def _order_deviants(self, core: set[int]) -> dict[int, str]:
+        """Cycle ranks whose recent ops no peer ever issued in that order.
+
+        Tokens are (group kind, op). For each cycle rank, the last ``_CONTEXT`` tokens up to
+        its blocked op form an n-gram; a rank is deviant when (almost) no other rank ever
+        produced that n-gram. A deviant n-gram equal to a peer's (n+1)-gram with one token
+        left out is a *skip* (the rank skipped that collective); otherwise an *order* change.
         """
         if not len(self.coll):
-            return []
+            return {}
+        n = _CONTEXT
         kinds = {g: self._group_kind(g) for g in self.al.members}
         c = self.coll.sort_values(["rank", "time_created_ns", "record_id"])
-        token = c["pg_name"].map(kinds).astype(str) + "|" + c["op"].astype(str)
-        prev = token.groupby(c["rank"]).shift(1).fillna("<start>")
-        table = pd.DataFrame({"rank": c["rank"], "pg": c["pg_name"], "seq": c["seq"]})
-        table["token"], table["prev"] = token, prev
-        deviants = []
+        token = (c["pg_name"].map(kinds).astype(str) + "|" + c["op"].astype(str)).to_numpy()
+        ranks = c["rank"].to_numpy()
+        pgs = c["pg_name"].to_numpy()
+        seqs = c["seq"].to_numpy()
+        grams: dict[tuple, set[int]] = {}
+        longer: dict[str, dict[tuple, set[int]]] = {}
+        bounds = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1], True])
+        where: dict[tuple, tuple] = {}
+        for a, b in zip(bounds[:-1], bounds[1:], strict=False):
+            r = int(ranks[a])
+            seq_tokens = ["<start>"] * n + list(token[a:b])
+            for i in range(n, len(seq_tokens)):
+                gram = tuple(seq_tokens[i - n + 1 : i + 1])
+                grams.setdefault(gram, set()).add(r)
+                big = tuple(seq_tokens[i - n : i + 1])
+                longer.setdefault(seq_tokens[i], {}).setdefault(big, set()).add(r)
+                where[(r, str(pgs[a + i - n]), int(seqs[a + i - n]))] = gram
+        with_token: dict[str, set[int]] = {}
+        for gram, rs in grams.items():
+            with_token.setdefault(gram[-1], set()).update(rs)
+        deviants: dict[int, str] = {}
         for r in sorted(core):
             point = self.points[self.blocked_at[r]]
             if point.key[0] != "coll":
                 continue
-            mine = table[(table["rank"] == r) & (table["pg"] == point.pg_name)]
-            mine = mine[mine["seq"] == point.seq]
-            if not len(mine):
+            gram = where.get((r, point.pg_name, point.seq))
+            if gram is None:
                 continue
-            tok, pre = mine["token"].iloc[0], mine["prev"].iloc[0]
-            usual = table.loc[table["token"] == tok, "prev"].value_counts()
-            if len(usual) and usual.index[0] != pre:
-                deviants.append(r)
+            others = len(with_token.get(gram[-1], set()) - {r})
+            seen = len(grams.get(gram, set()) - {r})
+            if not others or seen <= 0.1 * others:
+                skip = any(
+                    tuple(big[:i] + big[i + 1 :]) == gram
+                    for big, who in longer.get(gram[-1], {}).items()
+                    if who - {r}
+                    for i in range(len(big) - 1)
+                )
+                deviants[r] = "skip" if skip else "order"
         if len(deviants) == len(core):
-            return []
+            return {}
         return deviants
 
     # ----- no hang --------------------------------------------------------------------
@@ -725,7 +799,8 @@ class _Context:
             return None
         guilty = []
         for r, sh, lt, cnt in found:
-            g = self._guilty(r, "missing", Point(key=("none",), pg_name=""))
+            g = self._identity(r)
+            g.call_site = self._call_site(r, None)
             g.reason = (
                 f"last into {sh:.0%} of its {cnt} collectives, median {lt / 1e6:.1f} ms "
                 "behind its peers"

@@ -1,0 +1,286 @@
+"""Diagnosis on small explicit traces: one Verdict, the right guilty ranks, victims not blamed.
+
+Layout (trace_builder.megatron8): 8 ranks, TP pairs (0,1)(2,3)(4,5)(6,7), DP groups
+(0,2,4,6)(1,3,5,7), world. Each step: 2 TP all_reduces, 1 DP all_reduce, 1 world all_reduce.
+"""
+
+from __future__ import annotations
+
+import pytest
+from trace_builder import STOP, Job, Op, dp, megatron8, simulate, step_program, tp, training
+
+from frtools.analyze.diagnose import diagnose
+from frtools.trace import ProcessGroup, RankInfo, Trace, entries_table
+
+pytestmark = pytest.mark.timeout(60)
+
+JOB = megatron8()
+
+
+def stop_at(rank: int, step: int, index: int = 0):
+    """Rank stops issuing (stuck in compute) before op ``index`` of ``step``."""
+
+    def fault(r, s, ops):
+        if r == rank and s == step:
+            return ops[:index] + [STOP]
+        return ops
+
+    return fault
+
+
+@pytest.mark.parametrize("completion", ["gloo", "nccl", "none"])
+def test_healthy_job_has_no_guilty_rank(completion):
+    v = diagnose(simulate(JOB, training(JOB, 3), completion=completion))
+    assert v.kind == "healthy"
+    assert v.guilty == [] and v.waiting == []
+    assert v.exit_code == 0
+
+
+@pytest.mark.parametrize("completion", ["gloo", "nccl", "none"])
+def test_rank_stuck_in_compute_is_the_only_one_blamed(completion):
+    v = diagnose(simulate(JOB, training(JOB, 3, stop_at(5, 1)), completion=completion))
+    assert v.kind == "missing"
+    assert v.guilty_ranks == [5]
+    # Its TP partner and the DP/world victims wait; none of them is blamed.
+    assert v.waiting == [0, 1, 2, 3, 4, 6, 7]
+    assert 5 in v.process_group.ranks
+    assert v.guilty[0].host == "node1" and v.guilty[0].device == "cuda:1"
+    assert v.exit_code == 1
+
+
+def test_megatron_cascade_names_only_the_root():
+    # Rank 5 stops in the middle of step 2, after its first TP all_reduce: its partner 4
+    # waits in TP, the DP groups wait for 4 and 5, the world waits for everyone.
+    v = diagnose(simulate(JOB, training(JOB, 3, stop_at(5, 2, index=1))))
+    assert v.kind == "missing"
+    assert v.guilty_ranks == [5]
+    assert set(v.waiting) == set(range(8)) - {5}
+    assert v.headline.startswith("Rank 5")
+    missing_rows = [g for g in v.groups if g.state == "not issued"]
+    assert [g.ranks for g in missing_rows] == [[5]]
+
+
+def test_two_simultaneous_bad_ranks_are_both_blamed():
+    def fault(r, s, ops):
+        if (r, s) in ((2, 1), (7, 1)):
+            return [STOP]
+        return ops
+
+    v = diagnose(simulate(JOB, training(JOB, 3, fault)))
+    assert v.kind == "missing"
+    assert v.guilty_ranks == [2, 7]
+    assert set(v.waiting) == {0, 1, 3, 4, 5, 6}
+
+
+def test_rank_without_dump_is_dead():
+    v = diagnose(simulate(JOB, training(JOB, 3, stop_at(3, 1)), absent=(3,)))
+    assert v.kind == "dead"
+    assert v.guilty_ranks == [3]
+    assert v.ranks_missing == [3]
+    assert "no usable dump" in v.guilty[0].reason
+
+
+def test_rank_whose_process_is_gone_is_dead():
+    v = diagnose(simulate(JOB, training(JOB, 3, stop_at(6, 2)), alive={6: False}))
+    assert v.kind == "dead"
+    assert v.guilty_ranks == [6]
+
+
+def test_absent_rank_nobody_waits_for_is_only_an_input_note():
+    # Rank 7 finished cleanly but its file is missing; rank 2 hangs the job.
+    v = diagnose(simulate(JOB, training(JOB, 3, stop_at(2, 1)), absent=(7,)))
+    assert v.guilty_ranks == [2]
+    assert any("rank(s) 7" in e for e in v.evidence)
+
+
+def test_size_mismatch_blames_the_minority_and_names_the_attribute():
+    def fault(r, s, ops):
+        if r == 3 and s == 1:
+            ops = list(ops)
+            ops[1] = Op(tp(3), "all_reduce", "[[8,8]]")
+        return ops
+
+    v = diagnose(simulate(JOB, training(JOB, 3, fault)))
+    assert v.kind == "mismatch"
+    # A TP pair is a 1:1 tie; the other TP groups at the same seq break it.
+    assert v.guilty_ranks == [3]
+    assert v.process_group.ranks == (2, 3)
+    assert "input_sizes" in v.headline
+    sizes = {tuple(g.ranks): g.input_sizes for g in v.groups}
+    assert sizes == {(2,): "[[16,8]]", (3,): "[[8,8]]"}
+
+
+def test_op_mismatch_in_world_group_blames_the_odd_rank():
+    def fault(r, s, ops):
+        if r == 6 and s == 2:
+            ops = list(ops)
+            ops[3] = Op("0", "broadcast", "[[1]]")
+        return ops
+
+    v = diagnose(simulate(JOB, training(JOB, 3, fault)))
+    assert v.kind == "mismatch"
+    assert v.guilty_ranks == [6]
+    assert v.op == "all_reduce"
+    assert "op" in v.guilty[0].reason
+    assert v.waiting == [0, 1, 2, 3, 4, 5, 7]
+
+
+def test_skipped_collective_whose_seq_is_taken_by_the_next_op_is_a_mismatch():
+    # Rank 1 skips its first TP all_reduce of step 1 and issues a TP all_gather next:
+    # the all_gather occupies the seq its partner's all_reduce has.
+    def fault(r, s, ops):
+        if r == 1 and s == 1:
+            return [Op(tp(1), "all_gather", "[[16,8]]")] + ops[2:]
+        return ops
+
+    v = diagnose(simulate(JOB, training(JOB, 3, fault)))
+    assert v.kind == "mismatch"
+    assert v.guilty_ranks == [1]
+
+
+def test_skipped_collective_is_blamed_on_the_skipper():
+    # Rank 3 skips one of its two TP all_reduces in step 1 and moves on to DP and world.
+    def fault(r, s, ops):
+        if r == 3 and s == 1:
+            return ops[1:]
+        return ops
+
+    v = diagnose(simulate(JOB, training(JOB, 3, fault)))
+    assert v.kind == "missing"
+    assert v.guilty_ranks == [3]
+    assert v.process_group.ranks == (2, 3)
+    assert "skipped" in v.guilty[0].reason
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_cross_group_order_deadlock_blames_the_reordered_rank(step):
+    # Rank 0 issues the world all_reduce before its TP ops; rank 1 waits in TP for rank 0,
+    # rank 0 waits in the world group for everybody: a cycle.
+    def fault(r, s, ops):
+        if r == 0 and s == step:
+            return [ops[3], ops[0], ops[1], ops[2]]
+        return ops
+
+    v = diagnose(simulate(JOB, training(JOB, 3, fault)))
+    assert v.kind == "order"
+    assert v.guilty_ranks == [0]
+    assert 1 in v.waiting
+    assert v.process_group.name == "0"
+
+
+def test_ring_buffer_wrap_is_not_blamed():
+    # Rank 3's buffer dropped its first 6 entries; rank 5 hangs the job.
+    trace = simulate(JOB, training(JOB, 3, stop_at(5, 2)), wrap={3: 6})
+    v = diagnose(trace)
+    assert v.guilty_ranks == [5]
+    assert 3 in v.waiting
+
+
+@pytest.mark.parametrize("completion", ["gloo", "none"])
+def test_ring_buffer_wrap_alone_is_healthy(completion):
+    trace = simulate(JOB, training(JOB, 3), wrap={3: 9, 4: 2}, completion=completion)
+    v = diagnose(trace)
+    assert v.kind == "healthy"
+
+
+def test_straggler_is_named_when_nothing_hangs():
+    v = diagnose(simulate(JOB, training(JOB, 4), delay_ms={6: 40}))
+    assert v.kind == "straggler"
+    assert v.guilty_ranks == [6]
+    assert "ms" in v.guilty[0].reason
+
+
+def test_small_jitter_is_not_a_straggler():
+    v = diagnose(simulate(JOB, training(JOB, 4), delay_ms={6: 1}))
+    assert v.kind == "healthy"
+
+
+# ----- P2P ----------------------------------------------------------------------------
+
+PIPE = Job({"0": (0, 1, 2, 3), "pp0": (0, 2), "pp1": (1, 3)}, {"0": "default_pg"})
+
+
+def pipeline(recvs_at_2: int, sizes_at_2: str = "[[4,2]]") -> dict[int, list]:
+    """Stage 0 (ranks 0,1) sends two activations to stage 1 (ranks 2,3), then a world op."""
+    return {
+        0: [Op("pp0", "send", peer=2), Op("pp0", "send", peer=2), Op("0")],
+        1: [Op("pp1", "send", peer=3), Op("pp1", "send", peer=3), Op("0")],
+        2: [Op("pp0", "recv", sizes_at_2, peer=0)] * recvs_at_2 + [STOP],
+        3: [Op("pp1", "recv", peer=1), Op("pp1", "recv", peer=1), Op("0")],
+    }
+
+
+def test_p2p_receiver_that_never_posts_its_recv_is_blamed():
+    v = diagnose(simulate(PIPE, pipeline(recvs_at_2=1)))
+    assert v.kind == "missing"
+    assert v.guilty_ranks == [2]
+    assert v.op == "send"
+    assert v.process_group.name == "pp0"
+    assert 0 in v.waiting
+    assert "0->2" in v.headline
+
+
+def test_p2p_send_recv_size_mismatch_names_both_global_peers():
+    v = diagnose(simulate(PIPE, pipeline(recvs_at_2=2, sizes_at_2="[[8]]")))
+    assert v.kind == "mismatch"
+    assert v.guilty_ranks == [0, 2]
+    assert v.process_group.name == "pp0"
+    assert {tuple(g.ranks) for g in v.groups} >= {(0,), (2,)}
+
+
+# ----- stuck ----------------------------------------------------------------------------
+
+
+def _stuck_trace(states: list[str]) -> Trace:
+    rows = []
+    for r in range(4):
+        for seq, state in ((1, "completed"), (2, states[r])):
+            rows.append(
+                {
+                    "rank": r,
+                    "record_id": seq - 1,
+                    "pg_name": "0",
+                    "pg_desc": "default_pg",
+                    "collective_seq_id": seq,
+                    "p2p_seq_id": 0,
+                    "is_p2p": False,
+                    "op": "all_reduce",
+                    "input_sizes": "[[4]]",
+                    "output_sizes": "[[4]]",
+                    "input_dtypes": "Float",
+                    "output_dtypes": "Float",
+                    "state": state,
+                    "time_created_ns": seq * 1_000_000 + r,
+                }
+            )
+    return Trace(
+        entries=entries_table(rows),
+        ranks={r: RankInfo(rank=r) for r in range(4)},
+        process_groups={"0": ProcessGroup("0", "default_pg", (0, 1, 2, 3))},
+        world_size=4,
+    )
+
+
+def test_collective_everyone_issued_and_nobody_completed_is_stuck():
+    v = diagnose(_stuck_trace(["started"] * 4))
+    assert v.kind == "stuck"
+    assert v.collective_seq_id == 2
+    assert v.guilty_ranks == [0, 1, 2, 3]
+
+
+def test_stuck_collective_blames_the_rank_that_never_started_it():
+    v = diagnose(_stuck_trace(["started", "started", "scheduled", "started"]))
+    assert v.kind == "stuck"
+    assert v.guilty_ranks == [2]
+    assert v.waiting == [0, 1, 3]
+
+
+def test_victims_of_a_hang_in_dp_are_not_blamed_for_missing_world_op():
+    # Everyone but rank 4 reaches the world op; 4 stops before DP in step 0.
+    v = diagnose(simulate(JOB, training(JOB, 2, stop_at(4, 0, index=2))))
+    assert v.guilty_ranks == [4]
+    assert v.process_group.name == dp(4)
+
+
+def test_program_helper_is_one_step():
+    assert len(step_program(0)) == 4
