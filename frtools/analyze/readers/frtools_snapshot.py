@@ -129,6 +129,14 @@ def _take(dictionary: pa.Array, indices: np.ndarray, valid: np.ndarray | None = 
     return dictionary.take(idx)
 
 
+def _stack_column(snap: Snapshot, ids: np.ndarray) -> pa.DictionaryArray:
+    """Stacks repeat across thousands of entries: keep them dictionary-encoded."""
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    dictionary = pa.array([snap.string(int(i)) for i in uniq], type=pa.string())
+    indices = pa.array(inverse.astype(np.int32), mask=(uniq == STRING_NONE)[inverse])
+    return pa.DictionaryArray.from_arrays(indices, dictionary)
+
+
 def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> pa.Table:
     slots = snap.slots
     n = len(slots)
@@ -190,7 +198,7 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
         "thread_id": pa.array(slots["thread_id"].astype(str)),
         "thread_name": _take(text_dict, col_index["thread_name"], thread_name_valid),
         "call_site": column("stack", pa.array(sites, type=pa.string())),
-        "stack": column("stack"),
+        "stack": _stack_column(snap, slots["stack"]),
     }
     return pa.Table.from_arrays(
         [arrays[f.name].cast(f.type) for f in ENTRY_SCHEMA], schema=ENTRY_SCHEMA

@@ -1,0 +1,251 @@
+"""frtools snapshots into the Trace: names, seq ids, peers, states, call sites, groups;
+torn slots, damaged files, live copies; and the analyzer reading them end to end."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from jobs import start_ranks, stop
+
+from frtools.analyze.readers import frtools_snapshot as reader
+from frtools.analyze.readers import load_trace
+from frtools.analyze.readers.base import DumpError
+from frtools.recorder.blackbox import load_native
+from frtools.recorder.snapshot import (
+    SLOT_DTYPE,
+    SnapshotError,
+    copy_consistent,
+    read_header,
+    read_snapshot,
+)
+
+native = load_native()
+WORLD = 4
+USER_FILE = "/home/alice/train.py"
+
+
+def stack(*frames: tuple[str, int, str]) -> str:
+    """The interned stack format: innermost first, one "file:line in func" per line."""
+    return "\n".join(f"{f}:{line} in {fn}" for f, line, fn in frames)
+
+
+def write_rank(directory: Path, rank: int, hang_rank: int = 3, capacity: int = 64) -> Path:
+    """A rank of a 4-rank Gloo job: 3 completed all_reduces on the default group, a
+    send/recv pair between ranks 0 and 1 on group "1", then all_reduce #4 that every rank
+    but ``hang_rank`` issued and nobody finished."""
+    path = directory / f"rank_{rank}.frt"
+    identity = {
+        "job_id": "job-1",
+        "rank": rank,
+        "world_size": WORLD,
+        "host": f"node{rank // 2}",
+        "pid": 1000 + rank,
+        "local_rank": rank % 2,
+        "device": "cpu",
+        "device_id": None,
+        "torch_version": "2.13.0",
+        "backend": "gloo",
+    }
+    box = native.BlackBox(str(path), capacity, 1 << 16, json.dumps(identity))
+    default = box.add_process_group("0", "default_pg", list(range(WORLD)))
+    pair = box.add_process_group("1", "pair", [0, 1])
+    allreduce = box.intern("gloo:all_reduce")
+    sizes = box.intern("[[4,2]]")
+    dtypes = box.intern("Float")
+    step = box.intern(
+        stack(
+            (
+                "/usr/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py",
+                2800,
+                "all_reduce",
+            ),
+            (USER_FILE, 42, "step"),
+            (USER_FILE, 77, "main"),
+        )
+    )
+    for seq in (1, 2, 3):
+        rid = box.record(default, allreduce, seq, 0, -1, False, sizes, sizes, dtypes, dtypes, step)
+        box.mark_started(rid)
+        box.mark_completed(rid)
+    if rank in (0, 1):
+        op = box.intern("send" if rank == 0 else "recv")
+        rid = box.record(pair, op, 0, 1, 1 - rank, True, sizes, sizes, dtypes, dtypes, step)
+        box.completer(rid)(None)
+    if rank != hang_rank:
+        box.record(default, allreduce, 4, 0, -1, False, sizes, sizes, dtypes, dtypes, step)
+    box.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def hung_job(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("hung_job")
+    for rank in range(WORLD):
+        write_rank(directory, rank)
+    return directory
+
+
+@pytest.mark.timeout(30)
+def test_snapshot_entries_use_pytorch_names_and_global_ranks(hung_job):
+    trace = load_trace(hung_job)
+    assert [i.status for i in trace.inputs] == ["ok"] * WORLD
+    df = trace.entries.to_pandas()
+    r0 = df[df["rank"] == 0].sort_values("record_id")
+    assert r0["op"].tolist() == ["all_reduce"] * 3 + ["send", "all_reduce"]
+    assert r0["profiling_name"].tolist()[:1] == ["gloo:all_reduce"]
+    assert r0["collective_seq_id"].tolist() == [1, 2, 3, 0, 4]
+    assert r0["p2p_seq_id"].tolist() == [0, 0, 0, 1, 0]
+    assert r0["state"].tolist() == ["completed"] * 4 + ["scheduled"]
+    send = r0[r0["op"] == "send"].iloc[0]
+    assert bool(send["is_p2p"]) and send["peer"] == 1 and send["pg_name"] == "1"
+    assert send["input_sizes"] == "[[4,2]]" and send["input_dtypes"] == "Float"
+    first = r0.iloc[0]
+    assert first["pg_desc"] == "default_pg"
+    assert first["time_created_ns"] <= first["time_started_ns"] <= first["time_completed_ns"]
+    assert first["call_site"] == f"{USER_FILE}:42 in step"
+    assert str(first["stack"]).splitlines()[1] == f"{USER_FILE}:42 in step"
+    assert r0.iloc[-1]["time_completed_ns"] != r0.iloc[-1]["time_completed_ns"]  # NaN: null
+    assert df[df["rank"] == 3]["collective_seq_id"].max() == 3
+
+
+@pytest.mark.timeout(30)
+def test_snapshot_rank_identity_and_real_group_membership(hung_job):
+    trace = load_trace(hung_job)
+    info = trace.ranks[2]
+    assert (info.host, info.pid, info.local_rank, info.device) == ("node1", 1002, 0, "cpu")
+    assert info.format == "frtools" and info.world_size == WORLD and not info.wrapped
+    assert info.pg_status["0"] == {
+        "last_enqueued_collective": 4,
+        "last_started_collective": 3,
+        "last_completed_collective": 3,
+    }
+    assert trace.process_groups["0"].ranks == (0, 1, 2, 3)
+    assert trace.process_groups["1"].ranks == (0, 1)
+    assert not trace.process_groups["0"].inferred
+
+
+@pytest.mark.timeout(60)
+def test_analyze_blames_the_rank_that_never_issued_the_collective(hung_job):
+    proc = subprocess.run(
+        [sys.executable, "-m", "frtools", "analyze", str(hung_job), "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    verdict = json.loads(proc.stdout)["verdict"]
+    assert verdict["kind"] == "missing"
+    assert [g["rank"] for g in verdict["guilty"]] == [3]
+    assert verdict["guilty"][0]["call_site"] == f"{USER_FILE}:42 in step"
+    assert verdict["waiting"] == [0, 1, 2]
+    assert verdict["collective_seq_id"] == 4 and verdict["process_group"]["name"] == "0"
+
+
+@pytest.mark.timeout(30)
+def test_wrapped_ring_is_reported_on_the_rank(tmp_path):
+    path = write_rank(tmp_path, 0, capacity=4)
+    dump = reader.read(path)
+    assert dump.rank_info.wrapped
+    assert dump.entries.column("record_id").to_pylist() == [1, 2, 3, 4]
+
+
+@pytest.mark.timeout(30)
+def test_torn_slot_is_dropped_and_said_so(hung_job, tmp_path):
+    src = hung_job / "rank_0.frt"
+    torn = tmp_path / "rank_0.frt"
+    shutil.copy(src, torn)
+    header = read_header(torn)
+    with open(torn, "r+b") as f:  # slot 1 looks half-written: odd sequence counter
+        offset = header["slots_offset"] + 1 * SLOT_DTYPE.itemsize
+        f.seek(offset)
+        (seq,) = struct.unpack("<Q", f.read(8))
+        f.seek(offset)
+        f.write(struct.pack("<Q", seq | 1))
+    dump = reader.read(torn)
+    assert dump.bad_entries == 1
+    assert dump.entries.column("record_id").to_pylist() == [0, 2, 3, 4]
+    trace = load_trace(tmp_path)
+    assert "dropped 1 torn slot" in trace.inputs[0].reason
+
+
+@pytest.mark.timeout(30)
+def test_damaged_snapshots_give_one_line_reasons(hung_job, tmp_path):
+    data = (hung_job / "rank_1.frt").read_bytes()
+    truncated = tmp_path / "rank_1.frt"
+    truncated.write_bytes(data[:6000])
+    with pytest.raises(DumpError, match="truncated frtools snapshot"):
+        reader.read(truncated)
+    future = tmp_path / "rank_2.frt"
+    future.write_bytes(data[:8] + struct.pack("<I", 99) + data[12:])
+    with pytest.raises(DumpError, match="unsupported frtools snapshot version 99"):
+        reader.read(future)
+    with pytest.raises(SnapshotError, match="bad magic"):
+        read_snapshot(b"\0" * 8192)
+    proc = subprocess.run(
+        [sys.executable, "-m", "frtools", "analyze", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out
+    assert proc.returncode == 2, out
+    assert "rank_1.frt" in out
+
+
+LIVE_WRITER = textwrap.dedent(
+    """
+    import json, sys, time
+    from frtools.recorder._blackbox import BlackBox
+    box = BlackBox(sys.argv[1], 256, 1 << 20, json.dumps({"rank": 0}))
+    pg = box.add_process_group("0", "default_pg", [0])
+    deadline = time.monotonic() + float(sys.argv[2])
+    seq = 0
+    while time.monotonic() < deadline:
+        seq += 1
+        op = box.intern(f"op{seq % 50}")
+        rid = box.record(pg, op, seq, 0, -1, False, op, op, 0, 0, 0)
+        box.mark_completed(rid)
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_copy_of_a_live_file_parses_with_consistent_slots(tmp_path):
+    live = tmp_path / "live" / "rank_0.frt"
+    live.parent.mkdir()
+    procs = start_ranks([sys.executable, "-c", LIVE_WRITER, str(live), "20"], 1)
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if live.exists() and live.stat().st_size > 0:
+                try:
+                    if read_header(live)["next_record_id"] > 1000:
+                        break
+                except (OSError, ValueError):
+                    pass
+            time.sleep(0.05)
+        copies = 0
+        for i in range(30):
+            dst = tmp_path / f"copy_{i}.frt"
+            copy_consistent(live, dst)
+            snap = read_snapshot(dst)
+            slots = snap.slots
+            assert len(slots) >= 250
+            # every kept slot is one whole record: its op and sizes ids match as written
+            assert (slots["op"] == slots["input_sizes"]).all()
+            assert (slots["collective_seq_id"] == slots["record_id"] + 1).all()
+            assert all(snap.string(int(i)).startswith("op") for i in set(slots["op"].tolist()))
+            copies += 1
+        assert copies == 30
+        assert procs[0].poll() is None, "the writer must still be running while we copy"
+    finally:
+        stop(procs)
