@@ -1,0 +1,282 @@
+"""Accuracy of ``frtools analyze`` on simulated jobs with a known injected fault.
+
+Each case draws a layout (8-256 ranks, tp/cp/ep/pp/dp), a fault kind, one or two faulty
+ranks, a ring-buffer size small enough to wrap, writes the dumps with ``frtools.synth``,
+runs the analyzer (``load_trace`` + ``diagnose``) and compares its verdict with
+``truth.json``. Prints, per fault kind, how often the verdict kind and the exact guilty set
+were right, the overall exact-guilty-set rate, any blame on a healthy job, and one
+``frtools synth`` command line per miss that reproduces it.
+
+    python benchmarks/accuracy.py --cases 1000 --workers 2 --markdown acc.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from frtools.synth import FAULTS, ModelShape, synthesize
+
+SIZES = (8, 16, 32, 64, 128, 256)
+SIZE_WEIGHTS = (0.2, 0.2, 0.2, 0.15, 0.15, 0.1)
+
+
+@dataclass
+class Case:
+    index: int
+    world_size: int
+    tp: int
+    cp: int
+    ep: int
+    dp: int
+    pp: int
+    fault: str
+    faulty: int
+    seed: int
+    buffer_size: int
+    layers: int
+    microbatches: int
+    dp_coalesced: bool
+    timing: bool
+
+    def argv(self, out: str = "/tmp/frtools-case") -> list[str]:
+        args = [
+            "frtools", "synth", "-o", f"{out}-{self.index}", "-n", str(self.world_size),
+            "--tp", str(self.tp), "--cp", str(self.cp), "--ep", str(self.ep),
+            "--dp", str(self.dp), "--pp", str(self.pp), "--fault", self.fault,
+            "--faulty", str(self.faulty), "--seed", str(self.seed),
+            "--buffer-size", str(self.buffer_size), "--layers", str(self.layers),
+            "--microbatches", str(self.microbatches),
+        ]  # fmt: skip
+        if self.dp_coalesced:
+            args.append("--dp-coalesced")
+        if not self.timing:
+            args.append("--no-timing")
+        return args
+
+
+@dataclass
+class Outcome:
+    case: Case
+    expected_kind: str
+    expected_guilty: list[int]
+    expected_pg: str | None
+    found_kind: str = ""
+    found_guilty: list[int] = field(default_factory=list)
+    found_pg: str | None = None
+    error: str = ""
+    seconds: float = 0.0
+
+    @property
+    def kind_ok(self) -> bool:
+        return self.found_kind == self.expected_kind
+
+    @property
+    def guilty_ok(self) -> bool:
+        return not self.error and sorted(self.found_guilty) == sorted(self.expected_guilty)
+
+    @property
+    def exact(self) -> bool:
+        return self.kind_ok and self.guilty_ok
+
+
+def draw_case(index: int, seed: int) -> Case:
+    """A random layout and fault; the same (index, seed) always gives the same case."""
+    rng = np.random.default_rng((seed, index))
+    n = int(rng.choice(SIZES, p=SIZE_WEIGHTS))
+    dims = {"tp": 1, "cp": 1, "ep": 1, "pp": 1}
+    left = n
+    for axis, choices in (
+        ("tp", (1, 2, 4, 8)),
+        ("pp", (1, 2, 4)),
+        ("cp", (1, 2)),
+        ("ep", (1, 2, 4)),
+    ):
+        options = [c for c in choices if left % c == 0 and left // c >= 1]
+        if axis in ("cp", "ep") and rng.random() < 0.6:
+            options = [1]
+        dims[axis] = int(rng.choice(options))
+        left //= dims[axis]
+    fault = str(rng.choice(FAULTS))
+    faulty = 2 if fault != "healthy" and rng.random() < 0.25 else 1
+    return Case(
+        index=index,
+        world_size=n,
+        dp=left,
+        fault=fault,
+        faulty=faulty,
+        seed=int(rng.integers(0, 1_000_000)),
+        buffer_size=int(rng.choice((150, 400, 1000))),
+        layers=int(rng.integers(1, 3)),
+        microbatches=int(rng.integers(1, 5)),
+        dp_coalesced=bool(rng.random() < 0.3),
+        timing=bool(rng.random() < 0.8),
+        **dims,
+    )
+
+
+def run_case(case: Case, tmp_root: str | None = None) -> Outcome:
+    from frtools.analyze.diagnose import diagnose
+    from frtools.analyze.readers import load_trace
+
+    with tempfile.TemporaryDirectory(prefix="frtools-acc-", dir=tmp_root) as tmp:
+        out = Path(tmp) / "dumps"
+        try:
+            result = synthesize(
+                out,
+                case.world_size,
+                tp=case.tp,
+                pp=case.pp,
+                dp=case.dp,
+                ep=case.ep,
+                cp=case.cp,
+                fault=case.fault,
+                n_faulty=case.faulty,
+                seed=case.seed,
+                buffer_size=case.buffer_size,
+                shape=ModelShape(
+                    layers=case.layers,
+                    microbatches=case.microbatches,
+                    dp_coalesced=case.dp_coalesced,
+                ),
+                timing=case.timing,
+                workers=1,
+            )
+        except Exception as e:  # a case synth cannot build is reported, not hidden
+            return Outcome(case, "?", [], None, error=f"synth: {type(e).__name__}: {e}")
+        truth = result.truth
+        pg = truth["process_group"]
+        outcome = Outcome(case, truth["kind"], truth["guilty"], pg["name"] if pg else None)
+        t0 = time.perf_counter()
+        try:
+            verdict = diagnose(load_trace(out))
+            outcome.found_kind = verdict.kind
+            outcome.found_guilty = sorted(g.rank for g in verdict.guilty)
+            outcome.found_pg = verdict.process_group.name if verdict.process_group else None
+        except Exception as e:
+            tb = traceback.extract_tb(e.__traceback__)[-1]
+            outcome.error = f"{type(e).__name__}: {e} ({Path(tb.filename).name}:{tb.lineno})"
+            outcome.found_kind = "error"
+        outcome.seconds = time.perf_counter() - t0
+        return outcome
+
+
+def _fmt_ranks(ranks: list[int]) -> str:
+    return "[" + ",".join(map(str, ranks[:6])) + (",…" if len(ranks) > 6 else "") + "]"
+
+
+def report(outcomes: list[Outcome]) -> str:
+    """The accuracy tables as markdown (also readable in a terminal)."""
+    by_fault: dict[str, list[Outcome]] = defaultdict(list)
+    for o in outcomes:
+        by_fault[o.case.fault].append(o)
+    lines = [
+        "| fault | cases | kind right | exact guilty set | kind + guilty | most common wrong answer |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for fault in FAULTS:
+        os_ = by_fault.get(fault, [])
+        if not os_:
+            continue
+        wrong = [o for o in os_ if not o.exact]
+        common = ""
+        if wrong:
+            counts: dict[str, int] = defaultdict(int)
+            for o in wrong:
+                counts[o.found_kind + (" (crash)" if o.error else "")] += 1
+            k, c = max(counts.items(), key=lambda kv: kv[1])
+            common = f"{k} ×{c}"
+        lines.append(
+            f"| {fault} | {len(os_)} | {sum(o.kind_ok for o in os_) / len(os_):.1%} "
+            f"| {sum(o.guilty_ok for o in os_) / len(os_):.1%} "
+            f"| {sum(o.exact for o in os_) / len(os_):.1%} | {common} |"
+        )
+    n = len(outcomes)
+    exact_guilty = sum(o.guilty_ok for o in outcomes)
+    exact = sum(o.exact for o in outcomes)
+    healthy = by_fault.get("healthy", [])
+    blamed = [o for o in healthy if o.found_guilty or o.found_kind != "healthy"]
+    times = sorted(o.seconds for o in outcomes if o.seconds)
+    lines += [
+        "",
+        f"- cases: {n}; exact guilty set: {exact_guilty}/{n} = {exact_guilty / max(1, n):.1%}; "
+        f"kind and guilty set both right: {exact}/{n} = {exact / max(1, n):.1%}",
+        f"- healthy jobs blamed (any guilty rank or a non-healthy verdict): {len(blamed)}/{len(healthy)}",
+        f"- analysis time per case: median {times[len(times) // 2] if times else 0:.2f} s, "
+        f"max {times[-1] if times else 0:.2f} s",
+    ]
+    misses = [o for o in outcomes if not o.exact]
+    if misses:
+        lines += ["", f"Misses ({len(misses)}), each reproducible with its command:", ""]
+        for o in misses:
+            c = o.case
+            lines.append(
+                f"- case {c.index}: {c.fault} on {c.world_size} ranks "
+                f"(tp{c.tp} cp{c.cp} ep{c.ep} dp{c.dp} pp{c.pp}): expected {o.expected_kind} "
+                f"{_fmt_ranks(o.expected_guilty)}, found {o.found_kind} {_fmt_ranks(o.found_guilty)}"
+                + (f" — {o.error}" if o.error else "")
+            )
+            lines.append(f"  `{shlex.join(c.argv())}`")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--fault", choices=FAULTS, help="only cases of this fault")
+    ap.add_argument("--markdown", help="also write the report to this file")
+    ap.add_argument("--json", help="write every case's outcome to this file")
+    ap.add_argument("--tmp", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    args = ap.parse_args(argv)
+
+    cases = [draw_case(i, args.seed) for i in range(args.cases)]
+    if args.fault:
+        cases = [c for c in cases if c.fault == args.fault]
+    t0 = time.perf_counter()
+    outcomes: list[Outcome] = []
+    if args.workers <= 1:
+        for c in cases:
+            outcomes.append(run_case(c, args.tmp))
+    else:
+        with ProcessPoolExecutor(args.workers) as pool:
+            futures = [pool.submit(run_case, c, args.tmp) for c in cases]
+            for i, f in enumerate(futures, 1):
+                outcomes.append(f.result())
+                if i % 50 == 0:
+                    print(f"  {i}/{len(cases)} cases", file=sys.stderr)
+    text = report(outcomes)
+    print(text)
+    print(f"\n({len(cases)} cases in {time.perf_counter() - t0:.0f} s)")
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                [{**asdict(o), "exact": o.exact} for o in outcomes],
+                indent=1,
+            )
+        )
+    exact_guilty = sum(o.guilty_ok for o in outcomes) / max(1, len(outcomes))
+    blamed = any(
+        o.case.fault == "healthy" and (o.found_guilty or o.found_kind != "healthy")
+        for o in outcomes
+    )
+    return 0 if exact_guilty >= 0.99 and not blamed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
