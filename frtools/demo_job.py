@@ -82,7 +82,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--marker-dir", default=None)
     parser.add_argument("--pg-timeout", type=float, default=300.0)
     parser.add_argument("--no-record", action="store_true", help="run without the recorder")
+    parser.add_argument(
+        "--torch-socket-dir",
+        default=None,
+        help="also serve PyTorch's worker-server handlers on <dir>/rank_<R>.sock "
+        "(TORCH_WORKER_SERVER_SOCKET under worker_main)",
+    )
     args = parser.parse_args(argv)
+    if args.torch_socket_dir:
+        from torch.distributed.elastic.control_plane import worker_main
+
+        Path(args.torch_socket_dir).mkdir(parents=True, exist_ok=True)
+        sock = Path(args.torch_socket_dir) / f"rank_{os.environ.get('RANK', '0')}.sock"
+        os.environ["TORCH_WORKER_SERVER_SOCKET"] = str(sock)
+        with worker_main():
+            return _run(args)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
 
     if not args.no_record:
         _keep_stack_signal_harmless()

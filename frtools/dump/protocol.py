@@ -12,7 +12,8 @@ watcher thread (``frtools.recorder.jobwide``). All keys sit under one prefix
 * ``<P>dump/<seq>/rank/<R>`` — one rank's answer, JSON: rank, host, pid, dir, files.
 * ``<P>rank/<R>`` — a rank's registration when its watcher starts: host, pid, blackbox.
 * ``<P>world_size`` — the job's world size, set by every watcher.
-* ``<P>stall_claim`` — counter; the first rank to see a stall (value 1) issues the request.
+* ``<P>stall_claim`` — time (ns) of the last stall request; the first rank to see a stall
+  swaps in its time (``compare_set``) and issues the request.
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ from frtools.dump import protocol
 DEFAULT_POLL_S = 0.5
 # how long the rank that saw the stall waits for the others before writing the manifest
 STALL_GATHER_S = 5.0
+# a stall seen by another rank less than this long ago is the same episode
+STALL_QUIET_S = 10.0
 _MAX_FAILURES = 20  # consecutive store errors before the watcher gives up (job ending)
 
 
@@ -121,7 +123,7 @@ class JobWideWatcher:
         self.poll_s = poll_s or float(os.environ.get("FRTOOLS_JOBWIDE_POLL", DEFAULT_POLL_S))
         self.host = socket.gethostname()
         self.last_seq = 0
-        self.stall_handled = False
+        self.was_stalled = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="frtools-jobwide", daemon=True)
 
@@ -156,9 +158,11 @@ class JobWideWatcher:
                     return
 
     def poll_once(self) -> None:
-        if not self.stall_handled and self.stalled is not None and self.stalled():
-            self.stall_handled = True
-            self._on_stall()
+        if self.stalled is not None:
+            stalled = bool(self.stalled())
+            if stalled and not self.was_stalled:  # a new stall episode
+                self._on_stall()
+            self.was_stalled = stalled
         p = self.prefix
         current = int(self.store.add(protocol.seq_key(p), 0))
         if current > self.last_seq and self.store.check([protocol.request_key(p, current)]):
@@ -188,8 +192,7 @@ class JobWideWatcher:
 
     def _on_stall(self) -> None:
         p = self.prefix
-        first = int(self.store.add(protocol.stall_claim_key(p), 1)) == 1
-        if not first:
+        if not self._claim_stall():
             files = write_rank_dump(self.rank, self.blackbox_path, self.dump_dir)
             _log(
                 f"rank {self.rank}: stall detected; snapshot and stacks written to "
@@ -213,6 +216,17 @@ class JobWideWatcher:
             f"to {directory} (analyze with: frtools analyze {directory})"
         )
         self._write_stall_manifest(seq, directory)
+
+    def _claim_stall(self) -> bool:
+        """True for the one rank that asks everybody: the first to see a stall, unless
+        another rank asked within the last ``STALL_QUIET_S`` seconds (same episode)."""
+        key = protocol.stall_claim_key(self.prefix)
+        now = time.time_ns()
+        old = self.store.get(key) if self.store.check([key]) else b""
+        if old and now - int(old or 0) < STALL_QUIET_S * 1e9:
+            return False
+        won = self.store.compare_set(key, old.decode(), str(now))
+        return (won.decode() if isinstance(won, bytes) else str(won)) == str(now)
 
     def _write_stall_manifest(self, seq: int, directory: Path) -> None:
         from frtools.dump.jobwide import gather_answers
