@@ -1,0 +1,155 @@
+"""Stacks: faulthandler text parsed, ranks grouped by where their main thread stands, and
+the side files of a dump directory attached to the Trace."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from frtools.analyze.readers.side_files import apply_manifest, attach_stacks
+from frtools.analyze.stacks import (
+    group_stacks,
+    last_dump,
+    parse_dumps,
+    stacks_summary,
+    user_frames_first,
+)
+from frtools.trace import RankInfo, Trace, empty_entries
+
+TORCH = "/usr/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+
+
+def _dump(main_frames: list[tuple[str, int, str]], worker: bool = True) -> str:
+    lines = []
+    if worker:
+        lines += [
+            "Thread 0x00007f0000000002 (most recent call first):",
+            '  File "/usr/lib/python3.11/threading.py", line 331 in wait',
+            '  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap',
+            "",
+        ]
+    lines.append("Thread 0x00007f0000000001 (most recent call first):")
+    lines += [f'  File "{f}", line {n} in {name}' for f, n, name in main_frames]
+    return "\n".join(lines) + "\n\n"
+
+
+WAITING = [
+    (TORCH, 3252, "all_reduce"),
+    ("/job/train.py", 72, "train"),
+    ("/job/train.py", 93, "main"),
+]
+STUCK = [
+    ("/job/train.py", 46, "compute_forever"),
+    ("/job/train.py", 65, "train"),
+    ("/job/train.py", 93, "main"),
+]
+
+
+@pytest.mark.timeout(30)
+def test_real_faulthandler_output_gives_the_main_thread_of_the_last_dump(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import faulthandler, sys, threading, time
+            ev = threading.Event()
+            t = threading.Thread(target=ev.wait, daemon=True); t.start()
+            def stuck_here():
+                faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+            faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+            stuck_here()
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=20)
+    dumps = parse_dumps(out.stdout)
+    assert len(dumps) == 2
+    main = dumps[-1].main_thread
+    assert main is not None and main.frames[0].name == "stuck_here"
+    assert main.frames[-1].name == "<module>"
+    assert len(dumps[-1].threads) == 2
+
+
+@pytest.mark.timeout(10)
+def test_fatal_error_dump_is_kept_with_its_reason():
+    text = (
+        _dump(WAITING) + "Fatal Python error: Segmentation fault\n\n" + _dump(STUCK, worker=False)
+    )
+    dump = last_dump(text)
+    assert dump is not None and dump.fatal == "Segmentation fault"
+    assert dump.main_thread.frames[0].name == "compute_forever"
+
+
+@pytest.mark.timeout(10)
+def test_outlier_rank_stands_alone_in_the_stack_groups():
+    stacks = {r: _dump(WAITING) for r in (0, 1, 3, 4, 5, 6, 7)}
+    stacks[2] = _dump(STUCK)
+    groups = group_stacks(stacks)
+    assert [g.ranks for g in groups] == [[0, 1, 3, 4, 5, 6, 7], [2]]
+    assert [g.outlier for g in groups] == [False, True]
+    assert groups[1].top == "/job/train.py:46 in compute_forever"
+    assert groups[0].top == "/job/train.py:72 in train"  # the user's line, not torch's
+
+
+@pytest.mark.timeout(10)
+def test_even_split_marks_no_outlier():
+    stacks = {0: _dump(WAITING), 1: _dump(WAITING), 2: _dump(STUCK), 3: _dump(STUCK)}
+    assert not any(g.outlier for g in group_stacks(stacks))
+
+
+@pytest.mark.timeout(10)
+def test_user_frames_come_first_in_a_report():
+    frames = last_dump(_dump(WAITING)).main_thread.frames
+    ordered = user_frames_first(frames)
+    assert [f.name for f in ordered] == ["train", "main", "all_reduce"]
+
+
+def _trace(tmp_path, ranks=(0, 1, 2, 3)) -> Trace:
+    return Trace(
+        entries=empty_entries(),
+        ranks={r: RankInfo(rank=r, source=str(tmp_path / f"rank_{r}.frt")) for r in ranks},
+    )
+
+
+@pytest.mark.timeout(10)
+def test_side_files_attach_stacks_and_apply_the_manifest(tmp_path):
+    for r in (0, 1, 3):
+        (tmp_path / f"rank_{r}.stacks").write_text(_dump(WAITING))
+    (tmp_path / "rank_2.stacks").write_text(_dump(WAITING) + _dump(STUCK))  # two dumps
+    manifest = {
+        "kind": "frtools-dump-manifest",
+        "mode": "local",
+        "host": "node7",
+        "world_size": 4,
+        "ranks_gone": [3],
+        "ranks_no_answer": [],
+        "ranks": {
+            str(r): {"rank": r, "host": "node7", "alive": r != 3, "answered": r != 3}
+            for r in range(4)
+        },
+    }
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    trace = _trace(tmp_path)
+    apply_manifest(trace, tmp_path)
+    attach_stacks(trace, tmp_path)
+    assert trace.ranks[3].alive is False and trace.ranks[0].alive is True
+    assert trace.ranks[2].host == "node7" and trace.world_size == 4
+    summary = stacks_summary(trace, [2])
+    assert summary.guilty[0].user_frames[0].name == "compute_forever"
+    assert [g.ranks for g in summary.groups] == [[0, 1, 3], [2]]
+    reasons = {i.path.rsplit("/", 1)[-1]: i.reason for i in trace.inputs}
+    assert "process gone: ranks 3" in reasons["manifest.json"]
+    assert reasons["rank_2.stacks"] == "Python stacks of rank 2"
+
+
+@pytest.mark.timeout(10)
+def test_broken_manifest_is_one_input_error_not_a_crash(tmp_path):
+    (tmp_path / "manifest.json").write_text("{not json")
+    trace = _trace(tmp_path, ranks=(0,))
+    apply_manifest(trace, tmp_path)
+    (err,) = [i for i in trace.inputs if i.path.endswith("manifest.json")]
+    assert err.status == "error" and "unreadable manifest" in err.reason
