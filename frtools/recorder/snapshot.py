@@ -17,6 +17,7 @@ because the analyzer reads thousands of these files.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import mmap
 import os
@@ -37,6 +38,7 @@ __all__ = [
     "SnapshotError",
     "SnapshotGroup",
     "copy_consistent",
+    "parse_ranks",
     "dump_acknowledged",
     "read_header",
     "read_snapshot",
@@ -255,9 +257,30 @@ def _decode_string(blob: bytes, sid: int) -> str:
         return STRING_MISSING_TEXT
     (n,) = struct.unpack_from("<I", blob, sid)
     end = sid + 4 + n
-    if n == 0 or end > len(blob):
+    if end > len(blob):
         return STRING_MISSING_TEXT
     return blob[sid + 4 : end].decode("utf-8", errors="replace")
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """Member ranks from their compact text (``"0-3,8,16-30:2"``), sorted; ``()`` when
+    unreadable. Cached: thousands of files repeat the same groups."""
+    ranks: set[int] = set()
+    try:
+        for term in text.split(","):
+            term = term.strip()
+            if not term:
+                continue
+            span, _, step = term.partition(":")
+            first, dash, last = span.partition("-")
+            if dash:
+                ranks.update(range(int(first), int(last) + 1, int(step) if step else 1))
+            else:
+                ranks.add(int(first))
+    except ValueError:
+        return ()
+    return tuple(sorted(ranks))
 
 
 def _parse_header(buf: bytes | memoryview, size: int) -> dict[str, Any]:
@@ -349,12 +372,7 @@ def _parse(buf: bytes | memoryview, size: int, path: str | None) -> Snapshot:
     groups = []
     for i, row in enumerate(pg_rows.tolist()):
         name_id, desc_id, ranks_id, _size, lec, lsc, lcc, lep, lcp = row
-        try:
-            ranks = tuple(
-                sorted(int(r) for r in json.loads(_decode_string(strings_blob, ranks_id)))
-            )
-        except (ValueError, TypeError):
-            ranks = ()
+        ranks = parse_ranks(_decode_string(strings_blob, ranks_id))
         groups.append(
             SnapshotGroup(
                 index=i,

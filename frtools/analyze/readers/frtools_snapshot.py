@@ -7,6 +7,7 @@ dictionary ``take`` — thousands of snapshots read in seconds.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,8 @@ from frtools.trace import ENTRY_SCHEMA, ProcessGroup, RankInfo, is_user_frame, o
 from .base import DumpError, RankDump, rank_from_filename
 
 FORMAT = "frtools"
+# default groups of jobs larger than this are passed as "all ranks" (RankDump.default_pg_all)
+ALL_RANKS_ABOVE = 1024
 
 _STATES = pa.array([None, "scheduled", "started", "completed"], type=pa.string())
 
@@ -108,10 +111,20 @@ def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
         stalled=bool(header["stalled"]) if watchdog_ran else None,
         wrapped=snap.wrapped,
     )
-    process_groups = {
-        g.name: ProcessGroup(name=g.name, desc=g.desc, ranks=g.ranks, inferred=False)
-        for g in groups
-    }
+    # The default group of a big job lists every rank: say "all ranks" instead of handing
+    # the loader one 16,384-int tuple per file (it fills range(world_size) once). Small jobs
+    # keep the list: the loader marks a group it fills itself as inferred.
+    world = info.world_size
+    default_pg_all = False
+    process_groups = {}
+    for g in groups:
+        ranks = g.ranks
+        is_default = g.name == "0" or g.desc == "default_pg"
+        big = world is not None and world > ALL_RANKS_ABOVE
+        if is_default and big and len(ranks) == world and ranks == _all_ranks(world):
+            default_pg_all = True
+            ranks = ()
+        process_groups[g.name] = ProcessGroup(name=g.name, desc=g.desc, ranks=ranks)
     entries = _entries(snap, rank, backend, len(groups))
     max_created = int(snap.slots["time_created_ns"].max()) if len(snap.slots) else None
     return RankDump(
@@ -121,7 +134,13 @@ def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
         bad_entries=snap.torn,
         notes=notes,
         max_time_created_ns=max_created,
+        default_pg_all=default_pg_all,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _all_ranks(world: int) -> tuple[int, ...]:
+    return tuple(range(world))
 
 
 def _take(dictionary: pa.Array, indices: np.ndarray, valid: np.ndarray | None = None) -> pa.Array:

@@ -123,7 +123,7 @@ static_assert(offsetof(Slot, state) == 104, "slot layout");
 struct PgEntry {
   uint32_t name;                       // 0 string id
   uint32_t desc;                       // 4 string id
-  uint32_t ranks;                      // 8 string id of "[0,1,2]" (global ranks)
+  uint32_t ranks;                      // 8 string id of the members ("0-3,8")
   uint32_t size;                       // 12
   int64_t last_enqueued_collective;    // 16
   int64_t last_started_collective;     // 24
@@ -293,6 +293,7 @@ struct Box {
   Slot* slot_for(int64_t rid) { return &slots[uint64_t(rid) % capacity]; }
 
   uint32_t intern(const char* s, size_t n) {
+    if (n == 0) return kStrNone;
     std::lock_guard<std::mutex> lock(intern_mutex);
     std::string key(s, n);
     auto it = interned.find(key);
@@ -734,6 +735,28 @@ PyObject* BlackBox_intern(BlackBoxObject* self, PyObject* arg) {
   return PyLong_FromUnsignedLong(b->intern(s, size_t(n)));
 }
 
+// Member ranks as compact text: comma-separated terms "a", "a-b" (a..b inclusive) or
+// "a-b:s" (a, a+s, ..., b), so a 16,384-rank default group is "0-16383", not 90 KB.
+std::string encode_ranks(const std::vector<long long>& r) {
+  std::string out;
+  size_t i = 0, n = r.size();
+  while (i < n) {
+    if (!out.empty()) out += ",";
+    size_t j = i;
+    if (i + 2 < n && r[i + 1] > r[i] && r[i + 2] - r[i + 1] == r[i + 1] - r[i]) {
+      long long step = r[i + 1] - r[i];
+      j = i + 2;
+      while (j + 1 < n && r[j + 1] - r[j] == step) ++j;
+      out += std::to_string(r[i]) + "-" + std::to_string(r[j]);
+      if (step != 1) out += ":" + std::to_string(step);
+    } else {
+      out += std::to_string(r[i]);
+    }
+    i = j + 1;
+  }
+  return out;
+}
+
 PyObject* BlackBox_add_process_group(BlackBoxObject* self, PyObject* args) {
   Box* b = open_box(self);
   if (!b) return closed_error();
@@ -745,19 +768,19 @@ PyObject* BlackBox_add_process_group(BlackBoxObject* self, PyObject* args) {
   }
   PyObject* seq = PySequence_Fast(ranks, "ranks must be a sequence of ints");
   if (!seq) return nullptr;
-  std::string ranks_text = "[";
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  std::vector<long long> members;
+  members.reserve(size_t(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     long long r = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
     if (r == -1 && PyErr_Occurred()) {
       Py_DECREF(seq);
       return nullptr;
     }
-    if (i) ranks_text += ",";
-    ranks_text += std::to_string(r);
+    members.push_back(r);
   }
-  ranks_text += "]";
   Py_DECREF(seq);
+  std::string ranks_text = encode_ranks(members);
 
   std::string key(name, size_t(name_len));
   {
