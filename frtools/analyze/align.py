@@ -244,9 +244,11 @@ def _completion(df: pd.DataFrame, use_pg_status: bool) -> pd.Series:
     if use_pg_status:
         pc = df["ps_completed"]
         seq = df["seq"] if "seq" in df.columns else df["collective_seq_id"]
-        by_status = (~df["informative"]) & pc.notna() & (seq <= pc.fillna(-1))
+        by_status = (
+            (~df["informative"]) & df["retired"].isna() & pc.notna() & (seq <= pc.fillna(-1))
+        )
         done = done | by_status.fillna(False).astype(bool)
-        known = known | pc.notna()
+        known = known | (pc.notna() & df["retired"].isna())
     out = pd.array(done.to_numpy(), dtype="boolean")
     out[~known.to_numpy() & ~done.to_numpy()] = pd.NA
     return pd.Series(out, index=df.index)
@@ -267,12 +269,17 @@ def _status(coll: pd.DataFrame, ps: pd.DataFrame) -> pd.DataFrame:
         )
     ps_idx = ps.set_index(["rank", "pg_name"])
     status = per.join(ps_idx, how="outer")
-    last_issued = pd.concat(
-        [status["last_seq"].astype("Int64"), status["ps_enqueued"].astype("Int64")], axis=1
-    ).max(axis=1, skipna=True)
-    last_completed = pd.concat(
-        [status["done_seq"].astype("Int64"), status["ps_completed"].astype("Int64")], axis=1
-    ).max(axis=1, skipna=True)
+    # Recorded entries are the truth where they exist: on Gloo, unrecorded send/recv bump
+    # pg_status' counters, so pg_status only fills in for groups without entries.
+    has_entries = status["last_seq"].notna()
+    last_issued = (
+        status["last_seq"].astype("Int64").where(has_entries, status["ps_enqueued"].astype("Int64"))
+    )
+    last_completed = (
+        status["done_seq"]
+        .astype("Int64")
+        .where(has_entries, status["ps_completed"].astype("Int64"))
+    )
     out = pd.DataFrame(
         {
             "first_seq": status["first_seq"].astype("Int64"),

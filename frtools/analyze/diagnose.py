@@ -78,7 +78,12 @@ def diagnose(trace: Trace, alignment: Alignment | None = None) -> Verdict:
     al = alignment if alignment is not None else align(trace)
     ctx = _Context(trace, al)
     verdict = (
-        ctx.from_graph() or ctx.stuck() or ctx.silent_mismatch() or ctx.straggler() or ctx.healthy()
+        ctx.from_graph()
+        or ctx.stuck()
+        or ctx.silent_mismatch()
+        or ctx.straggler()
+        or ctx.unexplained_absence()
+        or ctx.healthy()
     )
     ctx.finish(verdict)
     return verdict
@@ -542,8 +547,6 @@ class _Context:
         core = _sink_core(cyclic, self._targets_of)
         deviants = self._order_deviants(core)
         blamed = sorted(deviants) or sorted(core)
-        if deviants and all(how == "skip" for how in deviants.values()):
-            return self._skip_verdict(sorted(deviants), waiting, core)
         points = {self.blocked_at[r] for r in core}
         shown = sorted((self.points[k] for k in points), key=lambda p: -len(p.blockers))
         guilty = []
@@ -554,6 +557,10 @@ class _Context:
             g.reason = f"entered {self._point_name(p)} before " + (
                 " / ".join(others[:2]) or "the op its peers wait in"
             )
+            if deviants.get(r) == "skip":
+                g.reason += "; its recent ops are its peers' order with one collective left out"
+            elif deviants.get(r) == "order":
+                g.reason += "; no peer issued its recent ops in this order"
             g.call_site = self._call_site(r, p)
             guilty.append(g)
         verdict = Verdict(
@@ -578,41 +585,6 @@ class _Context:
             verdict.evidence.append(
                 "No rank's order differs from its peers' history; blaming the whole cycle."
             )
-        return verdict
-
-    def _skip_verdict(self, skippers: list[int], waiting: set[int], core: set[int]) -> Verdict:
-        """A cycle explained by ranks that skipped a collective and moved on."""
-        guilty = []
-        where: list[Point] = []
-        for r in skippers:
-            cand = [p for p in self.points.values() if r in p.targets and p.blockers and p.key[0]]
-            p = max(cand, key=lambda q: (len(q.blockers), -q.time_ns)) if cand else None
-            mine = self.points[self.blocked_at[r]]
-            g = self._guilty(r, "missing", p or mine)
-            skipped = self._point_name(p) if p else "a collective"
-            g.reason = (
-                f"skipped {skipped}, where its peers wait, and moved on to {self._point_name(mine)}"
-            )
-            guilty.append(g)
-            if p is not None:
-                where.append(p)
-        verdict = Verdict(
-            kind="missing",
-            headline="",
-            confidence=0.75,
-            guilty=guilty,
-            waiting=sorted(waiting - set(skippers)),
-        )
-        point = where[0] if where else self.points[self.blocked_at[skippers[0]]]
-        self._fill_point(verdict, point)
-        verdict.headline = (
-            f"{'Rank' if len(guilty) == 1 else 'Ranks'} {', '.join(_who(g) for g in guilty)} "
-            f"skipped {self._point_name(point)}; {len(verdict.waiting)} rank(s) wait"
-        )
-        verdict.evidence.append(
-            f"Ranks {collapse_ranks(sorted(core))} wait for each other; the skipping rank's "
-            "recent ops are its peers' sequence with this collective left out."
-        )
         return verdict
 
     def _order_deviants(self, core: set[int]) -> dict[int, str]:
@@ -684,7 +656,9 @@ class _Context:
                 continue
             if rows["completed"].fillna(False).astype(bool).any():
                 continue
-            if rows["completed"].isna().all():
+            if rows["completed"].isna().all() or not rows["informative"].all():
+                # Gloo marks completion from a callback that may lag the op's return, so
+                # "issued everywhere, completed nowhere" is only trusted with real states.
                 continue
             stuck_points.append(point)
         if not stuck_points:
@@ -821,6 +795,31 @@ class _Context:
             f"ms, {STRAGGLER_SPREAD_FACTOR:g} x the others' spread)."
         )
         return verdict
+
+    def unexplained_absence(self) -> Verdict | None:
+        """No hang in the records, but expected ranks left no dump: they may have died
+        (a Gloo peer's failed op is recorded as completed). Low confidence."""
+        if not self.absent:
+            return None
+        absent = sorted(self.absent)
+        guilty = []
+        for r in absent:
+            g = self._identity(r)
+            g.reason = "no usable dump, while the others show no hang; it may have died"
+            guilty.append(g)
+        return Verdict(
+            kind="dead",
+            headline=(
+                f"No dump from rank(s) {collapse_ranks(absent)}; the other "
+                f"{len(self.present)} rank(s) show no hang: the missing rank(s) may have died"
+            ),
+            confidence=0.5,
+            guilty=guilty,
+            evidence=[
+                "Nobody is recorded waiting for the missing rank(s); the verdict rests on the "
+                "missing dump alone."
+            ],
+        )
 
     def healthy(self) -> Verdict:
         n = len(self.present)
