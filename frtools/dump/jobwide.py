@@ -113,6 +113,7 @@ def dump_job_wide(
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     store = connect_store(store_addr, timeout)
+    started = time.monotonic()
     seq = protocol.issue_request(
         store,
         prefix,
@@ -125,5 +126,6 @@ def dump_job_wide(
     )
     manifest = Manifest(job_id=job_id or store_addr, mode="job-wide")
     gather_answers(store, prefix, seq, manifest, timeout)
+    manifest.elapsed_s = time.monotonic() - started
     manifest.write(out)
     return manifest

@@ -178,6 +178,7 @@ def collect_job(
                 entry.files.append(stacks.name)
     if not files:
         manifest.notes.append(f"no rank files in {job_dir}")
+    manifest.elapsed_s = time.monotonic() - started
     manifest.write(out)
     return manifest
 

@@ -53,6 +53,7 @@ class Manifest:
     host: str = field(default_factory=socket.gethostname)
     created_ns: int = field(default_factory=time.time_ns)
     world_size: int | None = None
+    elapsed_s: float | None = None  # request to last answer / last copy
     ranks: dict[int, RankEntry] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -83,6 +84,7 @@ class Manifest:
             "created_ns": self.created_ns,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created_ns / 1e9)),
             "world_size": self.world_size,
+            "elapsed_s": None if self.elapsed_s is None else round(self.elapsed_s, 3),
             "ranks_found": self.ranks_found,
             "ranks_answered": self.ranks_answered,
             "ranks_gone": self.ranks_gone,

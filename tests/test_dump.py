@@ -1,0 +1,280 @@
+"""``frtools dump`` on real hung 4-rank Gloo jobs (``frtools.demo_job``): per host, job-wide
+through the job's TCPStore, PyTorch-FR-only, and the stall hand-off with nobody dumping.
+
+Three jobs, each started once per session: rank 2 stuck in compute (run as two launcher
+groups with separate FRTOOLS_DIRs, standing in for two hosts), rank 2 holding the GIL,
+rank 2 SIGKILLed. Every job is killed before its fixture returns.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from jobs import free_port, rank_env, stop
+
+from frtools.analyze.readers import load_trace
+from frtools.analyze.readers.side_files import apply_side_files
+from frtools.analyze.stacks import stacks_summary
+
+WORLD = 4
+GUILTY = 2
+JOB_ID = "hang"
+STALL_SECONDS = 3.0
+
+
+def frtools(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "frtools", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@dataclass
+class HungJob:
+    port: int
+    tmp: Path
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    hung_at: float = 0.0  # wall time when the guilty rank reached its fault
+    results: dict = field(default_factory=dict)
+    stderr: dict[int, str] = field(default_factory=dict)
+
+
+def launch(tmp: Path, fault: str, dirs: dict[int, Path], env: dict[str, str], args=()) -> HungJob:
+    """Start a 4-rank job; rank r writes its black box under ``dirs[r]``."""
+    job = HungJob(port=free_port(), tmp=tmp)
+    for rank in range(WORLD):
+        extra = {"FRTOOLS_DIR": str(dirs[rank]), "FRTOOLS_JOB_ID": JOB_ID, **env}
+        job.procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "frtools.demo_job", "--fault", fault,
+                 "--fault-rank", str(GUILTY), "--marker-dir", str(tmp / "markers"), *args],
+                env=rank_env(rank, WORLD, job.port, extra),
+                stdout=subprocess.DEVNULL,
+                stderr=open(tmp / f"rank_{rank}.err", "w"),  # noqa: SIM115
+                start_new_session=True,
+            )
+        )  # fmt: skip
+    markers = tmp / "markers"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if markers.is_dir() and len(list(markers.iterdir())) == WORLD:
+            job.hung_at = (markers / f"rank_{GUILTY}.ready").stat().st_mtime
+            time.sleep(0.5)  # the victims enter their all-reduce
+            return job
+        if any(p.poll() not in (None, -9) for p in job.procs):
+            break
+        time.sleep(0.1)
+    finish(job)
+    pytest.fail("job did not reach the hang:\n" + "\n".join(job.stderr.values()))
+
+
+def finish(job: HungJob) -> None:
+    stop(job.procs)
+    for rank in range(len(job.procs)):
+        job.stderr[rank] = (job.tmp / f"rank_{rank}.err").read_text(errors="replace")
+
+
+def manifest(directory: Path) -> dict:
+    return json.loads((directory / "manifest.json").read_text())
+
+
+# -- jobs ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def compute_job(tmp_path_factory):
+    """Rank 2 stuck in compute; ranks 0-1 on "host A", 2-3 on "host B"; also PyTorch's own FR
+    with worker-server sockets. Waits for the stall hand-off, then runs every dump form."""
+    tmp = tmp_path_factory.mktemp("compute")
+    host_a, host_b, socks = tmp / "hostA", tmp / "hostB", tmp / "socks"
+    dirs = {0: host_a, 1: host_a, 2: host_b, 3: host_b}
+    env = {"FRTOOLS_STALL_SECONDS": str(STALL_SECONDS), "TORCH_FR_BUFFER_SIZE": "200"}
+    job = launch(tmp, "compute", dirs, env, ["--torch-socket-dir", str(socks)])
+    try:
+        stall_dirs = [host_a / JOB_ID / "dumps", host_b / JOB_ID / "dumps"]
+
+        def stall_files() -> set[str]:
+            return {p.name for d in stall_dirs if d.is_dir() for p in d.glob("rank_*.frt")}
+
+        deadline = job.hung_at + STALL_SECONDS + 15
+        while time.time() < deadline and len(stall_files()) < WORLD:
+            time.sleep(0.1)
+        job.results["stall_elapsed"] = time.time() - job.hung_at
+        job.results["stall_files"] = stall_files()
+        job.results["stall_dirs"] = stall_dirs
+
+        t = time.monotonic()
+        job.results["jobwide"] = frtools(
+            "dump", "--job-wide", "--store", f"127.0.0.1:{job.port}", "-o", str(tmp / "shared")
+        )
+        job.results["jobwide_s"] = time.monotonic() - t
+        job.results["local_a"] = frtools("dump", "--dir", str(host_a), "-o", str(tmp / "outA"))
+        job.results["torch"] = frtools(
+            "dump", "--torch-socket", str(socks / "*.sock"), "-o", str(tmp / "torch")
+        )
+    finally:
+        finish(job)
+    return job
+
+
+@pytest.fixture(scope="session")
+def gil_job(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gil")
+    shm = tmp / "shm"
+    job = launch(tmp, "gil", dict.fromkeys(range(WORLD), shm), {"FRTOOLS_STALL_SECONDS": "0"})
+    try:
+        t = time.monotonic()
+        job.results["dump"] = frtools("dump", "--dir", str(shm), "-o", str(tmp / "out"))
+        job.results["dump_s"] = time.monotonic() - t
+    finally:
+        finish(job)
+    return job
+
+
+@pytest.fixture(scope="session")
+def killed_job(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("killed")
+    shm = tmp / "shm"
+    job = launch(tmp, "kill", dict.fromkeys(range(WORLD), shm), {"FRTOOLS_STALL_SECONDS": "0"})
+    try:
+        t = time.monotonic()
+        job.results["dump"] = frtools("dump", "hang", "--dir", str(shm), "-o", str(tmp / "out"))
+        job.results["dump_s"] = time.monotonic() - t
+    finally:
+        finish(job)
+    return job
+
+
+def guilty_stack_names(directory: Path) -> list[str]:
+    trace = load_trace(directory)
+    apply_side_files(trace, directory)
+    summary = stacks_summary(trace, [GUILTY])
+    return [f.name for f in summary.guilty[0].frames]
+
+
+# -- per host ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_dump_collects_every_rank_and_the_gil_holders_stack_within_5s(gil_job):
+    res = gil_job.results["dump"]
+    assert res.returncode == 0, res.stderr
+    assert gil_job.results["dump_s"] < 5  # the whole command: no torch import on this path
+    out = gil_job.tmp / "out"
+    m = manifest(out)
+    assert m["ranks_found"] == [0, 1, 2, 3]
+    assert m["ranks_answered"] == [0, 1, 2, 3]
+    assert "hold_gil_forever" in (out / "rank_2.stacks").read_text()
+    assert f"frtools analyze {out}" in res.stdout
+
+
+@pytest.mark.timeout(180)
+def test_analysis_blames_the_gil_holder_and_shows_its_stack(gil_job):
+    out = gil_job.tmp / "out"
+    res = frtools("analyze", str(out))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Rank 2" in res.stdout
+    names = guilty_stack_names(out)
+    assert names[:2] == ["hold_gil_forever", "train"]
+
+
+@pytest.mark.timeout(180)
+def test_dump_of_a_killed_rank_names_it_gone_and_keeps_its_black_box(killed_job):
+    res = killed_job.results["dump"]
+    assert res.returncode == 0, res.stderr
+    assert killed_job.results["dump_s"] < 5
+    out = killed_job.tmp / "out"
+    m = manifest(out)
+    assert m["ranks_gone"] == [2]
+    assert m["ranks_answered"] == [0, 1, 3]
+    assert (out / "rank_2.frt").exists()
+    assert "process gone" in res.stdout
+
+
+@pytest.mark.timeout(180)
+def test_analysis_blames_the_killed_rank(killed_job):
+    res = frtools("analyze", str(killed_job.tmp / "out"))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Rank 2" in res.stdout
+
+
+@pytest.mark.timeout(180)
+def test_per_host_dump_collects_only_that_hosts_ranks(compute_job):
+    res = compute_job.results["local_a"]
+    assert res.returncode == 0, res.stderr
+    assert manifest(compute_job.tmp / "outA")["ranks_found"] == [0, 1]
+
+
+@pytest.mark.timeout(10)
+def test_dump_without_recorder_files_is_one_clear_error(tmp_path):
+    res = frtools("dump", "--dir", str(tmp_path / "none"), "-o", str(tmp_path / "out"))
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith("frtools dump: no recorder files under")
+    assert "Traceback" not in res.stderr
+
+
+# -- job-wide and the stall hand-off ----------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_stall_snapshots_of_all_ranks_appear_without_anyone_dumping(compute_job):
+    r = compute_job.results
+    assert r["stall_files"] == {f"rank_{i}.frt" for i in range(WORLD)}
+    assert r["stall_elapsed"] <= STALL_SECONDS + 5
+    logs = "\n".join(compute_job.stderr.values())
+    assert "stall detected" in logs and "dumps" in logs
+    # the rank that asked everybody wrote a manifest of who answered
+    manifests = [manifest(d) for d in r["stall_dirs"] if (d / "manifest.json").exists()]
+    assert manifests and manifests[0]["mode"] == "stall"
+
+
+@pytest.mark.timeout(180)
+def test_job_wide_dump_reaches_both_launcher_groups(compute_job):
+    res = compute_job.results["jobwide"]
+    assert res.returncode == 0, res.stderr
+    shared = compute_job.tmp / "shared"
+    m = manifest(shared)
+    assert m["ranks_answered"] == [0, 1, 2, 3]
+    assert m["world_size"] == 4
+    assert m["elapsed_s"] < 5  # request to last answer; the CLI's torch import comes on top
+    assert "compute_forever" in (shared / "rank_2.stacks").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_job_wide_analysis_blames_the_rank_stuck_in_compute(compute_job):
+    shared = compute_job.tmp / "shared"
+    res = frtools("analyze", str(shared))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Rank 2" in res.stdout
+    assert guilty_stack_names(shared)[0] == "compute_forever"
+
+
+@pytest.mark.timeout(30)
+def test_job_wide_dump_with_no_store_is_one_clear_error(tmp_path):
+    port = free_port()
+    res = frtools(
+        "dump", "--job-wide", "--store", f"127.0.0.1:{port}", "--timeout", "1", "-o", str(tmp_path)
+    )
+    assert res.returncode == 2
+    assert f"cannot reach the job's store at 127.0.0.1:{port}" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+# -- PyTorch's own Flight Recorder ------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_torch_fr_sockets_are_collected_and_analyzed(compute_job):
+    res = compute_job.results["torch"]
+    assert res.returncode == 0, res.stderr
+    out = compute_job.tmp / "torch"
+    assert sorted(p.name for p in out.glob("rank_*.json")) == [f"rank_{r}.json" for r in range(4)]
+    assert "compute_forever" in (out / "rank_2.stacks").read_text()
+    analysis = frtools("analyze", str(out))
+    assert analysis.returncode == 1, analysis.stdout + analysis.stderr
+    assert "Rank 2" in analysis.stdout
