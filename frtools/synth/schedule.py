@@ -31,7 +31,7 @@ def _frame(name: str, filename: str, line: int) -> dict[str, object]:
 
 
 _C10D = f"{_TORCH}/distributed/distributed_c10d.py"
-_LOGGER = _frame("wrapper", f"{_TORCH}/distributed/c10d_logger.py", 81)
+_LOGGER = _frame("wrapper", f"{_TORCH}/distributed/c10d_logger.py", 83)
 _TRAIN = [
     _frame("train_step", f"{_MEGATRON}/training/training.py", 1120),
     _frame("train", f"{_MEGATRON}/training/training.py", 1672),
@@ -42,7 +42,7 @@ _TRAIN = [
 # call site -> stack frames, innermost first (as PyTorch dumps them)
 CALL_SITES: dict[str, list[dict[str, object]]] = {
     "tp_all_gather": [
-        _frame("all_gather_into_tensor", _C10D, 3873),
+        _frame("all_gather_into_tensor", _C10D, 4476),
         _LOGGER,
         _frame("_gather_along_first_dim", f"{_MEGATRON}/core/tensor_parallel/mappings.py", 93),
         _frame("forward", f"{_MEGATRON}/core/tensor_parallel/mappings.py", 236),
@@ -51,7 +51,7 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
         *_TRAIN,
     ],
     "tp_reduce_scatter": [
-        _frame("reduce_scatter_tensor", _C10D, 4301),
+        _frame("reduce_scatter_tensor", _C10D, 5017),
         _LOGGER,
         _frame(
             "_reduce_scatter_along_first_dim", f"{_MEGATRON}/core/tensor_parallel/mappings.py", 126
@@ -62,7 +62,7 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
         *_TRAIN,
     ],
     "tp_bwd_all_gather": [
-        _frame("all_gather_into_tensor", _C10D, 3873),
+        _frame("all_gather_into_tensor", _C10D, 4476),
         _LOGGER,
         _frame("_gather_along_first_dim", f"{_MEGATRON}/core/tensor_parallel/mappings.py", 93),
         _frame("backward", f"{_MEGATRON}/core/tensor_parallel/mappings.py", 270),
@@ -70,7 +70,7 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
         *_TRAIN,
     ],
     "tp_bwd_reduce_scatter": [
-        _frame("reduce_scatter_tensor", _C10D, 4301),
+        _frame("reduce_scatter_tensor", _C10D, 5017),
         _LOGGER,
         _frame(
             "_reduce_scatter_along_first_dim", f"{_MEGATRON}/core/tensor_parallel/mappings.py", 126
@@ -80,7 +80,7 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
         *_TRAIN,
     ],
     "ep_all_to_all": [
-        _frame("all_to_all_single", _C10D, 4561),
+        _frame("all_to_all_single", _C10D, 5131),
         _LOGGER,
         _frame("forward", f"{_MEGATRON}/core/tensor_parallel/mappings.py", 465),
         _frame("token_permutation", f"{_MEGATRON}/core/transformer/moe/token_dispatcher.py", 538),
@@ -89,14 +89,14 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
         *_TRAIN,
     ],
     "ep_bwd_all_to_all": [
-        _frame("all_to_all_single", _C10D, 4561),
+        _frame("all_to_all_single", _C10D, 5131),
         _LOGGER,
         _frame("backward", f"{_MEGATRON}/core/tensor_parallel/mappings.py", 476),
         _frame("backward_step", f"{_MEGATRON}/core/pipeline_parallel/schedules.py", 366),
         *_TRAIN,
     ],
     "cp_all_gather": [
-        _frame("all_gather_into_tensor", _C10D, 3873),
+        _frame("all_gather_into_tensor", _C10D, 4476),
         _LOGGER,
         _frame("forward", f"{_MEGATRON}/core/transformer/dot_product_attention.py", 148),
         _frame("forward", f"{_MEGATRON}/core/transformer/attention.py", 660),
@@ -104,14 +104,15 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
         *_TRAIN,
     ],
     "cp_bwd_reduce_scatter": [
-        _frame("reduce_scatter_tensor", _C10D, 4301),
+        _frame("reduce_scatter_tensor", _C10D, 5017),
         _LOGGER,
         _frame("backward", f"{_MEGATRON}/core/transformer/dot_product_attention.py", 201),
         _frame("backward_step", f"{_MEGATRON}/core/pipeline_parallel/schedules.py", 366),
         *_TRAIN,
     ],
     "pp_send_forward": [
-        _frame("send", _C10D, 2493),
+        _frame("isend", _C10D, 2652),
+        _frame("send", _C10D, 2751),
         _LOGGER,
         _frame("_p2p_ops", f"{_MEGATRON}/core/pipeline_parallel/p2p_communication.py", 214),
         _frame("send_forward", f"{_MEGATRON}/core/pipeline_parallel/p2p_communication.py", 480),
@@ -123,7 +124,8 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
         *_TRAIN,
     ],
     "pp_recv_forward": [
-        _frame("recv", _C10D, 2546),
+        _frame("irecv", _C10D, 2709),
+        _frame("recv", _C10D, 2796),
         _LOGGER,
         _frame("_p2p_ops", f"{_MEGATRON}/core/pipeline_parallel/p2p_communication.py", 229),
         _frame("recv_forward", f"{_MEGATRON}/core/pipeline_parallel/p2p_communication.py", 437),
@@ -135,7 +137,8 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
         *_TRAIN,
     ],
     "pp_send_backward": [
-        _frame("send", _C10D, 2493),
+        _frame("isend", _C10D, 2652),
+        _frame("send", _C10D, 2751),
         _LOGGER,
         _frame("_p2p_ops", f"{_MEGATRON}/core/pipeline_parallel/p2p_communication.py", 214),
         _frame("send_backward", f"{_MEGATRON}/core/pipeline_parallel/p2p_communication.py", 501),
@@ -147,7 +150,8 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
         *_TRAIN,
     ],
     "pp_recv_backward": [
-        _frame("recv", _C10D, 2546),
+        _frame("irecv", _C10D, 2709),
+        _frame("recv", _C10D, 2796),
         _LOGGER,
         _frame("_p2p_ops", f"{_MEGATRON}/core/pipeline_parallel/p2p_communication.py", 229),
         _frame("recv_backward", f"{_MEGATRON}/core/pipeline_parallel/p2p_communication.py", 458),
@@ -159,7 +163,7 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
         *_TRAIN,
     ],
     "dp_all_reduce": [
-        _frame("all_reduce", _C10D, 2950),
+        _frame("all_reduce", _C10D, 3245),
         _LOGGER,
         _frame("start_grad_sync", f"{_MEGATRON}/core/distributed/param_and_grad_buffer.py", 412),
         _frame(
@@ -168,7 +172,7 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
         *_TRAIN,
     ],
     "dp_all_reduce_coalesced": [
-        _frame("all_reduce_coalesced", _C10D, 3250),
+        _frame("all_reduce_coalesced", _C10D, 3325),
         _LOGGER,
         _frame("start_grad_sync", f"{_MEGATRON}/core/distributed/param_and_grad_buffer.py", 405),
         _frame(
@@ -177,14 +181,14 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
         *_TRAIN,
     ],
     "world_all_reduce": [
-        _frame("all_reduce", _C10D, 2950),
+        _frame("all_reduce", _C10D, 3245),
         _LOGGER,
         _frame("check_for_nan_in_loss", f"{_MEGATRON}/training/utils.py", 306),
         _frame("train_step", f"{_MEGATRON}/training/training.py", 1138),
         *_TRAIN[1:],
     ],
     "init_barrier": [
-        _frame("barrier", _C10D, 4811),
+        _frame("barrier", _C10D, 5349),
         _LOGGER,
         _frame("_initialize_distributed", f"{_MEGATRON}/training/initialize.py", 311),
         _frame("initialize_megatron", f"{_MEGATRON}/training/initialize.py", 87),
@@ -192,7 +196,7 @@ CALL_SITES: dict[str, list[dict[str, object]]] = {
     ],
     # a rank-dependent branch in user code: where injected mismatches come from
     "user_branch": [
-        _frame("all_reduce", _C10D, 2950),
+        _frame("all_reduce", _C10D, 3245),
         _LOGGER,
         _frame("sync_aux_stats", "/workspace/train/callbacks/aux_stats.py", 57),
         _frame("on_micro_batch_end", "/workspace/train/callbacks/aux_stats.py", 31),

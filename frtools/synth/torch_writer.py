@@ -276,7 +276,7 @@ def rank_dump(job: Job, rank: int) -> dict[str, Any]:
             "record_id": rec,
             "pg_id": PG_ID[kind],
             "process_group": pg_tuple[kind],
-            "thread_name": "pt_main_thread",
+            "thread_name": "python",
             "thread_id": thread_id,
             "collective_seq_id": coll_seq,
             "p2p_seq_id": p2p_seq,
