@@ -122,7 +122,9 @@ def demo(ranks: int, fault: str, fault_rank: int, stall_seconds: float, keep: st
     """Hang a small local job on purpose and diagnose it (exit code of `frtools analyze`)."""
     console = Console(highlight=False)
     if not 0 <= fault_rank < ranks:
-        console.print(f"[red]frtools demo: --fault-rank must be in 0..{ranks - 1}[/red]")
+        Console(stderr=True).print(
+            f"[red]frtools demo: --fault-rank must be in 0..{ranks - 1}[/red]"
+        )
         raise SystemExit(2)
     tmp = None
     if keep:
