@@ -64,11 +64,9 @@ def gloo_dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def fr_entry(version: str, i: int, **over: object) -> dict:
-    """One entry as PyTorch ``version`` wrote it (keys added/renamed over time)."""
-    major, minor = (int(x) for x in version.split("."))
-    v = (major, minor)
+    """One entry as PyTorch ``version`` wrote it (see docs/dump-formats.md)."""
+    v = tuple(int(x) for x in version.split("."))
     e: dict = {
-        "record_id": i,
         "pg_id": 0,
         "profiling_name": "nccl:all_reduce",
         "time_created_ns": 1_000 + i,
@@ -87,29 +85,35 @@ def fr_entry(version: str, i: int, **over: object) -> dict:
             {"filename": "/job/train.py", "line": 42, "name": "step"},
         ],
     }
-    if v < (1, 5):
+    if v >= (1, 4):
+        e.update(record_id=i, op_id=i + 1)
+    if v < (2, 0):
         e["seq_id"] = i + 1
     else:
-        e.update(collective_seq_id=i + 1, p2p_seq_id=0, op_id=i + 1)
-    if v >= (1, 1):
-        e["process_group"] = ("0", "default_pg")
-    if v >= (2, 0):
-        e.update(input_dtypes=["Float"], output_dtypes=["Float"], is_p2p=False, duration_ms=0.5)
+        e.update(
+            process_group=("0", "default_pg"),
+            collective_seq_id=i + 1,
+            p2p_seq_id=0,
+            is_p2p=False,
+            input_dtypes=["Float"],
+            output_dtypes=["Float"],
+        )
+    if i % 2 == 0:  # written only once a duration was measured
+        e["duration_ms"] = 0.5
     if v >= (2, 2):
         e["timeout_ms"] = 600_000
-    if v >= (2, 9):
+    if v >= (2, 10):
         e.update(thread_id="140000", thread_name="pt_main_thread")
     e.update(over)
     return e
 
 
 def fr_dump(version: str, n: int = 3, world: int = 4, **top: object) -> dict:
-    major, minor = (int(x) for x in version.split("."))
-    v = (major, minor)
-    d: dict = {"entries": [fr_entry(version, i) for i in range(n)]}
-    if v >= (1, 0):
-        d["version"] = version
-    if v >= (1, 1):
+    v = tuple(int(x) for x in version.split("."))
+    d: dict = {"entries": [fr_entry(version, i) for i in range(n)], "version": version}
+    if (1, 4) <= v < (2, 0):
+        d["pg_config"] = {0: list(range(world))}
+    elif v >= (2, 0):
         d["pg_config"] = {
             "0": {"name": "0", "desc": "default_pg", "ranks": str(list(range(world)))}
         }
@@ -121,9 +125,9 @@ def fr_dump(version: str, n: int = 3, world: int = 4, **top: object) -> dict:
                 "last_completed_collective": n,
             }
         }
-    if (2, 5) <= v < (2, 8):
+    if (2, 7) <= v < (2, 10):
         d["nccl_version"] = "2.21.5"
-    if v >= (2, 8):
+    if v >= (2, 10):
         d["comm_lib_version"] = "2.21.5"
     d.update(top)
     return d
@@ -211,7 +215,7 @@ def test_pickle_and_json_of_same_rank_keep_the_one_with_stacks(
 
 # --- versions -----------------------------------------------------------------------------
 
-VERSIONS = ["1.0", "1.1", "1.5", "2.0", "2.2", "2.3", "2.4", "2.7", "2.8", "2.10", "2.11"]
+VERSIONS = ["1.0", "1.1", "1.4", "2.0", "2.2", "2.3", "2.5", "2.7", "2.10", "2.11"]
 
 
 @pytest.mark.timeout(30)
@@ -227,22 +231,27 @@ def test_every_fr_pickle_version_normalizes_the_same(version: str, tmp_path: Pat
     assert rows[0]["pg_name"] == "0"
     assert rows[0]["input_sizes"] == "[[4,2]]"
     assert rows[0]["state"] == "completed" and rows[0]["time_completed_ns"] == 1200
+    assert [r["duration_ms"] for r in rows] == [0.5, None, 0.5]
     assert rows[0]["call_site"] == "/job/train.py:42 in step"
     v = tuple(int(x) for x in version.split("."))
+    assert [r["record_id"] for r in rows] == ([0, 1, 2] if v >= (1, 4) else [None] * 3)
+    assert rows[0]["pg_desc"] == ("default_pg" if v >= (2, 0) else "")
     assert (rows[0]["input_dtypes"] == "Float") == (v >= (2, 0))
     assert (rows[0]["timeout_ms"] == 600_000) == (v >= (2, 2))
-    assert (rows[0]["thread_name"] == "pt_main_thread") == (v >= (2, 9))
-    assert (info.comm_lib_version == "2.21.5") == (v >= (2, 5))
+    assert (rows[0]["thread_name"] == "pt_main_thread") == (v >= (2, 10))
+    assert (info.comm_lib_version == "2.21.5") == (v >= (2, 7))
     assert bool(info.pg_status) == (v >= (2, 3))
-    if v >= (1, 1):
+    if v >= (1, 4):
         g = trace.process_groups["0"]
-        assert (g.desc, g.ranks, g.inferred) == ("default_pg", (0, 1, 2, 3), False)
+        assert (g.ranks, g.inferred) == ((0, 1, 2, 3), False)
         assert trace.world_size == 4 and trace.missing_ranks == [0, 2, 3]
+    else:  # no pg_config: membership is whoever recorded ops
+        assert trace.process_groups["0"].inferred
 
 
 @pytest.mark.timeout(30)
 def test_unversioned_dump_with_only_pg_id_and_seq_id(tmp_path: Path) -> None:
-    dump = fr_dump("1.0")
+    dump = fr_dump("1.1")
     del dump["version"]
     for e in dump["entries"]:
         e["pg_id"] = 3
@@ -266,7 +275,7 @@ def test_unknown_future_version_reads_what_it_recognizes(tmp_path: Path) -> None
 
 @pytest.mark.timeout(30)
 def test_old_shared_seq_id_goes_to_p2p_seq_for_p2p_ops(tmp_path: Path) -> None:
-    dump = fr_dump("1.1")
+    dump = fr_dump("1.4")
     dump["entries"][1]["profiling_name"] = "nccl:send 0->1"
     trace = load_trace(write_pickle(tmp_path / "rank_0.pkl", dump))
     rows = trace.entries.to_pylist()
@@ -474,6 +483,8 @@ def test_bad_files_each_get_a_reason_and_the_rest_loads(tmp_path: Path) -> None:
     got = {Path(i.path).name: (i.status, i.reason) for i in trace.inputs}
     assert got["rank_0.pkl"] == ("ok", "")
     assert got["rank_1.pkl"] == ("error", "truncated pickle (data ends before the dump does)")
+    # an unusable dump still says whose it was, so a report can say why a rank is missing
+    assert next(i.rank for i in trace.inputs if i.path.endswith("rank_1.pkl")) == 1
     assert got["rank_2.pkl"] == ("error", "empty file (0 bytes)")
     assert got["rank_3.pkl"] == (
         "error",

@@ -224,13 +224,16 @@ def normalize(dump: Any, path: Path, fmt: str) -> RankDump:
     pg_config = dump.get("pg_config")
     if isinstance(pg_config, Mapping):
         for key, cfg in pg_config.items():
-            if not isinstance(cfg, Mapping):
+            if isinstance(cfg, Mapping):  # 2.0+: {name: {"name", "desc", "ranks": "[0, 1]"}}
+                name = str(cfg.get("name", key) or key)
+                ranks = parse_ranks(cfg.get("ranks"))
+                desc = str(cfg.get("desc", "") or "")
+            elif isinstance(cfg, (list, tuple, str)):  # 1.4: {pg_id: [0, 1]}
+                name, ranks, desc = str(key), parse_ranks(cfg), ""
+            else:
                 continue
-            name = str(cfg.get("name", key) or key)
             if not name:
                 continue  # Gloo on 2.13 writes one {'': {..., 'ranks': '[]'}} placeholder
-            ranks = parse_ranks(cfg.get("ranks"))
-            desc = str(cfg.get("desc", "") or "")
             if ranks == "all":
                 default_pg_all = default_pg_all or desc == "default_pg" or name == "0"
                 ranks = ()
