@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import sys
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -139,8 +140,17 @@ HANG_SECONDS = 4.0
 JOB_TIMEOUT = 90.0
 
 
+_import_lock = threading.Lock()
+
+
 def _jobs_module() -> ModuleType:
-    """``tests/jobs.py``, the one launcher of real multi-process jobs, imported by path."""
+    """``tests/jobs.py``, the one launcher of real multi-process jobs, imported by path
+    (under a lock: scenarios run from several threads)."""
+    with _import_lock:
+        return _import_jobs()
+
+
+def _import_jobs() -> ModuleType:
     name = "frtools_test_jobs"
     if name in sys.modules:
         return sys.modules[name]
@@ -220,3 +230,28 @@ def expected_dumps(scenario: Scenario) -> set[int]:
     if scenario.fault == "exit":
         return set(WORLD) - {scenario.rank}
     return set(WORLD)
+
+
+def expected_returncodes(scenario: Scenario) -> dict[int, set[int]]:
+    """Exit status each rank of ``faulty_job.py`` must end with in this scenario.
+
+    A hang case must end by the watchdog (3) on every rank, a completing one with 0: anything
+    else means the job did not do what the scenario says (e.g. a healthy rank timed out on an
+    overloaded machine), and its dumps would not show the intended fault."""
+    ok, died, hung, error = 0, 1, 3, 4
+    if scenario.fault in ("none", "size", "late"):
+        return {r: {ok} for r in WORLD}
+    if scenario.fault == "exit":
+        # the survivors see Gloo's connection error at once; one may still be between ops
+        return {r: ({died} if r == scenario.rank else {error, hung}) for r in WORLD}
+    return {r: {hung} for r in WORLD}
+
+
+def unexpected_exits(scenario: Scenario, result) -> list[str]:  # noqa: ANN001
+    """Ranks of a finished ``JobResult`` whose exit status the scenario does not expect."""
+    want = expected_returncodes(scenario)
+    return [
+        f"rank {r.rank} exited {r.returncode}, expected {sorted(want[r.rank])}"
+        for r in result.ranks
+        if r.returncode not in want[r.rank]
+    ]

@@ -92,8 +92,11 @@ def main(out: Path, cases: tuple[str, ...], parallel: int) -> None:
         for s in chosen:
             got = sc.dumps_present(Path(tmp) / s.case)
             want = sc.expected_dumps(s)
+            bad = sc.unexpected_exits(s, results[s.case])
             status = "ok" if got == want else f"UNEXPECTED dumps {sorted(got)}"
-            failed |= got != want or bool(results[s.case].timed_out)
+            if bad:
+                status += "; " + "; ".join(bad)
+            failed |= got != want or bool(bad)
             click.echo(f"{s.case:14} ranks dumped {sorted(got)}  {status}")
         if failed:
             raise click.ClickException("some cases did not produce the expected dumps")

@@ -81,7 +81,8 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
             f"{s.case}: job left dumps of ranks {sorted(got)}, expected {sorted(want)}\n"
             f"{results[s.case].output()[-4000:]}"
         )
-        assert not results[s.case].timed_out, f"{s.case}: ranks {results[s.case].timed_out} hung"
+        bad = sc.unexpected_exits(s, results[s.case])
+        assert not bad, f"{s.case}: {'; '.join(bad)}\n{results[s.case].output()[-4000:]}"
     return root
 
 
