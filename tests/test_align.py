@@ -1,0 +1,132 @@
+"""Alignment: seq matching, per-member status, completion sources, wrap, coalesced, P2P."""
+
+from __future__ import annotations
+
+import pytest
+
+from frtools.analyze.align import align
+from frtools.trace import ProcessGroup, RankInfo, Trace, entries_table
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def row(rank, seq, pg="0", op="all_reduce", **kw):
+    base = {
+        "rank": rank,
+        "record_id": kw.pop("record_id", seq),
+        "pg_name": pg,
+        "pg_desc": "default_pg" if pg == "0" else "undefined",
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "is_p2p": False,
+        "op": op,
+        "input_sizes": "[[4]]",
+        "output_sizes": "[[4]]",
+        "input_dtypes": "Float",
+        "output_dtypes": "Float",
+        "state": "scheduled",
+        "time_created_ns": kw.pop("t", seq * 1000 + rank),
+    }
+    base.update(kw)
+    return base
+
+
+def make(rows, ranks=4, pg_status=None, wrapped=(), groups=None) -> Trace:
+    infos = {r: RankInfo(rank=r, wrapped=r in wrapped) for r in range(ranks)}
+    for r, st in (pg_status or {}).items():
+        infos[r].pg_status = st
+    pgs = groups or {"0": ProcessGroup("0", "default_pg", tuple(range(ranks)))}
+    return Trace(entries=entries_table(rows), ranks=infos, process_groups=pgs, world_size=ranks)
+
+
+def test_each_seq_lists_which_members_issued_it():
+    rows = [row(r, s) for r in range(4) for s in (1, 2)] + [row(r, 3) for r in (0, 1, 2)]
+    view = align(make(rows)).group("0").seq_view()
+    assert list(view.index) == [1, 2, 3]
+    assert view.loc[3].notna().tolist() == [True, True, True, False]
+
+
+def test_status_gives_last_issued_and_last_completed_per_member():
+    rows = [row(r, s, retired=s < 3) for r in range(4) for s in (1, 2, 3) if (r, s) != (3, 3)]
+    status = align(make(rows)).group("0").status
+    assert status.loc[0, "last_issued"] == 3 and status.loc[0, "last_completed"] == 2
+    assert status.loc[3, "last_issued"] == 2 and status.loc[3, "last_completed"] == 2
+
+
+def test_pg_status_completes_entries_only_when_nothing_else_says():
+    # No `retired`, states uninformative: pg_status decides.
+    rows = [row(0, s) for s in (1, 2, 3)]
+    st = {0: {"0": {"last_enqueued_collective": 3, "last_completed_collective": 2}}}
+    coll = align(make(rows, ranks=1, pg_status=st)).collectives.sort_values("seq")
+    assert coll["completed"].tolist() == [True, True, False]
+    # `retired` wins over pg_status (Gloo's counters also count unrecorded send/recv).
+    rows = [row(0, 1, retired=True), row(0, 2, retired=False)]
+    st = {0: {"0": {"last_enqueued_collective": 3, "last_completed_collective": 2}}}
+    coll = align(make(rows, ranks=1, pg_status=st)).collectives.sort_values("seq")
+    assert coll["completed"].tolist() == [True, False]
+
+
+def test_pg_status_fills_last_issued_for_a_group_without_entries():
+    rows = [row(0, 1)]
+    st = {1: {"0": {"last_enqueued_collective": 7, "last_completed_collective": 7}}}
+    status = align(make(rows, ranks=2, pg_status=st)).status
+    assert status.loc[(1, "0"), "last_issued"] == 7
+
+
+def test_no_completion_info_is_unknown_not_false():
+    coll = align(make([row(0, 1)], ranks=1)).collectives
+    assert coll["completed"].isna().all()
+
+
+def test_wrapped_rank_starts_later_but_has_issued_the_older_seqs():
+    rows = [row(r, s) for r in (0, 1) for s in range(1, 6)] + [row(2, s) for s in (4, 5)]
+    al = align(make(rows, ranks=3, wrapped=(2,)))
+    assert al.status.loc[(2, "0"), "first_seq"] == 4
+    assert al.status.loc[(2, "0"), "last_issued"] == 5
+
+
+def test_coalesced_ops_are_one_unit():
+    def block(rank, second="[[8]]"):
+        marker = {"input_sizes": "", "output_sizes": "", "input_dtypes": "", "output_dtypes": ""}
+        return [
+            row(rank, 1, record_id=0, input_sizes="[[4]]", output_sizes="[[4]]"),
+            row(rank, 1, record_id=1, input_sizes=second, output_sizes=second),
+            row(rank, 1, op="coalesced", record_id=2, **marker),
+        ]
+
+    coll = align(make(block(0) + block(1), ranks=2)).collectives.sort_values("rank")
+    assert coll["op"].tolist() == ["coalesced", "coalesced"]
+    assert coll["input_sizes"].tolist() == ["[[4]];[[8]]", "[[4]];[[8]]"]
+    assert coll["sig"].nunique() == 1
+    coll = align(make(block(0) + block(1, "[[2]]"), ranks=2)).collectives
+    assert coll["sig"].nunique() == 2
+
+
+def test_kth_send_matches_kth_recv_of_the_pair_with_global_peers():
+    def p2p(rank, op, peer, k):
+        return row(
+            rank,
+            0,
+            pg="pp",
+            op=op,
+            is_p2p=True,
+            peer=peer,
+            p2p_seq_id=k,
+            record_id=k,
+            t=k * 1000 + rank,
+        )
+
+    # Rank 4 sends to 6 twice and to 5 once; p2p_seq_id counts per rank, not per pair.
+    rows = [p2p(4, "send", 6, 1), p2p(4, "send", 5, 2), p2p(4, "send", 6, 3)]
+    rows += [p2p(6, "recv", 4, 1), p2p(6, "recv", 4, 2), p2p(5, "recv", 4, 1)]
+    groups = {"pp": ProcessGroup("pp", "", (4, 5, 6))}
+    al = align(make(rows, ranks=7, groups=groups))
+    p = al.p2p.sort_values(["rank", "record_id"])
+    sends = p[p["rank"] == 4]
+    assert list(zip(sends["receiver"], sends["pair_index"], strict=True)) == [
+        (6, 0),
+        (5, 0),
+        (6, 1),
+    ]
+    recvs = p[p["rank"] == 6]
+    assert list(zip(recvs["sender"], recvs["pair_index"], strict=True)) == [(4, 0), (4, 1)]

@@ -1,0 +1,130 @@
+"""`python -m frtools analyze` as a user runs it: exit codes 0/1/2, one-line errors, formats.
+
+Dumps are PyTorch Flight Recorder 2.10 pickles (Gloo shape) written from small simulated jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+from trace_builder import STOP, megatron8, simulate, training, write_fr_pickles
+
+pytestmark = pytest.mark.timeout(120)
+
+SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "verdict.schema.json").read_text())
+JOB = megatron8()
+
+
+def analyze(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "frtools", "analyze", *args],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dumps")
+
+    def stop5(r, s, ops):
+        return [STOP] if (r, s) == (5, 1) else ops
+
+    healthy = root / "healthy"
+    write_fr_pickles(simulate(JOB, training(JOB, 2)), healthy)
+    hang = root / "hang"
+    write_fr_pickles(simulate(JOB, training(JOB, 2, stop5)), hang)
+    damaged = root / "damaged"
+    write_fr_pickles(simulate(JOB, training(JOB, 2, stop5)), damaged, skip=(6,))
+    data = (damaged / "rank_0.pkl").read_bytes()
+    (damaged / "rank_0.pkl").write_bytes(data[: len(data) // 2])
+    (damaged / "notes.txt").write_text("not a dump\n")
+    empty = root / "empty"
+    empty.mkdir()
+    junk = root / "junk"
+    junk.mkdir()
+    (junk / "rank_0.pkl").write_bytes(b"\x80\x04garbage")
+    return {"healthy": healthy, "hang": hang, "damaged": damaged, "empty": empty, "junk": junk}
+
+
+def test_healthy_job_exits_0(dumps):
+    p = analyze(str(dumps["healthy"]))
+    assert p.returncode == 0, p.stderr
+    assert "HEALTHY" in p.stdout.splitlines()[0]
+    assert p.stderr == ""
+
+
+def test_hang_exits_1_and_names_the_guilty_rank_first(dumps):
+    p = analyze(str(dumps["hang"]))
+    assert p.returncode == 1, p.stderr
+    first = p.stdout.splitlines()[0]
+    assert "MISSING" in first and "Rank 5" in first
+
+
+def test_json_output_is_valid_and_says_who(dumps):
+    p = analyze(str(dumps["hang"]), "--format", "json")
+    assert p.returncode == 1
+    doc = json.loads(p.stdout)
+    jsonschema.Draft202012Validator(SCHEMA).validate(doc)
+    assert doc["verdict"]["kind"] == "missing"
+    assert [g["rank"] for g in doc["verdict"]["guilty"]] == [5]
+    assert doc["verdict"]["process_group"]["ranks"] == [1, 3, 5, 7]
+    assert doc["verdict"]["guilty"][0]["call_site"].startswith("train.py:")
+
+
+def test_output_file_and_markdown(dumps, tmp_path):
+    out = tmp_path / "summary.md"
+    p = analyze(str(dumps["hang"]), "--format", "markdown", "-o", str(out))
+    assert p.returncode == 1 and p.stdout == ""
+    assert out.read_text().startswith("## ❌ frtools: `missing`")
+
+
+def test_damaged_inputs_still_give_a_verdict_and_are_listed(dumps):
+    p = analyze(str(dumps["damaged"]), "--format", "json")
+    assert p.returncode == 1, p.stderr
+    doc = json.loads(p.stdout)
+    assert [g["rank"] for g in doc["verdict"]["guilty"]] == [5]
+    status = {Path(i["path"]).name: i["status"] for i in doc["inputs"]}
+    assert status["rank_0.pkl"] == "error"
+    assert status["notes.txt"] == "skipped"
+    assert 6 in doc["ranks"]["missing"]
+    text = analyze(str(dumps["damaged"])).stdout
+    assert "Inputs" in text and "rank_0.pkl" in text
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [("missing", "no such file"), ("empty", ""), ("junk", "")],
+)
+def test_unusable_input_exits_2_with_one_line(dumps, tmp_path, case, needle):
+    path = tmp_path / "nope" if case == "missing" else dumps[case]
+    p = analyze(str(path))
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("frtools: error:")
+    assert needle in lines[0]
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("args", [["--format", "html", "DIR"], ["--workers", "0", "DIR"], []])
+def test_usage_errors_exit_2_with_one_line(dumps, args):
+    p = analyze(*[str(dumps["healthy"]) if a == "DIR" else a for a in args])
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("frtools analyze: error:")
+
+
+def test_unwritable_output_is_one_line(dumps, tmp_path):
+    p = analyze(str(dumps["hang"]), "-o", str(tmp_path / "no" / "dir" / "x.txt"))
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert "cannot write" in p.stderr
