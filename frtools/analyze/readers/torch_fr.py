@@ -131,7 +131,9 @@ def _pg_status(raw: Any, pg_id_to_name: Mapping[str, str]) -> tuple[dict[str, di
     if not isinstance(raw, Mapping):
         return out, ("pg_status not a mapping; ignored" if raw is not None else "")
     for key, status in raw.items():
-        name = pg_id_to_name.get(str(key), str(key))
+        # a uid with no entry left in the buffer cannot be named: never guess (uids and
+        # names are both small integers, so str(uid) would silently hit another group)
+        name = pg_id_to_name.get(str(key), f"pg_id:{key}")
         counters: dict[str, int] = {}
         if isinstance(status, Mapping):
             for k in _STATUS_KEYS:
