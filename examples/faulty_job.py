@@ -19,8 +19,10 @@ that writes the dump while the main thread is still blocked and then ends the pr
 Faults (``--fault``, injected on rank ``--rank`` at step ``--fault-step``):
 
 * ``skip``    rank R skips the TP all_reduce.
-* ``compute`` rank R hangs in compute (``time.sleep``) before the world loss all_reduce.
-* ``exit``    rank R calls ``os._exit(1)`` before the world loss all_reduce (no dump).
+* ``compute`` rank R hangs in compute (``time.sleep``) before the world loss all_reduce
+  (``--fault-at forward``: before the step's first TP collective, so that its TP peer waits
+  for it, its DP peer too, and the other DP group waits for the TP peer: a chain of victims).
+* ``exit``    rank R calls ``os._exit(1)`` at the same places (no dump).
 * ``order``   rank R issues the world loss all_reduce before the DP gradient all_reduce,
   its peers the other way round: a cross-group deadlock between R and its DP peer.
 * ``size``    rank R passes a larger buffer to the world broadcast. Gloo completes it
@@ -151,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-step", type=int, default=2)
     parser.add_argument("--hang-seconds", type=float, default=6.0)
     parser.add_argument("--late-ms", type=float, default=80.0)
+    parser.add_argument(
+        "--fault-at",
+        choices=("loss", "forward"),
+        default="loss",
+        help="where compute/exit strike: before the world loss all_reduce, or before the "
+        "step's first (tensor-parallel) collective",
+    )
     args = parser.parse_args(argv)
 
     rank = int(os.environ["RANK"])
@@ -178,6 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         yield
         progress.beat()
 
+    def stall(fault: str) -> None:
+        """The ``compute`` and ``exit`` faults: stop issuing collectives here."""
+        if fault == "compute":
+            progress.beat()
+            time.sleep(1000 * args.hang_seconds)  # "stuck in compute"
+        if fault == "exit":
+            print(f"rank {rank}: exiting mid-training (injected)", file=sys.stderr)
+            os._exit(EXIT_DIED)
+
     torch.manual_seed(rank)
     weights = torch.randn(PARAMS)
     try:
@@ -186,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             fault = args.fault if fault_now else "none"
 
             # forward: tensor-parallel matmul partial sums, then gather the sharded output
+            if args.fault_at == "forward":
+                stall(fault)
             activations = torch.randn(TOKENS, HIDDEN)
             if fault != "skip":
                 with collective():
@@ -208,12 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                 dist.all_reduce(grads, group=dp_group)
 
             # the loss for logging
-            if fault == "compute":
-                progress.beat()
-                time.sleep(1000 * args.hang_seconds)  # "stuck in compute"
-            if fault == "exit":
-                print(f"rank {rank}: exiting mid-training (injected)", file=sys.stderr)
-                os._exit(EXIT_DIED)
+            if args.fault_at == "loss":
+                stall(fault)
             if fault == "op":
                 with collective():
                     dist.broadcast(loss, src=0)

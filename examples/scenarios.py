@@ -34,6 +34,7 @@ class Scenario:
     groups: tuple[tuple[int, ...], ...] | None  # acceptable process groups (member ranks);
     # None: not checked (a straggler is late everywhere)
     what: str  # one line for the README
+    fault_at: str = "loss"  # faulty_job.py --fault-at
 
     @property
     def exit_code(self) -> int:
@@ -51,6 +52,18 @@ SCENARIOS: tuple[Scenario, ...] = (
         (WORLD,),
         "rank 1 hangs in compute (time.sleep) before the step-2 loss all_reduce on the world "
         "group; ranks 0, 2, 3 wait in it",
+    ),
+    Scenario(
+        "missing-chain",
+        "compute",
+        1,
+        ("missing",),
+        (1,),
+        ((0, 1), (1, 3)),
+        "rank 1 hangs in compute at the start of step 2: rank 0 waits for it on "
+        "tensor-parallel [0, 1], rank 3 on data-parallel [1, 3], and rank 2 waits on "
+        "data-parallel [0, 2] for rank 0, a victim (rank 0 must not be blamed)",
+        fault_at="forward",
     ),
     Scenario(
         "skipped",
@@ -181,6 +194,8 @@ def run_scenario(scenario: Scenario, out: Path, timeout: float = JOB_TIMEOUT):  
         str(FAULT_STEP),
         "--hang-seconds",
         str(HANG_SECONDS),
+        "--fault-at",
+        scenario.fault_at,
     ]
     return jobs.run_job(FAULTY_JOB, world_size=len(WORLD), args=args, timeout=timeout, cwd=REPO)
 

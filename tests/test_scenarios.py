@@ -109,6 +109,13 @@ def test_rank_stuck_in_compute_is_blamed(generated: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TEST_TIMEOUT)
+def test_rank_stuck_in_compute_is_blamed_not_the_victims_it_blocks(generated: Path) -> None:
+    report = check_case(generated, "missing-chain")
+    assert {0, 3} <= set(report["verdict"]["waiting"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT)
 def test_rank_that_skipped_a_collective_is_blamed(generated: Path) -> None:
     check_case(generated, "skipped")
 
