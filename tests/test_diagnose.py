@@ -287,6 +287,18 @@ def test_stuck_collective_blames_the_rank_that_never_started_it():
     assert v.waiting == [0, 1, 3]
 
 
+def test_wedged_tp_collective_is_stuck_and_its_dp_victims_are_not_blamed():
+    # Step 1's first TP all_reduce of pair (2,3) never completes; rank 3's kernel never
+    # started. The DP groups then wait for 2 and 3, which are blocked, not elsewhere.
+    trace = simulate(JOB, training(JOB, 3), completion="nccl", wedge=("tp1", 3), unstarted=(3,))
+    v = diagnose(trace)
+    assert v.kind == "stuck"
+    assert v.guilty_ranks == [3]
+    assert v.process_group.ranks == (2, 3)
+    assert v.collective_seq_id == 3
+    assert set(v.waiting) == set(range(8)) - {3}
+
+
 def test_victims_of_a_hang_in_dp_are_not_blamed_for_missing_world_op():
     # Everyone but rank 4 reaches the world op; 4 stops before DP in step 0.
     v = diagnose(simulate(JOB, training(JOB, 2, stop_at(4, 0, index=2))))

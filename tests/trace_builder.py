@@ -78,12 +78,16 @@ def simulate(
     delay_ms: dict[int, float] | None = None,
     wrap: dict[int, int] | None = None,
     frames: bool = True,
+    wedge: tuple[str, int] | None = None,
+    unstarted: tuple[int, ...] = (),
 ) -> Trace:
     """Run the programs in lock step and return the Trace the dumps would give.
 
     ``completion``: "gloo" (state scheduled, retired, pg_status), "nccl" (states), "none".
     ``absent``: ranks whose dump is missing. ``wrap``: rank -> number of oldest entries
     dropped by its ring buffer. ``delay_ms``: extra lateness per collective for a rank.
+    ``wedge``: a (group, seq) that never completes although every member issues it;
+    ``unstarted``: ranks whose wedged op never starts (NCCL state "scheduled").
     """
     delay_ms = delay_ms or {}
     pc = {r: 0 for r in programs}
@@ -145,6 +149,8 @@ def simulate(
             blocked[r] = key
         # completions
         for key, who in list(issued.items()):
+            if wedge is not None and key == ("coll", *wedge):
+                continue
             if key[0] == "coll":
                 members = job.groups[key[1]]
                 if set(who) != set(members):
@@ -186,6 +192,8 @@ def simulate(
                 row["retired"] = e["_done"]
             elif completion == "nccl":
                 row["state"] = "completed" if e["_done"] else "started"
+                if r in unstarted and not e["_done"]:
+                    row["state"] = "scheduled"
                 row["retired"] = e["_done"]
             rows.append(row)
         if completion == "gloo":

@@ -109,6 +109,7 @@ class _Context:
             for key, row in zip(al.status.index, al.status.itertuples(index=False), strict=True)
         }
         self.notes: list[str] = []
+        self.blocked_known: set[int] = set()
         self.points: dict[tuple, Point] = {}
         self.blocked_at: dict[int, tuple] = {}
         self.has_completion_info = bool(
@@ -138,6 +139,7 @@ class _Context:
         latest = no_info.sort_values(["time_created_ns", "record_id"]).drop_duplicates(
             "rank", keep="last"
         )
+        self.blocked_known = set(int(r) for r in oldest["rank"])
         return pd.concat([oldest, latest], ignore_index=True)
 
     def _member_state(self, m: int, pg_name: str, seq: int) -> str:
@@ -315,6 +317,21 @@ class _Context:
                     reaches[r] = True
                     changed = True
         cyclic = {r for r, ok in reaches.items() if not ok}
+        # A root that is itself known to be blocked in an op every member issued and nobody
+        # completed is not elsewhere: that op is stuck, and its waiters are victims.
+        stuck_roots = {
+            r
+            for r in roots
+            if r in self.blocked_known
+            and self._stuck_point(self.points[self.blocked_at[r]], trust_gloo=True)
+        }
+        if roots and stuck_roots == roots:
+            stuck_points = list(
+                {self.blocked_at[r]: self.points[self.blocked_at[r]] for r in roots}.values()
+            )
+            return self._stuck_verdict(stuck_points, waiting)
+        roots -= stuck_roots
+        waiting |= stuck_roots
         if roots:
             verdict = self._root_verdict(roots, waiting)
             if cyclic:
@@ -644,25 +661,30 @@ class _Context:
 
     # ----- no hang --------------------------------------------------------------------
 
+    def _stuck_point(self, point: Point, trust_gloo: bool = False) -> bool:
+        """Every member issued it with one signature and nobody completed it."""
+        if point.key[0] != "coll" or point.targets or point.unknown:
+            return False
+        rows = point.rows
+        if rows is None or not len(rows) or not point.blockers:
+            return False
+        if rows["completed"].fillna(False).astype(bool).any():
+            return False
+        if rows["completed"].isna().all():
+            return False
+        # Gloo marks completion from a callback that may lag the op's return, so "issued
+        # everywhere, completed nowhere" alone is only trusted with real states.
+        return trust_gloo or bool(rows["informative"].all())
+
     def stuck(self) -> Verdict | None:
         if not self.has_completion_info:
             return None
-        stuck_points = []
-        for point in self.points.values():
-            if point.key[0] != "coll" or point.targets or point.unknown:
-                continue
-            rows = point.rows
-            if rows is None or not len(rows) or not point.blockers:
-                continue
-            if rows["completed"].fillna(False).astype(bool).any():
-                continue
-            if rows["completed"].isna().all() or not rows["informative"].all():
-                # Gloo marks completion from a callback that may lag the op's return, so
-                # "issued everywhere, completed nowhere" is only trusted with real states.
-                continue
-            stuck_points.append(point)
+        stuck_points = [p for p in self.points.values() if self._stuck_point(p)]
         if not stuck_points:
             return None
+        return self._stuck_verdict(stuck_points, set())
+
+    def _stuck_verdict(self, stuck_points: list[Point], waiting: set[int]) -> Verdict:
         point = min(stuck_points, key=lambda p: p.time_ns)
         rows = point.rows
         assert rows is not None
@@ -685,8 +707,10 @@ class _Context:
             headline="",
             confidence=0.7 if len(blamed) < len(members) else 0.6,
             guilty=guilty,
-            waiting=sorted(set(members) - set(blamed)),
+            waiting=sorted((set(members) | waiting) - set(blamed)),
         )
+        if not rows["informative"].all():
+            verdict.confidence = 0.5
         self._fill_point(verdict, point)
         verdict.headline = (
             f"Stuck: every member issued {self._point_name(point)}, none completed it"
