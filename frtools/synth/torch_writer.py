@@ -165,7 +165,72 @@ def make_job(schedule: Schedule, plan: FaultPlan, outcome: HangOutcome, params: 
 
 
 def _pg_ranks_str(ranks: Any) -> str:
-    return "[" + ", ".join(str(int(r)) for r in ranks) + "]"
+    return "[" + ", ".join(map(str, np.asarray(ranks).tolist())) + "]"
+
+
+_WORLD_RANKS_STR: dict[int, str] = {}
+
+_ENTRY_KEYS = (
+    "frames",
+    "record_id",
+    "pg_id",
+    "process_group",
+    "thread_name",
+    "thread_id",
+    "collective_seq_id",
+    "p2p_seq_id",
+    "op_id",
+    "profiling_name",
+    "time_created_ns",
+    "duration_ms",
+    "input_sizes",
+    "input_dtypes",
+    "output_sizes",
+    "output_dtypes",
+    "state",
+    "time_discovered_started_ns",
+    "time_discovered_completed_ns",
+    "retired",
+    "timeout_ms",
+    "is_p2p",
+)
+
+
+def _template(
+    slot: _Slot | None, pg: tuple[str, str], thread_id: str, timing: bool
+) -> dict[str, Any]:
+    """An entry with every static field filled, keys in PyTorch's order."""
+    if slot is None:  # the init barrier
+        static = {
+            "frames": CALL_SITES["init_barrier"],
+            "pg_id": 0,
+            "profiling_name": "nccl:all_reduce_barrier",
+            "input_sizes": [[1]],
+            "input_dtypes": ["Float"],
+            "output_sizes": [[1]],
+            "output_dtypes": ["Float"],
+            "is_p2p": False,
+        }
+    else:
+        static = {
+            "frames": slot.frames,
+            "pg_id": PG_ID[slot.kind],
+            "profiling_name": slot.profiling_name,
+            "input_sizes": slot.input_sizes,
+            "input_dtypes": slot.input_dtypes,
+            "output_sizes": slot.output_sizes,
+            "output_dtypes": slot.output_dtypes,
+            "is_p2p": slot.is_p2p,
+        }
+    entry = dict.fromkeys(_ENTRY_KEYS)
+    entry.update(static)
+    entry["process_group"] = pg
+    entry["thread_name"] = "python"
+    entry["thread_id"] = thread_id
+    entry["timeout_ms"] = TIMEOUT_MS
+    if not timing:
+        del entry["duration_ms"]
+    return entry
 
 
 def rank_dump(job: Job, rank: int) -> dict[str, Any]:
@@ -184,8 +249,9 @@ def rank_dump(job: Job, rank: int) -> dict[str, Any]:
     never_starts = dev.never_starts if dev is not None else None
     total = 1 + K * L + issued  # record 0: the init barrier
     lo = max(0, total - params.buffer_size)
+    timing = params.timing
 
-    # per kind: (pg_name, desc) and whether a straggler shares the group
+    # per kind: (pg_name, desc), members, and whether a straggler shares the group
     pg_tuple: dict[str, tuple[str, str]] = {}
     pg_members: dict[str, Any] = {}
     for kind in ("world", *CREATION_ORDER):
@@ -194,126 +260,161 @@ def rank_dump(job: Job, rank: int) -> dict[str, Any]:
         pg_members[kind] = members
     stragglers = job.stragglers
     straggle_ns = int(job.plan.straggler_ms * 1e6)
-    slowed: dict[str, bool] = {}
-    if stragglers:
-        for kind, members in pg_members.items():
-            slowed[kind] = any(int(m) in stragglers for m in members)
     i_am_straggler = rank in stragglers
 
+    def slot_arrays(sl: list[_Slot]) -> dict[str, np.ndarray]:
+        base = {"world": 1}
+        n_coll = job.n_coll[stage]
+        n_p2p = job.n_p2p[stage]
+        slowed = []
+        for x in sl:
+            if not stragglers:
+                slowed.append(False)
+            elif x.is_p2p:
+                peer = int(pg_members["pp"][x.peer_stage])
+                slowed.append(i_am_straggler or peer in stragglers)
+            else:
+                slowed.append(any(int(m) in stragglers for m in pg_members[x.kind]))
+        return {
+            "offset": np.array([x.offset_ns for x in sl], dtype=np.int64),
+            "duration": np.array([x.duration_ns for x in sl], dtype=np.int64),
+            "coll0": np.array([base.get(x.kind, 0) + x.coll_count for x in sl], dtype=np.int64),
+            "coll_step": np.array([n_coll.get(x.kind, 0) for x in sl], dtype=np.int64),
+            "p2p0": np.array([x.p2p_count for x in sl], dtype=np.int64),
+            "p2p_step": np.array([n_p2p.get(x.kind, 0) for x in sl], dtype=np.int64),
+            "slowed": np.array(slowed, dtype=bool),
+        }
+
+    regular = slot_arrays(slots)
+    hang = regular if hang_slots is slots else slot_arrays(hang_slots)
+
+    recs = np.arange(max(lo, 1), total, dtype=np.int64)
+    in_hang = recs > K * L
+    step = np.where(in_hang, K, (recs - 1) // L)
+    pos = np.where(in_hang, recs - 1 - K * L, (recs - 1) % L)
+
+    def pick(key: str) -> np.ndarray:
+        a, b = regular[key], hang[key]
+        return np.where(in_hang, b[np.minimum(pos, len(b) - 1)], a[np.minimum(pos, len(a) - 1)])
+
+    coll_seq = pick("coll0") + step * pick("coll_step")
+    p2p_seq = pick("p2p0") + step * pick("p2p_step")
+    nominal = T0_NS + step * schedule.step_ns + pick("offset")
+    n = len(recs)
     rng = np.random.default_rng((params.seed, rank))
-    n = total - lo
-    jitter = rng.integers(0, 300_000, size=n).tolist()
-    launch = rng.integers(8_000, 40_000, size=n).tolist()
-    discover = rng.integers(100_000, 3_000_000, size=n).tolist()
-    late = (rng.uniform(0.5, 1.5, size=n) * straggle_ns).astype(np.int64).tolist()
     skew = int(job.host_skew_ns[rank // RANKS_PER_HOST])
+    created = nominal + skew + rng.integers(0, 300_000, size=n)
+    if i_am_straggler:
+        created += (rng.uniform(0.5, 1.5, size=n) * straggle_ns).astype(np.int64)
+    started = created + rng.integers(8_000, 40_000, size=n)
+    complete = nominal + skew + 300_000 + pick("duration")
+    if stragglers:
+        complete += np.where(pick("slowed"), straggle_ns * 3 // 2, 0)
+    discovered = complete + rng.integers(100_000, 3_000_000, size=n)
+    # 0 completed, 1 started, 2 scheduled
+    state = np.where(in_hang & (pos >= done), np.where(pos > done, 2, 1), 0)
+    if never_starts is not None:
+        state = np.where(in_hang & (pos == never_starts) & (state == 1), 2, state)
+    duration = np.maximum(0.001, (complete - started) / 1e6)
+
     thread_id = str(139_800_000_000_000 + rank * 4096)
-    step_ns = schedule.step_ns
-    timing = params.timing
-    n_coll = job.n_coll[stage]
-    n_p2p = job.n_p2p[stage]
-    base_coll = {"world": 1}
+    tmpl_regular = [_template(x, pg_tuple[x.kind], thread_id, timing) for x in slots]
+    tmpl_hang = (
+        tmpl_regular
+        if hang_slots is slots
+        else [_template(x, pg_tuple[x.kind], thread_id, timing) for x in hang_slots]
+    )
 
     entries: list[dict[str, Any]] = []
-    # last enqueued / started / completed collective per kind, for pg_status
-    status: dict[str, list[int]] = {}
-    for k, count in n_coll.items():
-        status[k] = [0, 0, 0]
-        del count
-    for k in n_p2p:
-        status.setdefault(k, [0, 0, 0])
-    status.setdefault("world", [1, 1, 1])
-
-    for j, rec in enumerate(range(lo, total)):
-        if rec == 0:
-            kind = "world"
-            slot = None
-            step = -1
-            pos = 0
-            created = T0_NS - 5_000_000_000 + skew + jitter[j]
-            coll_seq, p2p_seq = 1, 0
-            state = "completed"
-            complete_ns = T0_NS - 5_000_000_000 + 2_000_000
-        else:
-            step, pos = divmod(rec - 1, L)
-            hang = step >= K
-            if hang:
-                step, pos = K, rec - 1 - K * L
-                slot = hang_slots[pos]
-            else:
-                slot = slots[pos]
-            kind = slot.kind
-            nominal = T0_NS + step * step_ns + slot.offset_ns
-            created = nominal + skew + jitter[j]
-            if i_am_straggler:
-                created += late[j]
-            coll_seq = base_coll.get(kind, 0) + step * n_coll.get(kind, 0) + slot.coll_count
-            p2p_seq = step * n_p2p.get(kind, 0) + slot.p2p_count
-            if hang and pos >= done:
-                state = "scheduled" if pos > done or pos == never_starts else "started"
-                complete_ns = 0
-            else:
-                state = "completed"
-                delay = 0
-                if stragglers:
-                    if slot.is_p2p:
-                        peer = int(pg_members["pp"][slot.peer_stage])
-                        if peer in stragglers or i_am_straggler:
-                            delay = straggle_ns * 3 // 2
-                    elif slowed.get(kind):
-                        delay = straggle_ns * 3 // 2
-                complete_ns = nominal + skew + 300_000 + delay + slot.duration_ns
-        st = status.get(kind)
-        if st is not None and (slot is None or not slot.is_p2p):
-            st[0] = max(st[0], coll_seq)
-            if state != "scheduled":
-                st[1] = max(st[1], coll_seq)
-            if state == "completed":
-                st[2] = max(st[2], coll_seq)
-        started_ns = created + launch[j] if state != "scheduled" else None
-        entry: dict[str, Any] = {
-            "frames": slot.frames if slot is not None else CALL_SITES["init_barrier"],
-            "record_id": rec,
-            "pg_id": PG_ID[kind],
-            "process_group": pg_tuple[kind],
-            "thread_name": "python",
-            "thread_id": thread_id,
-            "collective_seq_id": coll_seq,
-            "p2p_seq_id": p2p_seq,
-            "op_id": coll_seq + p2p_seq,
-            "profiling_name": slot.profiling_name
-            if slot is not None
-            else "nccl:all_reduce_barrier",
-            "time_created_ns": created,
-        }
-        if state == "completed" and timing:
-            entry["duration_ms"] = max(0.001, (complete_ns - started_ns) / 1e6)
-        entry["input_sizes"] = slot.input_sizes if slot is not None else [[1]]
-        entry["input_dtypes"] = slot.input_dtypes if slot is not None else ["Float"]
-        entry["output_sizes"] = slot.output_sizes if slot is not None else [[1]]
-        entry["output_dtypes"] = slot.output_dtypes if slot is not None else ["Float"]
-        entry["state"] = state
-        entry["time_discovered_started_ns"] = started_ns
-        entry["time_discovered_completed_ns"] = (
-            complete_ns + discover[j] if state == "completed" else None
+    if lo == 0:
+        e = _template(None, pg_tuple["world"], thread_id, timing)
+        t = T0_NS - 5_000_000_000 + skew
+        e.update(
+            record_id=0,
+            collective_seq_id=1,
+            p2p_seq_id=0,
+            op_id=1,
+            time_created_ns=t,
+            state="completed",
+            time_discovered_started_ns=t + 20_000,
+            time_discovered_completed_ns=t + 2_000_000,
+            retired=True,
         )
-        entry["retired"] = state == "completed"
-        entry["timeout_ms"] = TIMEOUT_MS
-        entry["is_p2p"] = slot.is_p2p if slot is not None else False
-        entries.append(entry)
+        if timing:
+            e["duration_ms"] = 1.98
+        entries.append(e)
+    STATES = ("completed", "started", "scheduled")
+    for rec, h, p, cs, ps, cr, st, sn, dc, du in zip(
+        recs.tolist(),
+        in_hang.tolist(),
+        pos.tolist(),
+        coll_seq.tolist(),
+        p2p_seq.tolist(),
+        created.tolist(),
+        state.tolist(),
+        started.tolist(),
+        discovered.tolist(),
+        duration.tolist(),
+        strict=True,
+    ):
+        e = (tmpl_hang if h else tmpl_regular)[p].copy()
+        e["record_id"] = rec
+        e["collective_seq_id"] = cs
+        e["p2p_seq_id"] = ps
+        e["op_id"] = cs + ps
+        e["time_created_ns"] = cr
+        e["state"] = STATES[st]
+        if st == 0:
+            if timing:
+                e["duration_ms"] = du
+            e["time_discovered_started_ns"] = sn
+            e["time_discovered_completed_ns"] = dc
+            e["retired"] = True
+        else:
+            if timing:
+                del e["duration_ms"]
+            e["time_discovered_started_ns"] = sn if st == 1 else None
+            e["retired"] = False
+        entries.append(e)
+
+    # pg_status: the last enqueued / started / completed collective of each group
+    status: dict[str, list[int]] = {"world": [0, 0, 0]}
+    for k in list(job.n_coll[stage]) + list(job.n_p2p[stage]):
+        status[k] = [0, 0, 0]
+    for k in status:
+        if k not in job.n_coll[stage]:
+            continue
+        before = (1 if k == "world" else 0) + K * job.n_coll[stage][k]
+        vals = [before, before, before]
+        for i, x in enumerate(hang_slots[:issued]):
+            if x.kind != k or x.is_p2p:
+                continue
+            seq = before + x.coll_count
+            vals[0] = max(vals[0], seq)
+            if i < done or (i == done and i != never_starts):
+                vals[1] = max(vals[1], seq)
+            if i < done:
+                vals[2] = max(vals[2], seq)
+        status[k] = vals
 
     pg_config: dict[str, dict[str, str]] = {}
     for kind in ("world", *CREATION_ORDER):
         name, desc = pg_tuple[kind]
-        pg_config[name] = {"name": name, "desc": desc, "ranks": _pg_ranks_str(pg_members[kind])}
+        if kind == "world":
+            ranks_str = _WORLD_RANKS_STR.get(layout.world_size)
+            if ranks_str is None:
+                ranks_str = _WORLD_RANKS_STR[layout.world_size] = _pg_ranks_str(pg_members[kind])
+        else:
+            ranks_str = _pg_ranks_str(pg_members[kind])
+        pg_config[name] = {"name": name, "desc": desc, "ranks": ranks_str}
     pg_config = dict(sorted(pg_config.items()))
     pg_status = {}
     for kind in sorted(status, key=lambda k: PG_ID[k]):
-        e, s, c = status[kind]
+        e_, s_, c_ = status[kind]
         pg_status[str(PG_ID[kind])] = {
-            "last_enqueued_collective": e,
-            "last_started_collective": s,
-            "last_completed_collective": c,
+            "last_enqueued_collective": e_,
+            "last_started_collective": s_,
+            "last_completed_collective": c_,
         }
     return {
         "version": VERSION,
