@@ -249,3 +249,41 @@ def test_copy_of_a_live_file_parses_with_consistent_slots(tmp_path):
         assert procs[0].poll() is None, "the writer must still be running while we copy"
     finally:
         stop(procs)
+
+
+@pytest.mark.timeout(60)
+def test_reading_a_snapshot_costs_about_a_millisecond(tmp_path):
+    """16,384 ranks must be readable in well under a minute on 2 cores: keep per-file CPU
+    small (measured ~1 ms for 400 entries; the bound leaves room for a loaded machine)."""
+    files = []
+    for rank in range(100):
+        path = tmp_path / f"rank_{rank}.frt"
+        box = native.BlackBox(str(path), 512, 1 << 16, json.dumps({"rank": rank}))
+        pg = box.add_process_group("0", "default_pg", list(range(100)))
+        op = box.intern("nccl:all_reduce")
+        sizes = [box.intern(f"[[{k},1024]]") for k in range(4)]
+        dtypes = box.intern("BFloat16")
+        stacks = [box.intern(stack((USER_FILE, 10 * j + 1, "step"))) for j in range(5)]
+        for i in range(400):
+            rid = box.record(
+                pg,
+                op,
+                i + 1,
+                0,
+                -1,
+                False,
+                sizes[i % 4],
+                sizes[i % 4],
+                dtypes,
+                dtypes,
+                stacks[i % 5],
+            )
+            box.mark_completed(rid)
+        box.close()
+        files.append(path)
+    reader.read(files[0])
+    t0 = time.process_time()
+    rows = sum(reader.read(f).entries.num_rows for f in files)
+    per_file_ms = (time.process_time() - t0) * 1e3 / len(files)
+    assert rows == 40_000
+    assert per_file_ms < 5, f"{per_file_ms:.2f} ms of CPU per snapshot"
