@@ -52,7 +52,7 @@ def print_summary(console: Console, manifest: Manifest, out: Path) -> None:
         console.print(f"[yellow]did not answer:[/yellow] ranks {', '.join(map(str, silent))}")
     for rank in sorted(manifest.ranks):
         note = manifest.ranks[rank].note
-        if note and not manifest.ranks[rank].answered:
+        if note and (not manifest.ranks[rank].answered or "no stacks" in note):
             console.print(f"  rank {rank}: {note}", soft_wrap=True)
     for note in manifest.notes:
         console.print(f"note: {note}", soft_wrap=True)

@@ -58,9 +58,15 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def _post(conn_factory: Callable[[], http.client.HTTPConnection], handler: str) -> bytes | None:
+ConnFactory = Callable[[float], http.client.HTTPConnection]
+
+
+def _post(conn_factory: ConnFactory, handler: str, deadline: float) -> bytes | None:
     """Body of ``POST /handler/<handler>``; None when the handler does not exist."""
-    conn = conn_factory()
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("timed out")
+    conn = conn_factory(remaining)
     try:
         conn.request("POST", f"/handler/{handler}")
         resp = conn.getresponse()
@@ -82,13 +88,14 @@ def rank_from_name(path: str) -> int | None:
 
 def _collect_worker(
     rank: int,
-    conn_factory: Callable[[], http.client.HTTPConnection],
+    conn_factory: ConnFactory,
     out_dir: Path,
     entry: RankEntry,
+    deadline: float,
 ) -> None:
     try:
         for handler, suffix in _TRACE_HANDLERS:
-            body = _post(conn_factory, handler)
+            body = _post(conn_factory, handler, deadline)
             if body is not None:
                 name = f"rank_{rank}{suffix}"
                 (out_dir / name).write_bytes(body)
@@ -97,31 +104,35 @@ def _collect_worker(
                 break
         else:
             entry.note = "no Flight Recorder handler on this worker"
-        stacks = _post(conn_factory, _STACKS_HANDLER)
-        if stacks:
-            name = f"rank_{rank}.stacks"
-            (out_dir / name).write_bytes(stacks)
-            entry.files.append(name)
     except (OSError, http.client.HTTPException) as exc:
         entry.note = f"no answer: {exc or type(exc).__name__}"
+        return
+    try:
+        stacks = _post(conn_factory, _STACKS_HANDLER, deadline)
+    except (OSError, http.client.HTTPException) as exc:
+        entry.note = (
+            f"trace collected, but no stacks ({exc or type(exc).__name__}): the stacks "
+            "handler needs the GIL, which a thread of this rank may be holding"
+        )
+        return
+    if stacks:
+        name = f"rank_{rank}.stacks"
+        (out_dir / name).write_bytes(stacks)
+        entry.files.append(name)
 
 
 def _collect_parallel(
-    targets: dict[int, Callable[[], http.client.HTTPConnection]],
+    targets: dict[int, ConnFactory],
     manifest: Manifest,
     out_dir: Path,
     timeout: float,
 ) -> None:
     if not targets:
         return
+    deadline = time.monotonic() + timeout
     with ThreadPoolExecutor(max_workers=min(32, len(targets))) as pool:
-        futures = [
-            pool.submit(_collect_worker, rank, factory, out_dir, manifest.ranks[rank])
-            for rank, factory in targets.items()
-        ]
-        deadline = time.monotonic() + timeout + 1
-        for fut in futures:
-            fut.result(timeout=max(0.1, deadline - time.monotonic()))
+        for rank, factory in targets.items():
+            pool.submit(_collect_worker, rank, factory, out_dir, manifest.ranks[rank], deadline)
 
 
 def collect_sockets(
@@ -133,14 +144,14 @@ def collect_sockets(
     out.mkdir(parents=True, exist_ok=True)
     paths = sorted({p for pat in patterns for p in glob.glob(pat)} | _literal(patterns))
     manifest = Manifest(job_id="torch-fr", mode="torch-socket")
-    targets: dict[int, Callable[[], http.client.HTTPConnection]] = {}
+    targets: dict[int, ConnFactory] = {}
     for index, path in enumerate(paths):
         rank = rank_from_name(path)
         if rank is None or rank in manifest.ranks:
             manifest.notes.append(f"{path}: no rank number in the socket name, using {index}")
             rank = index
         manifest.ranks[rank] = RankEntry(rank=rank, host=manifest.host, note=path)
-        targets[rank] = lambda p=path: _UnixHTTPConnection(p, timeout)
+        targets[rank] = lambda t, p=path: _UnixHTTPConnection(p, t)
     _collect_parallel(targets, manifest, out, timeout)
     return manifest
 
@@ -163,7 +174,7 @@ def collect_debug_servers(
     out.mkdir(parents=True, exist_ok=True)
     store = connect_store(store_addr, timeout)
     manifest = Manifest(job_id=store_addr, mode="torch-store")
-    targets: dict[int, Callable[[], http.client.HTTPConnection]] = {}
+    targets: dict[int, ConnFactory] = {}
     rank = 0
     while store.check([f"{prefix}rank{rank}"]):
         url = store.get(f"{prefix}rank{rank}").decode()
@@ -173,7 +184,7 @@ def collect_debug_servers(
         if m:
             entry.host = m.group(1)
             host, port = m.group(1), int(m.group(2))
-            targets[rank] = lambda h=host, p=port: http.client.HTTPConnection(h, p, timeout=timeout)
+            targets[rank] = lambda t, h=host, p=port: http.client.HTTPConnection(h, p, timeout=t)
         else:
             entry.note = f"unusable address {url!r}"
         rank += 1

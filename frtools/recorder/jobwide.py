@@ -147,12 +147,14 @@ class JobWideWatcher:
     def _run(self) -> None:
         failures = 0
         while not self._stop.wait(self.poll_s):
+            if not _job_running():
+                return  # the group was destroyed: the store may be gone with it
             try:
                 self.poll_once()
                 failures = 0
             except Exception as exc:
                 failures += 1
-                if failures == 1 and not _interpreter_ending():
+                if failures == 1 and _job_running() and not _interpreter_ending():
                     _log(f"rank {self.rank}: job-wide dump watcher: {type(exc).__name__}: {exc}")
                 if failures >= _MAX_FAILURES:
                     return
@@ -237,6 +239,14 @@ class JobWideWatcher:
         gather_answers(self.store, self.prefix, seq, manifest, STALL_GATHER_S)
         manifest.notes.append(f"requested by rank {self.rank} after its watchdog saw a stall")
         manifest.write(directory)
+
+
+def _job_running() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is None or bool(dist.is_initialized())
+    except Exception:
+        return False
 
 
 def _interpreter_ending() -> bool:
