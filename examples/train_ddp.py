@@ -32,6 +32,15 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0, help="process group timeout (s)")
+    parser.add_argument(
+        "--extras", action="store_true", help="also a subgroup all-reduce and a P2P ring"
+    )
+    parser.add_argument(
+        "--torch-fr-dump",
+        default=None,
+        help="at the end, write PyTorch's own Flight Recorder dump to DIR/torch_rank_<R>.pkl "
+        "(run with TORCH_FR_BUFFER_SIZE=2000)",
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
@@ -51,7 +60,25 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         print(f"rank {rank} step {step} loss {loss.item():.4f}", flush=True)
+    if args.extras:
+        world = dist.get_world_size()
+        evens = dist.new_group(list(range(0, world, 2)), group_desc="evens")
+        odds = dist.new_group(list(range(1, world, 2)), group_desc="odds")
+        mine = evens if rank % 2 == 0 else odds
+        dist.all_reduce(torch.ones(5), group=mine)
+        ring = [
+            dist.P2POp(dist.isend, torch.full((3,), float(rank)), (rank + 1) % world),
+            dist.P2POp(dist.irecv, torch.empty(3), (rank - 1) % world),
+        ]
+        for work in dist.batch_isend_irecv(ring):
+            work.wait()
     dist.barrier()
+    if args.torch_fr_dump:
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        os.makedirs(args.torch_fr_dump, exist_ok=True)
+        with open(os.path.join(args.torch_fr_dump, f"torch_rank_{rank}.pkl"), "wb") as f:
+            f.write(_dump_fr_trace(includeCollectives=True))
     dist.destroy_process_group()
 
 

@@ -47,9 +47,12 @@ recorded on the collective's stream after the op) handed to ``BlackBox.watch_cud
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -90,11 +93,9 @@ _STACK_DEPTH = 32
 
 def warn_disabled(reason: str) -> None:
     """The one line a user sees when recording cannot go on; the job itself goes on."""
-    msg = f"frtools: recording disabled: {reason}"
-    try:
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-    except Exception:  # warnings configured as errors must not break the job
-        print(msg, file=sys.stderr)
+    from frtools.recorder import _warn
+
+    _warn(reason)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -112,7 +113,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class Recorder:
     """Everything the hooks share: the black box, the string caches, the failure switch."""
 
-    def __init__(self, box: Any, cuda_events: bool = True) -> None:
+    def __init__(self, box: Any, cuda_events: bool = True, poll_ms: int = 10) -> None:
         self.box = box
         self.enabled = True
         self.cuda_events = cuda_events
@@ -125,8 +126,11 @@ class Recorder:
         self._failed_once = False
         self._cuda_keep: list[tuple[Any, Any]] = []
         self._here = __file__
-        # (rid, work) of ops whose Work has no future (Gloo send/recv): polled on later ops
-        self._polled: list[tuple[int, Any]] = []
+        # (rid, work) of CPU ops not known to be completed yet
+        self._pending: deque[tuple[int, Any]] = deque()
+        self._poll_lock = threading.Lock()
+        self._poller: threading.Thread | None = None
+        self._poll_s = poll_ms / 1000.0
 
     def fail(self, exc: BaseException) -> None:
         """Turn recording off for the rest of the process, saying so once."""
@@ -159,7 +163,7 @@ class Recorder:
             from frtools.trace import sizes_key  # first sight of this shape only
 
             text = sizes_key(key)
-            sid = self._sizes[key] = self.box.intern(text) if text != "[]" else 0
+            sid = self._sizes[key] = self.box.intern(text)
         did = self._dtypes.get(dkey)
         if did is None:
             from frtools.trace import dtypes_key
@@ -199,29 +203,50 @@ class Recorder:
     # -- completion ------------------------------------------------------------------------
 
     def watch(self, rid: int, work: Any, tensor: Any) -> None:
-        """Mark ``rid`` completed when ``work`` is; on CUDA via events the watchdog polls."""
+        """Arrange for ``rid`` to be marked completed once ``work`` is.
+
+        CUDA ops: start/end events polled by the native watchdog (no GIL). CPU ops: the work
+        is queued and checked with ``is_completed()`` at the next recorded op and by a
+        low-rate poller thread. (A ``Future.add_done_callback`` per op would make Gloo's
+        worker thread take the GIL at every completion, a contended handoff that costs far
+        more than the recording itself.)
+        """
         if work is None:
             self.box.mark_completed(rid)
             return
         if self.cuda_events and tensor is not None and tensor.is_cuda:
             self._watch_cuda(rid, work)
             return
-        try:
-            fut = work.get_future()
-        except RuntimeError:  # "Work::getFuture not implemented" (Gloo P2P)
-            self._polled.append((rid, work))
-            return
-        fut.add_done_callback(self.box.completer(rid))
+        self._pending.append((rid, work))
+        if self._poller is None:
+            self._start_poller()
 
     def poll(self) -> None:
-        """Mark the future-less works that finished since the last op."""
-        still = []
-        for rid, work in self._polled:
-            if work.is_completed():
-                self.box.mark_completed(rid)
-            else:
-                still.append((rid, work))
-        self._polled = still
+        """Mark the queued works that have finished; called per op and by the poller."""
+        if not self._poll_lock.acquire(blocking=False):
+            return
+        try:
+            pending = self._pending
+            mark = self.box.mark_completed
+            for _ in range(min(len(pending), 256)):
+                rid, work = pending.popleft()
+                if work.is_completed():
+                    mark(rid)
+                else:
+                    pending.append((rid, work))
+        finally:
+            self._poll_lock.release()
+
+    def _start_poller(self) -> None:
+        def loop() -> None:
+            while self.enabled:
+                time.sleep(self._poll_s)
+                if self._pending:
+                    with contextlib.suppress(Exception):
+                        self.poll()
+
+        self._poller = threading.Thread(target=loop, name="frtools-poller", daemon=True)
+        self._poller.start()
 
     def _watch_cuda(self, rid: int, work: Any) -> None:
         start = torch.cuda.Event(enable_timing=True)
@@ -305,7 +330,7 @@ class RecordingProcessGroup(ProcessGroup):
         if not fr.enabled:
             return -1
         try:
-            if fr._polled:
+            if fr._pending:
                 fr.poll()
             if not self._fr_coalescing:
                 self._fr_coll_seq += 1
@@ -336,7 +361,7 @@ class RecordingProcessGroup(ProcessGroup):
         if not fr.enabled:
             return -1
         try:
-            if fr._polled:
+            if fr._pending:
                 fr.poll()
             self._fr_p2p_seq += 1
             sz, dt = fr.sizes_id(tensors)
@@ -602,6 +627,42 @@ def _recorder_for(group_rank: int, group_size: int, is_default: bool, backend: s
     return recorder
 
 
+def _prepare(
+    group_size: int,
+    group_rank: int,
+    global_ranks_in_group: list[int],
+    backend: Any,
+    group_name: Any,
+) -> dict[str, Any] | None:
+    """What the ``frtools`` creator needs to build this group; None: create it plainly."""
+    if _installed.get("paused"):
+        return None
+    mapping = _real_backend_map(backend)
+    if mapping is None:
+        warnings.warn(
+            f"frtools: process group {group_name!r} with backend {str(backend)!r} is not "
+            "recorded (only gloo and nccl are)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
+    try:
+        recorder = _recorder_for(group_rank, group_size, not global_ranks_in_group, str(backend))
+    except Exception as exc:
+        _installed["open_failed"] = True
+        warn_disabled(f"{type(exc).__name__}: {exc}")
+        return None
+    if recorder is None or not recorder.enabled:
+        return None
+    pending: dict[str, Any] = {"map": mapping, "backend_name": str(backend), "recorder": recorder}
+    if c10d.is_initialized() and c10d._get_default_group().bound_device_id:
+        try:
+            pending["split_from"] = c10d._get_split_source(c10d._get_default_group())
+        except Exception:
+            pending["split_from"] = None
+    return pending
+
+
 def _wrapped_helper(original: Callable[..., Any]) -> Callable[..., Any]:
     def _new_process_group_helper(
         group_size: int,
@@ -619,45 +680,26 @@ def _wrapped_helper(original: Callable[..., Any]) -> Callable[..., Any]:
                 *args, **kwargs,
             )  # fmt: skip
 
-        if _installed.get("paused"):
-            return plain()
-        mapping = _real_backend_map(backend)
-        if mapping is None:
-            warnings.warn(
-                f"frtools: process group {group_name!r} with backend {str(backend)!r} is not "
-                "recorded (only gloo and nccl are)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return plain()
-        if group_rank < 0 and global_ranks_in_group:
-            return plain()  # not a member: nothing to record
         try:
-            recorder = _recorder_for(
-                group_rank, group_size, not global_ranks_in_group, str(backend)
-            )
-        except Exception as exc:
+            pending = _prepare(group_size, group_rank, global_ranks_in_group, backend, group_name)
+        except Exception as exc:  # a recorder bug must not stop group creation
             _installed["open_failed"] = True
             warn_disabled(f"{type(exc).__name__}: {exc}")
-            recorder = None
-        if recorder is None or not recorder.enabled:
+            pending = None
+        if pending is None:
             return plain()
-        pending: dict[str, Any] = {
-            "map": mapping,
-            "backend_name": str(backend),
-            "recorder": recorder,
-        }
-        if c10d.is_initialized() and c10d._get_default_group().bound_device_id:
-            try:
-                pending["split_from"] = c10d._get_split_source(c10d._get_default_group())
-            except Exception:
-                pending["split_from"] = None
+        recorder = pending["recorder"]
         _state.pending = pending
         try:
             pg, prefix_store = original(
                 group_size, group_rank, global_ranks_in_group, BACKEND_NAME, store, group_name,
                 *args, **kwargs,
             )  # fmt: skip
+        except Exception as exc:
+            # building the wrapped group failed: the user's group, plainly, is what matters
+            recorder.fail(exc)
+            _installed["paused"] = True
+            return plain()
         finally:
             _state.pending = None
         if isinstance(pg, RecordingProcessGroup):

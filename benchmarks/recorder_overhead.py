@@ -1,0 +1,208 @@
+"""What recording costs per c10d op: no recorder vs PyTorch's Flight Recorder vs frtools.
+
+    python benchmarks/recorder_overhead.py [--rounds 30] [--ops 200] [--json out.json]
+
+Two Gloo ranks on this machine. Each worker process creates two identical groups over the
+same ranks: one before ``frtools.recorder.enable()`` (plain) and one after (recorded), and
+times them in alternating blocks, so machine noise hits both alike. PyTorch's recorder is
+process-wide (``TORCH_FR_BUFFER_SIZE`` is read once), so the job runs twice: without and with
+``TORCH_FR_BUFFER_SIZE=2000``. Workloads: a 1-element ``all_reduce`` (the pure per-op cost)
+and a small DDP step (forward + backward, the reducer's all-reduces). Reported: medians over
+blocks, the difference to no recording in microseconds per op, and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(rounds: int, ops: int, steps: int, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import frtools.recorder
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    plain = dist.new_group([0, 1])
+    if not frtools.recorder.enable(dir=out_dir, stall_seconds=0):
+        raise SystemExit("frtools could not be enabled")
+    recorded = dist.new_group([0, 1])
+    groups = {"plain": plain, "recorded": recorded}
+
+    torch.manual_seed(0)
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+
+    ddps = {
+        name: nn.parallel.DistributedDataParallel(model(), process_group=g)
+        for name, g in groups.items()
+    }
+    x = torch.randn(8, 64)
+    t = torch.zeros(1)
+
+    def allreduce_block(g: object) -> float:
+        dist.barrier(group=g)
+        start = time.perf_counter_ns()
+        for _ in range(ops):
+            dist.all_reduce(t, group=g)
+        return (time.perf_counter_ns() - start) / ops / 1000.0
+
+    def ddp_block(ddp: nn.Module, g: object) -> float:
+        dist.barrier(group=g)
+        start = time.perf_counter_ns()
+        for _ in range(steps):
+            ddp(x).sum().backward()
+        return (time.perf_counter_ns() - start) / steps / 1000.0
+
+    for name, g in groups.items():  # warm up both paths
+        allreduce_block(g)
+        ddp_block(ddps[name], g)
+    samples: dict[str, list[float]] = {
+        f"{kind}/{name}": [] for kind in ("allreduce", "ddp") for name in groups
+    }
+    for r in range(rounds):
+        order = list(groups) if r % 2 == 0 else list(reversed(groups))
+        for name in order:
+            samples[f"allreduce/{name}"].append(allreduce_block(groups[name]))
+        for name in order:
+            samples[f"ddp/{name}"].append(ddp_block(ddps[name], groups[name]))
+    # ops per DDP step on the recorded group, counted from the black box
+    if rank == 0:
+        print("RESULT " + json.dumps(samples), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_job(torch_fr: bool, rounds: int, ops: int, steps: int, out_dir: str) -> dict:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            FRTOOLS_JOB_ID=f"bench-{'fr' if torch_fr else 'nofr'}-{port}",
+        )
+        env.pop("FRTOOLS_RECORD", None)
+        env.pop("TORCH_FR_BUFFER_SIZE", None)
+        if torch_fr:
+            env["TORCH_FR_BUFFER_SIZE"] = "2000"
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", "--rounds", str(rounds), "--ops", str(ops)]
+                + ["--steps", str(steps), "--out-dir", out_dir],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=900))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for line in outputs[0][0].splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise SystemExit(f"benchmark worker failed:\n{outputs[0][1][-3000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--ops", type=int, default=200, help="all-reduces per timed block")
+    parser.add_argument("--steps", type=int, default=20, help="DDP steps per timed block")
+    parser.add_argument("--json", default=None, help="also write the medians here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.rounds, args.ops, args.steps, args.out_dir)
+        return
+
+    with tempfile.TemporaryDirectory(prefix="frtools-bench-") as out_dir:
+        no_fr = run_job(False, args.rounds, args.ops, args.steps, out_dir)
+        with_fr = run_job(True, args.rounds, args.ops, args.steps, out_dir)
+
+    med = {k: statistics.median(v) for k, v in no_fr.items()}
+    med_fr = {k: statistics.median(v) for k, v in with_fr.items()}
+    rows = []
+    for kind, label, unit in (
+        ("allreduce", "all_reduce (1 float), per op", "µs/op"),
+        ("ddp", "DDP step (fwd+bwd), per step", "µs/step"),
+    ):
+        base = med[f"{kind}/plain"]
+        torch_fr = med_fr[f"{kind}/plain"]
+        ours = med[f"{kind}/recorded"]
+        both = med_fr[f"{kind}/recorded"]
+        rows.append(
+            {
+                "workload": label,
+                "unit": unit,
+                "none": base,
+                "torch_fr": torch_fr,
+                "frtools": ours,
+                "torch_fr_plus_frtools": both,
+                "torch_fr_overhead": torch_fr - base,
+                "frtools_overhead": ours - base,
+                "frtools_ratio": ours / base,
+                "torch_fr_ratio": torch_fr / base,
+            }
+        )
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="Recorder overhead (Gloo, 2 ranks, medians)")
+        for col in ("workload", "none", "PyTorch FR", "frtools", "FR Δ", "frtools Δ", "ratio"):
+            table.add_column(col, justify="left" if col == "workload" else "right")
+        for r in rows:
+            table.add_row(
+                f"{r['workload']} [{r['unit']}]",
+                f"{r['none']:.1f}",
+                f"{r['torch_fr']:.1f}",
+                f"{r['frtools']:.1f}",
+                f"{r['torch_fr_overhead']:+.2f}",
+                f"{r['frtools_overhead']:+.2f}",
+                f"{r['frtools_ratio']:.3f}x",
+            )
+        Console().print(table)
+    except ImportError:
+        for r in rows:
+            print(r)
+    print(
+        f"rounds={args.rounds} ops/block={args.ops} ddp steps/block={args.steps}; "
+        "Δ = difference to no recording; PyTorch FR and no-recording come from separate jobs."
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
