@@ -358,3 +358,32 @@ def test_closed_box_ignores_records_and_keeps_the_file(tmp_path):
     box.mark_completed(0)
     snap = read_snapshot(path)
     assert len(snap.slots) == 3 and snap.header["closed"] == 1
+
+
+@pytest.mark.timeout(20)
+def test_forked_child_does_not_write_into_the_parents_black_box(tmp_path):
+    box, path = make_box(tmp_path)
+    box.start_watchdog(10, 0.0, 0)
+    record_n(box, 2)
+    pid = os.fork()
+    if pid == 0:  # child: every call is a quiet no-op
+        code = 0
+        try:
+            if box.record(0, 8, 9, 0, -1, False, 0, 0, 0, 0, 0) != -1:
+                code = 3
+            if box.intern("child-only string") != 0 or not box.closed:
+                code = 4
+            box.mark_completed(0)
+            box.close()
+        except BaseException:
+            code = 5
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert record_n(box, 1) == [2]
+    assert box.state(0) == 1
+    snap = read_snapshot(path)
+    assert snap.slots["record_id"].tolist() == [0, 1, 2]
+    assert "child-only string" not in snap.strings_blob.decode("utf-8", "replace")
+    box.close()
+    assert read_header(path)["watchdog_state"] == 2

@@ -203,6 +203,9 @@ constexpr int kCudaNotReady = 600;
 std::mutex g_cuda_mutex;
 CudaApi g_cuda;
 
+uint64_t g_fork_generation = 0;
+void on_fork_child() { ++g_fork_generation; }
+
 bool load_cuda(std::string* why) {
   std::lock_guard<std::mutex> lock(g_cuda_mutex);
   if (g_cuda.tried) {
@@ -269,6 +272,7 @@ struct Box {
   uint8_t* strings = nullptr;
   uint32_t capacity = 0;
   pid_t owner_pid = 0;
+  uint64_t fork_generation = 0;
 
   std::mutex intern_mutex;
   std::unordered_map<std::string, uint32_t> interned;
@@ -608,9 +612,16 @@ struct CompleterObject {
 PyTypeObject BlackBoxType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 PyTypeObject CompleterType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+// A forked child (a DataLoader worker, say) inherits the mapping: it must not write into its
+// parent's black box, nor touch locks a parent thread may have held at fork time.
+inline bool forked(BlackBoxObject* self) {
+  Box* b = self->box;
+  return b && b->mem && b->fork_generation != g_fork_generation;
+}
+
 inline Box* open_box(BlackBoxObject* self) {
   Box* b = self->box;
-  return (b && b->mem) ? b : nullptr;
+  return (b && b->mem && b->fork_generation == g_fork_generation) ? b : nullptr;
 }
 
 PyObject* closed_error() {
@@ -688,6 +699,7 @@ int BlackBox_init(BlackBoxObject* self, PyObject* args, PyObject* kwargs) {
   b->strings = b->mem + strings_offset;
   b->capacity = uint32_t(capacity);
   b->owner_pid = getpid();
+  b->fork_generation = g_fork_generation;
 
   Header* h = b->hdr;
   h->version = kVersion;
@@ -728,7 +740,7 @@ void BlackBox_dealloc(BlackBoxObject* self) {
 
 PyObject* BlackBox_intern(BlackBoxObject* self, PyObject* arg) {
   Box* b = open_box(self);
-  if (!b) return closed_error();
+  if (!b) return forked(self) ? PyLong_FromLong(kStrNone) : closed_error();
   Py_ssize_t n = 0;
   const char* s = PyUnicode_AsUTF8AndSize(arg, &n);
   if (!s) return nullptr;
@@ -759,7 +771,7 @@ std::string encode_ranks(const std::vector<long long>& r) {
 
 PyObject* BlackBox_add_process_group(BlackBoxObject* self, PyObject* args) {
   Box* b = open_box(self);
-  if (!b) return closed_error();
+  if (!b) return forked(self) ? PyLong_FromLong(-1) : closed_error();
   const char *name = nullptr, *desc = nullptr;
   Py_ssize_t name_len = 0, desc_len = 0;
   PyObject* ranks = nullptr;
@@ -1118,6 +1130,7 @@ PyMODINIT_FUNC PyInit__blackbox(void) {
 
   PyObject* m = PyModule_Create(&blackbox_module);
   if (!m) return nullptr;
+  pthread_atfork(nullptr, nullptr, &on_fork_child);
   Py_INCREF(&BlackBoxType);
   if (PyModule_AddObject(m, "BlackBox", reinterpret_cast<PyObject*>(&BlackBoxType)) < 0) {
     Py_DECREF(&BlackBoxType);
