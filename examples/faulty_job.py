@@ -63,7 +63,8 @@ EXIT_HUNG = 3  # the watchdog saw no progress and dumped
 EXIT_ERROR = 4  # a collective raised (Gloo noticed a dead or mismatched peer)
 
 # Shapes of a tiny transformer-ish model: batch x sequence folded into TOKENS rows.
-TOKENS, HIDDEN, PARAMS = 16, 256, 4096
+# Each DP rank owns GRAD_SHARD gradients; the flat gradient is GRAD_SHARD x DP size.
+TOKENS, HIDDEN, GRAD_SHARD = 16, 256, 2048
 
 
 class Progress:
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(EXIT_DIED)
 
     torch.manual_seed(rank)
-    weights = torch.randn(PARAMS)
+    weights = torch.randn(GRAD_SHARD * dp_size)
     try:
         for step in range(1, args.steps + 1):
             fault_now = faulty and step == args.fault_step
@@ -216,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                 dist.all_gather(gathered, shard, group=tp_group)
 
             # backward: data-parallel gradient sync
-            grads = torch.randn(PARAMS)
-            grad_shard = torch.empty(PARAMS // dp_size)
+            grads = torch.randn(GRAD_SHARD * dp_size)
+            grad_shard = torch.empty(GRAD_SHARD)
             with collective():
                 reduce_scatter(grad_shard, grads, group=dp_group)
             loss = torch.tensor([float(step)])
