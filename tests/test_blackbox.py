@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -387,3 +388,29 @@ def test_forked_child_does_not_write_into_the_parents_black_box(tmp_path):
     assert "child-only string" not in snap.strings_blob.decode("utf-8", "replace")
     box.close()
     assert read_header(path)["watchdog_state"] == 2
+
+
+@pytest.mark.timeout(30)
+def test_missing_native_module_is_reported_and_snapshots_still_read(tmp_path):
+    box, path = make_box(tmp_path)
+    record_n(box, 3)
+    box.close()
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["torch"] = None  # the analyzer runs without torch
+        sys.modules["frtools.recorder._blackbox"] = None  # and without a compiler
+        from frtools.recorder.blackbox import NativeUnavailable, load_native
+        try:
+            load_native()
+        except NativeUnavailable as e:
+            print("unavailable:", e)
+        from pathlib import Path
+        from frtools.analyze.readers import frtools_snapshot
+        print("rows:", frtools_snapshot.read(Path({str(path)!r})).entries.num_rows)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=25)
+    assert proc.returncode == 0, proc.stderr
+    assert "unavailable: the native black box is not built" in proc.stdout
+    assert "rows: 3" in proc.stdout
