@@ -42,6 +42,7 @@ os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import faulthandler  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -83,20 +84,29 @@ class Progress:
             return time.monotonic() - self._last
 
 
-def write_dump(out: Path, rank: int) -> Path:
+def write_dump(out: Path, rank: int, stacks: bool = False) -> Path:
     """Write this rank's Flight Recorder dump atomically: a process killed mid-write leaves
-    only a ``.tmp`` file, never a half dump under the final name."""
+    only a ``.tmp`` file, never a half dump under the final name.
+
+    With ``stacks``, also every thread's Python stack (faulthandler text) to
+    ``rank_<R>.stacks``, the side file ``frtools analyze`` reads for where a rank is stuck."""
     data = torch._C._distributed_c10d._dump_fr_trace()
     final = out / f"rank_{rank}.pkl"
     tmp = out / f".rank_{rank}.pkl.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, final)
+    if stacks:
+        tmp = out / f".rank_{rank}.stacks.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        os.replace(tmp, out / f"rank_{rank}.stacks")
     return final
 
 
 _dump_lock = threading.Lock()
 _finished = threading.Event()  # the healthy end has dumped; the watchdog must not dump again
+_write_stacks = False  # --stacks
 
 
 def dump_and_exit(out: Path, rank: int, code: int, why: str) -> None:
@@ -107,7 +117,7 @@ def dump_and_exit(out: Path, rank: int, code: int, why: str) -> None:
         if _finished.is_set():  # the healthy end dumped while we waited for the lock
             os._exit(EXIT_OK)
         try:
-            path = write_dump(out, rank)
+            path = write_dump(out, rank, _write_stacks)
             print(f"rank {rank}: {why}; flight recorder dump in {path}", file=sys.stderr)
         except Exception as exc:  # the dump is best effort; never hide the exit
             print(f"rank {rank}: {why}; dump failed: {exc}", file=sys.stderr)
@@ -161,7 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         help="where compute/exit strike: before the world loss all_reduce, or before the "
         "step's first (tensor-parallel) collective",
     )
+    parser.add_argument(
+        "--stacks",
+        action="store_true",
+        help="also write every thread's Python stack to OUT/rank_<R>.stacks with the dump",
+    )
     args = parser.parse_args(argv)
+    global _write_stacks
+    _write_stacks = args.stacks
 
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -250,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     # give it a moment so a healthy run's last op does not read as still pending.
     time.sleep(0.2)
     with _dump_lock:
-        path = write_dump(args.out, rank)
+        path = write_dump(args.out, rank, _write_stacks)
         _finished.set()
     print(f"rank {rank}: finished; flight recorder dump in {path}", file=sys.stderr)
     # Leave together: a rank that exits early resets its peers' connections. The barrier

@@ -35,6 +35,7 @@ class Scenario:
     # None: not checked (a straggler is late everywhere)
     what: str  # one line for the README
     fault_at: str = "loss"  # faulty_job.py --fault-at
+    stacks: bool = False  # faulty_job.py --stacks: rank_<R>.stacks next to each dump
 
     @property
     def exit_code(self) -> int:
@@ -64,6 +65,17 @@ SCENARIOS: tuple[Scenario, ...] = (
         "tensor-parallel [0, 1], rank 3 on data-parallel [1, 3], and rank 2 waits on "
         "data-parallel [0, 2] for rank 0, a victim (rank 0 must not be blamed)",
         fault_at="forward",
+    ),
+    Scenario(
+        "missing-stacks",
+        "compute",
+        1,
+        ("missing",),
+        (1,),
+        (WORLD,),
+        "the 'missing' fault with each rank's Python stacks (faulthandler, written by the "
+        "watchdog thread) in rank_<R>.stacks: rank 1's main thread sleeps in stall()",
+        stacks=True,
     ),
     Scenario(
         "skipped",
@@ -196,6 +208,7 @@ def run_scenario(scenario: Scenario, out: Path, timeout: float = JOB_TIMEOUT):  
         str(HANG_SECONDS),
         "--fault-at",
         scenario.fault_at,
+        *(["--stacks"] if scenario.stacks else []),
     ]
     return jobs.run_job(FAULTY_JOB, world_size=len(WORLD), args=args, timeout=timeout, cwd=REPO)
 

@@ -116,6 +116,15 @@ def test_rank_stuck_in_compute_is_blamed_not_the_victims_it_blocks(generated: Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TEST_TIMEOUT)
+def test_stuck_rank_is_located_in_user_code_by_its_stack(generated: Path) -> None:
+    report = check_case(generated, "missing-stacks")
+    (guilty,) = report["verdict"]["guilty"]
+    site = guilty["call_site"] or ""
+    assert "faulty_job.py" in site and "stall" in site, f"call site of rank 1: {site!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT)
 def test_rank_that_skipped_a_collective_is_blamed(generated: Path) -> None:
     check_case(generated, "skipped")
 
