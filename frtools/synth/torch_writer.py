@@ -233,8 +233,33 @@ def _template(
     return entry
 
 
-def rank_dump(job: Job, rank: int) -> dict[str, Any]:
-    """The dict PyTorch would pickle for ``rank``."""
+@dataclass
+class RankArrays:
+    """One rank's window of records as arrays (shared by the pickle and snapshot writers)."""
+
+    rank: int
+    slots: list[_Slot]  # the stage program
+    hang_slots: list[_Slot]  # this rank's program in the last step
+    pg_tuple: dict[str, tuple[str, str]]
+    pg_members: dict[str, Any]
+    barrier: bool  # record 0 (the init barrier) is still in the window
+    skew: int
+    total: int  # records ever written
+    recs: np.ndarray
+    in_hang: np.ndarray
+    pos: np.ndarray
+    coll_seq: np.ndarray
+    p2p_seq: np.ndarray
+    created: np.ndarray
+    started: np.ndarray
+    discovered: np.ndarray
+    duration: np.ndarray
+    state: np.ndarray  # 0 completed, 1 started, 2 scheduled
+    status: dict[str, list[int]]  # kind -> last enqueued / started / completed collective
+
+
+def rank_arrays(job: Job, rank: int) -> RankArrays:
+    """Compute ``rank``'s window: which records, their sequence ids, times and states."""
     layout = job.layout
     schedule = job.schedule
     params = job.params
@@ -249,7 +274,6 @@ def rank_dump(job: Job, rank: int) -> dict[str, Any]:
     never_starts = dev.never_starts if dev is not None else None
     total = 1 + K * L + issued  # record 0: the init barrier
     lo = max(0, total - params.buffer_size)
-    timing = params.timing
 
     # per kind: (pg_name, desc), members, and whether a straggler shares the group
     pg_tuple: dict[str, tuple[str, str]] = {}
@@ -317,6 +341,65 @@ def rank_dump(job: Job, rank: int) -> dict[str, Any]:
         state = np.where(in_hang & (pos == never_starts) & (state == 1), 2, state)
     duration = np.maximum(0.001, (complete - started) / 1e6)
 
+    # pg_status: the last enqueued / started / completed collective of each group
+    status: dict[str, list[int]] = {"world": [0, 0, 0]}
+    for k in list(job.n_coll[stage]) + list(job.n_p2p[stage]):
+        status[k] = [0, 0, 0]
+    for k in status:
+        if k not in job.n_coll[stage]:
+            continue
+        before = (1 if k == "world" else 0) + K * job.n_coll[stage][k]
+        vals = [before, before, before]
+        for i, x in enumerate(hang_slots[:issued]):
+            if x.kind != k or x.is_p2p:
+                continue
+            seq = before + x.coll_count
+            vals[0] = max(vals[0], seq)
+            if i < done or (i == done and i != never_starts):
+                vals[1] = max(vals[1], seq)
+            if i < done:
+                vals[2] = max(vals[2], seq)
+        status[k] = vals
+
+    return RankArrays(
+        rank=rank,
+        slots=slots,
+        hang_slots=hang_slots,
+        pg_tuple=pg_tuple,
+        pg_members=pg_members,
+        barrier=lo == 0,
+        skew=skew,
+        total=total,
+        recs=recs,
+        in_hang=in_hang,
+        pos=pos,
+        coll_seq=coll_seq,
+        p2p_seq=p2p_seq,
+        created=created,
+        started=started,
+        discovered=discovered,
+        duration=duration,
+        state=state,
+        status=status,
+    )
+
+
+def rank_dump(job: Job, rank: int) -> dict[str, Any]:
+    """The dict PyTorch would pickle for ``rank``."""
+    a = rank_arrays(job, rank)
+    layout = job.layout
+    timing = job.params.timing
+    slots, hang_slots = a.slots, a.hang_slots
+    pg_tuple, pg_members, status = a.pg_tuple, a.pg_members, a.status
+    skew = a.skew
+    recs, in_hang, pos, coll_seq, p2p_seq = a.recs, a.in_hang, a.pos, a.coll_seq, a.p2p_seq
+    created, state, started, discovered, duration = (
+        a.created,
+        a.state,
+        a.started,
+        a.discovered,
+        a.duration,
+    )
     thread_id = str(139_800_000_000_000 + rank * 4096)
     tmpl_regular = [_template(x, pg_tuple[x.kind], thread_id, timing) for x in slots]
     tmpl_hang = (
@@ -326,7 +409,7 @@ def rank_dump(job: Job, rank: int) -> dict[str, Any]:
     )
 
     entries: list[dict[str, Any]] = []
-    if lo == 0:
+    if a.barrier:
         e = _template(None, pg_tuple["world"], thread_id, timing)
         t = T0_NS - 5_000_000_000 + skew
         e.update(
@@ -376,26 +459,6 @@ def rank_dump(job: Job, rank: int) -> dict[str, Any]:
             e["time_discovered_started_ns"] = sn if st == 1 else None
             e["retired"] = False
         entries.append(e)
-
-    # pg_status: the last enqueued / started / completed collective of each group
-    status: dict[str, list[int]] = {"world": [0, 0, 0]}
-    for k in list(job.n_coll[stage]) + list(job.n_p2p[stage]):
-        status[k] = [0, 0, 0]
-    for k in status:
-        if k not in job.n_coll[stage]:
-            continue
-        before = (1 if k == "world" else 0) + K * job.n_coll[stage][k]
-        vals = [before, before, before]
-        for i, x in enumerate(hang_slots[:issued]):
-            if x.kind != k or x.is_p2p:
-                continue
-            seq = before + x.coll_count
-            vals[0] = max(vals[0], seq)
-            if i < done or (i == done and i != never_starts):
-                vals[1] = max(vals[1], seq)
-            if i < done:
-                vals[2] = max(vals[2], seq)
-        status[k] = vals
 
     pg_config: dict[str, dict[str, str]] = {}
     for kind in ("world", *CREATION_ORDER):
