@@ -36,7 +36,7 @@ from frtools.trace import ProcessGroup, Trace, is_user_frame
 STALE_DUMP_NS = 60 * 1_000_000_000
 
 # Straggler rule: last into >= STRAGGLER_LAST_SHARE of the (>= STRAGGLER_MIN_COLLECTIVES)
-# matched collectives it took part in, and median lateness behind the others' median
+# matched collectives it took part in, and median lateness behind the others' mean
 # >= max(STRAGGLER_MIN_LATE_NS, STRAGGLER_SPREAD_FACTOR x the others' median spread).
 STRAGGLER_LAST_SHARE = 0.6
 STRAGGLER_MIN_COLLECTIVES = 5
@@ -45,6 +45,8 @@ STRAGGLER_SPREAD_FACTOR = 3.0
 
 # Tokens of context when comparing a rank's recent order of ops with its peers'.
 _CONTEXT = 4
+# Ops per rank (the most recent) whose order is compared.
+_HISTORY = 256
 
 _REASON_PRIORITY = {"absent": 0, "dead": 0, "mismatch": 1, "missing": 2}
 
@@ -64,13 +66,14 @@ class Point:
     absent: list[int] = field(default_factory=list)  # no record at all
     unknown: list[int] = field(default_factory=list)  # record does not reach back (wrap)
     minority: list[int] = field(default_factory=list)  # issued something else
+    busy: list[int] = field(default_factory=list)  # issued it, but blocked in an older op
     mismatch_attrs: list[str] = field(default_factory=list)
     rows: pd.DataFrame | None = None  # the members' entries at this point
     time_ns: int = 0
 
     @property
     def targets(self) -> set[int]:
-        return set(self.missing) | set(self.absent) | set(self.minority)
+        return set(self.missing) | set(self.absent) | set(self.minority) | set(self.busy)
 
 
 def diagnose(trace: Trace, alignment: Alignment | None = None) -> Verdict:
@@ -110,6 +113,7 @@ class _Context:
         }
         self.notes: list[str] = []
         self.blocked_known: set[int] = set()
+        self._info_cache: dict[int, bool] = {}
         self.points: dict[tuple, Point] = {}
         self.blocked_at: dict[int, tuple] = {}
         self.has_completion_info = bool(
@@ -171,6 +175,20 @@ class _Context:
                 continue
             point.blockers.append(int(row.rank))
             self.blocked_at[int(row.rank)] = point.key
+        # Members that issued the op but are blocked in an older op of their own (ops run in
+        # order: NCCL streams, a CPU that ran ahead) cannot join it yet: they are waited for.
+        for point in self.points.values():
+            if point.key[0] != "coll" or point.rows is None or not point.blockers:
+                continue
+            rows = point.rows
+            pending = rows.loc[rows["completed"] == False, "rank"]  # noqa: E712
+            point.busy = sorted(
+                int(m)
+                for m in pending
+                if int(m) in self.blocked_known
+                and self.blocked_at.get(int(m), point.key) != point.key
+                and int(m) not in point.minority
+            )
 
     def _collective_point(self, pg_name: str, seq: int, rows: pd.DataFrame | None) -> Point:
         key = ("coll", pg_name, seq)
@@ -254,22 +272,31 @@ class _Context:
             op=str(row["op"]),
             time_ns=int(row["time_created_ns"]),
         )
-        me = int(row["rank"])
-        peer = receiver if me == sender else sender
         other_dir = "recv" if row["direction"] == "send" else "send"
-        match = p2p[
+        pair = p2p[
             (p2p["pg_name"] == row["pg_name"])
             & (p2p["sender"] == sender)
             & (p2p["receiver"] == receiver)
             & (p2p["direction"] == other_dir)
-            & (p2p["pair_index"] == k)
         ]
+        me = int(row["rank"])
+        peer = receiver if me == sender else sender
+        peer_known = pair["completed"].notna().any() or self._has_info(peer)
+        known = pd.notna(row["completed"]) and not bool(row["completed"])
+        if known and peer_known:
+            # Ops of one pair complete in order: my oldest incomplete op matches the peer's
+            # oldest incomplete counterpart, whatever either ring buffer dropped.
+            match = pair[pair["completed"] == False].sort_values("record_id").head(1)  # noqa: E712
+            uncertain = False
+        else:
+            match = pair[pair["pair_index"] == k]
+            uncertain = bool(row["uncertain"]) or peer in self.wrapped
         point.rows = pd.concat([p2p.loc[[idx]], match])
         point.issued.append(me)
         if peer in self.absent:
             point.absent.append(peer)
         elif not len(match):
-            if bool(row["uncertain"]) or peer in self.wrapped:
+            if uncertain:
                 point.unknown.append(peer)
             else:
                 point.missing.append(peer)
@@ -288,6 +315,13 @@ class _Context:
                 point.issued.append(peer)
         self.points[key] = point
         return point
+
+    def _has_info(self, rank: int) -> bool:
+        """Whether this rank's record says which of its ops completed."""
+        if rank not in self._info_cache:
+            mine = self.coll.loc[self.coll["rank"] == rank, "completed"]
+            self._info_cache[rank] = bool(mine.notna().any())
+        return self._info_cache[rank]
 
     def _targets_of(self, rank: int) -> set[int]:
         key = self.blocked_at.get(rank)
@@ -376,7 +410,7 @@ class _Context:
     def _point_rank(reason: str, point: Point, roots: set[int]) -> tuple:
         """Prefer the strongest reason, then points that wait only for guilty ranks (the
         direct victims), then the most blocked ranks."""
-        return (_REASON_PRIORITY[reason], not point.targets <= roots, -len(point.blockers))
+        return (_REASON_PRIORITY[reason], not point.targets <= roots, point.time_ns)
 
     def _stale(self, rank: int) -> bool:
         info = self.trace.ranks.get(rank)
@@ -399,7 +433,7 @@ class _Context:
         # The point to show: the one with the most blocked ranks among those naming a guilty
         # rank of the chosen kind.
         points = [p for r, p in reasons.values() if kind_of[r] == kind]
-        point = max(points, key=lambda p: (p.targets <= roots, len(p.blockers), -p.time_ns))
+        point = min(points, key=lambda p: (not p.targets <= roots, p.time_ns))
         guilty = []
         for r in sorted(roots):
             reason, p = reasons.get(r, ("missing", point))
@@ -605,56 +639,67 @@ class _Context:
         return verdict
 
     def _order_deviants(self, core: set[int]) -> dict[int, str]:
-        """Cycle ranks whose recent ops no peer ever issued in that order.
+        """Cycle ranks whose recent order of ops no peer ever produced.
 
-        Tokens are (group kind, op). For each cycle rank, the last ``_CONTEXT`` tokens up to
-        its blocked op form an n-gram; a rank is deviant when (almost) no other rank ever
-        produced that n-gram. A deviant n-gram equal to a peer's (n+1)-gram with one token
-        left out is a *skip* (the rank skipped that collective); otherwise an *order* change.
+        Tokens are (group kind, op), run-length encoded (four DP bucket all_reduces in a row
+        are one run of 4). At every position of every rank's recent history (the last
+        ``_HISTORY`` ops) the last ``_CONTEXT`` runs up to that op form a gram. A cycle rank is
+        deviant when at most 10% of the other ranks that issued its blocked op's token ever
+        produced its gram there. A gram that differs from a peer's only by one run being one
+        shorter reads as a skipped collective; anything else as a reordering.
         """
         if not len(self.coll):
             return {}
-        n = _CONTEXT
         kinds = {g: self._group_kind(g) for g in self.al.members}
         c = self.coll.sort_values(["rank", "time_created_ns", "record_id"])
+        c = c.groupby("rank", sort=False).tail(_HISTORY)
         token = (c["pg_name"].map(kinds).astype(str) + "|" + c["op"].astype(str)).to_numpy()
         ranks = c["rank"].to_numpy()
         pgs = c["pg_name"].to_numpy()
         seqs = c["seq"].to_numpy()
         grams: dict[tuple, set[int]] = {}
-        longer: dict[str, dict[tuple, set[int]]] = {}
+        with_token: dict[str, set[int]] = {}
+        mine: dict[tuple, tuple] = {}
+        wanted = {
+            (r, self.points[self.blocked_at[r]].pg_name, self.points[self.blocked_at[r]].seq)
+            for r in core
+            if self.points[self.blocked_at[r]].key[0] == "coll"
+        }
         bounds = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1], True])
-        where: dict[tuple, tuple] = {}
         for a, b in zip(bounds[:-1], bounds[1:], strict=False):
             r = int(ranks[a])
-            seq_tokens = ["<start>"] * n + list(token[a:b])
-            for i in range(n, len(seq_tokens)):
-                gram = tuple(seq_tokens[i - n + 1 : i + 1])
+            runs: list[tuple[str, int]] = [("<start>", 1)] * _CONTEXT
+            for i in range(a, b):
+                tok = token[i]
+                if runs[-1][0] == tok:
+                    runs[-1] = (tok, runs[-1][1] + 1)
+                else:
+                    runs.append((tok, 1))
+                gram = tuple(runs[-_CONTEXT:])
                 grams.setdefault(gram, set()).add(r)
-                big = tuple(seq_tokens[i - n : i + 1])
-                longer.setdefault(seq_tokens[i], {}).setdefault(big, set()).add(r)
-                where[(r, str(pgs[a + i - n]), int(seqs[a + i - n]))] = gram
-        with_token: dict[str, set[int]] = {}
-        for gram, rs in grams.items():
-            with_token.setdefault(gram[-1], set()).update(rs)
+                with_token.setdefault(tok, set()).add(r)
+                key = (r, str(pgs[i]), int(seqs[i]))
+                if key in wanted:
+                    mine[key] = gram
         deviants: dict[int, str] = {}
-        for r in sorted(core):
-            point = self.points[self.blocked_at[r]]
-            if point.key[0] != "coll":
-                continue
-            gram = where.get((r, point.pg_name, point.seq))
+        for r, pg_name, seq in sorted(wanted):
+            gram = mine.get((r, pg_name, seq))
             if gram is None:
                 continue
-            others = len(with_token.get(gram[-1], set()) - {r})
+            tok = gram[-1][0]
+            others = len(with_token.get(tok, set()) - {r})
             seen = len(grams.get(gram, set()) - {r})
-            if not others or seen <= 0.1 * others:
-                skip = any(
-                    tuple(big[:i] + big[i + 1 :]) == gram
-                    for big, who in longer.get(gram[-1], {}).items()
-                    if who - {r}
-                    for i in range(len(big) - 1)
-                )
-                deviants[r] = "skip" if skip else "order"
+            if others and seen > 0.1 * others:
+                continue
+            skip = any(
+                len(other) == len(gram)
+                and [t for t, _ in other] == [t for t, _ in gram]
+                and sum(abs(x - y) for (_, x), (_, y) in zip(other, gram, strict=True)) == 1
+                and grams[other] - {r}
+                for other in grams
+                if other[-1][0] == tok
+            )
+            deviants[r] = "skip" if skip else "order"
         if len(deviants) == len(core):
             return {}
         return deviants
@@ -769,10 +814,13 @@ class _Context:
             return None
         grp = c.groupby(["pg_name", "seq"], sort=False)["time_created_ns"]
         tmax = grp.transform("max")
-        tmed = grp.transform("median")
         tmin = grp.transform("min")
+        tsum = grp.transform("sum").astype(np.float64)
+        n_members = grp.transform("size").astype(np.float64)
+        t = c["time_created_ns"].astype(np.float64)
         is_last = (c["time_created_ns"] == tmax) & (tmax > tmin)
-        late = (c["time_created_ns"] - tmed).astype(np.float64)
+        # Lateness behind the mean of the *other* members (in a pair: behind the partner).
+        late = t - (tsum - t) / (n_members - 1)
         spread = (tmax - tmin).astype(np.float64)
         per = pd.DataFrame(
             {"rank": c["rank"], "last": is_last, "late": late, "spread": spread}
