@@ -203,11 +203,12 @@ def test_stall_detection_is_off_with_zero_seconds(tmp_path):
 
 DUMP_SCRIPT = textwrap.dedent(
     """
-    import ctypes, faulthandler, json, signal, sys, threading, time
+    import ctypes, json, signal, sys, threading, time
     from frtools.recorder._blackbox import BlackBox
+    from frtools.recorder.blackbox import register_stack_signal
     path, stacks, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     out = open(stacks, "a")
-    faulthandler.register(signal.SIGUSR2, file=out, all_threads=True, chain=False)
+    register_stack_signal(signal.SIGUSR2, out)
 
     def helper_thread_waiting():
         time.sleep(60)
@@ -414,3 +415,46 @@ def test_missing_native_module_is_reported_and_snapshots_still_read(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "unavailable: the native black box is not built" in proc.stdout
     assert "rows: 3" in proc.stdout
+
+
+CHAIN_SCRIPT = textwrap.dedent(
+    """
+    import json, signal, sys, time
+    from frtools.recorder._blackbox import BlackBox
+    from frtools.recorder.blackbox import register_stack_signal
+    path, stacks = sys.argv[1], sys.argv[2]
+    seen = []
+    signal.signal(signal.SIGUSR2, lambda *_: seen.append(1))  # the user's own handler
+    chained = register_stack_signal(signal.SIGUSR2, open(stacks, "a"))
+    box = BlackBox(path, 64, 1 << 16, json.dumps({"rank": 0}))
+    box.start_watchdog(20, 0.0, int(signal.SIGUSR2))
+    deadline = time.monotonic() + 20
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("chained", chained, "user handler ran", bool(seen), flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(40)
+def test_dump_request_still_reaches_the_users_own_signal_handler(tmp_path):
+    path = tmp_path / "rank_0.frt"
+    stacks = tmp_path / "rank_0.stacks"
+    procs = start_ranks([sys.executable, "-c", CHAIN_SCRIPT, str(path), str(stacks)], 1)
+    try:
+
+        def watchdog_running() -> bool:
+            try:
+                return read_header(path)["watchdog_state"] == 1
+            except (OSError, ValueError):
+                return False
+
+        assert wait_for(watchdog_running, timeout=15)
+        seq = request_dump(path)
+        assert wait_for(lambda: dump_acknowledged(path, seq), timeout=2)
+        result = wait_ranks(procs, timeout=20)
+        assert result.ranks[0].returncode == 0, result.output()
+        assert "chained True user handler ran True" in result.ranks[0].stdout
+        assert "most recent call first" in stacks.read_text()
+    finally:
+        stop(procs)

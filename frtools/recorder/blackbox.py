@@ -7,9 +7,12 @@ caller can warn once and run unrecorded.
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 from types import ModuleType
+from typing import IO
 
-__all__ = ["NativeUnavailable", "load_native"]
+__all__ = ["NativeUnavailable", "load_native", "register_stack_signal"]
 
 _native: ModuleType | None = None
 _failure: str | None = None
@@ -36,3 +39,17 @@ def load_native() -> ModuleType:
         raise NativeUnavailable(_failure) from None
     _native = _blackbox
     return _native
+
+
+def register_stack_signal(signum: int, file: IO[str]) -> bool:
+    """Have ``signum`` write every thread's Python stack to ``file`` (the watchdog raises it
+    for a dump request); returns whether an earlier handler is chained.
+
+    ``faulthandler.register(chain=True)`` re-raises the signal with the previous handler;
+    when that is the default action (SIGUSR2's is "terminate") the process dies after writing
+    its stacks. So chain only when a real handler was installed before.
+    """
+    previous = signal.getsignal(signum)
+    chain = previous not in (signal.SIG_DFL, signal.SIG_IGN)
+    faulthandler.register(signum, file=file, all_threads=True, chain=chain)
+    return chain
