@@ -64,7 +64,7 @@ def test_json_report_names_guilty_waiting_and_group(verdicts):
     assert [g["rank"] for g in v["guilty"]] == [5]
     assert v["guilty"][0]["host"] == "node1"
     assert v["waiting"] == [0, 1, 2, 3, 4, 6, 7]
-    assert v["process_group"]["ranks"] == [1, 3, 5, 7]
+    assert v["process_group"]["ranks"] == [4, 5]
     assert [i["status"] for i in doc["inputs"]] == ["ok", "error", "skipped"]
     assert doc["ranks"] == {"expected": 8, "found": 8, "missing": []}
 
@@ -112,6 +112,6 @@ def test_markdown_summary_has_headline_table_and_inputs(verdicts):
     md = markdown.render(verdicts["missing"])
     assert md.startswith("## ❌ frtools: `missing`")
     assert "| guilty rank | host |" in md and "| 5 | node1 |" in md
-    assert "| ranks | op |" in md and "| 1,3,7 | all_reduce |" in md
+    assert "| ranks | op |" in md and "| 4 | all_reduce |" in md
     assert "### Inputs not used" in md and "`d/rank_1.pkl`" in md
     assert markdown.render(verdicts["healthy"]).startswith("## ✅ frtools: `healthy`")
