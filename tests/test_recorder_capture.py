@@ -231,3 +231,38 @@ def test_unwritable_dir_warns_once_and_the_job_completes(tmp_path: Path) -> None
         assert lines[0].startswith("frtools: recording disabled: cannot create ")
         assert str(blocker) in lines[0]
         assert "step 1" in r.stdout
+
+
+# --------------------------------------------------------------------------------------
+# CUDA completion, judged as tests/gpu/check_recorder_gpu.py judges it, with fake events
+# --------------------------------------------------------------------------------------
+
+
+def _fake_cuda_box(path: Path, end_done: bool) -> None:
+    from frtools.recorder.blackbox import load_native
+
+    identity = {"job_id": "gpu", "rank": 0, "world_size": 1, "device": "cuda:0"}
+    box = load_native().BlackBox(str(path), 16, 1 << 16, json.dumps(identity))
+    box._fake_events(True)
+    pg = box.add_process_group("0", "default_pg", [0])
+    op, sizes, dtypes = box.intern("nccl:all_reduce"), box.intern("[[4]]"), box.intern("Float")
+    rid = box.record(pg, op, 1, 0, -1, False, sizes, sizes, dtypes, dtypes, 0)
+    box._fake_event_set(101, True, 10.0)
+    box._fake_event_set(102, end_done, 12.5)
+    box.watch_cuda(rid, 101, 102)
+    box._poll_once()
+    box.close()
+
+
+@pytest.mark.timeout(30)
+def test_gpu_check_accepts_ops_completed_by_cuda_events(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    from check_recorder_gpu import check_snapshot
+
+    _fake_cuda_box(tmp_path / "done.frt", end_done=True)
+    assert check_snapshot(tmp_path / "done.frt", 1) == []
+    assert read_snapshot(tmp_path / "done.frt").slots["duration_ms"][0] == pytest.approx(2.5)
+
+    _fake_cuda_box(tmp_path / "running.frt", end_done=False)
+    problems = check_snapshot(tmp_path / "running.frt", 1)
+    assert len(problems) == 1 and "is 'started', not completed" in problems[0]
