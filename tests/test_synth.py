@@ -221,3 +221,22 @@ def test_export_of_a_missing_directory_is_a_one_line_error(tmp_path: Path):
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith("no such file or directory")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_synth_frtools_snapshots_are_read_and_diagnosed(tmp_path: Path):
+    from frtools.recorder.snapshot import read_snapshot
+
+    out = tmp_path / "frt"
+    proc = frtools(
+        "synth", "-o", str(out), "-n", "16", "--tp", "4", "--format", "frtools",
+        "--fault", "missing", "--fault-ranks", "6", "--buffer-size", "200", "--seed", "4",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert len(list(out.glob("rank_*.frt"))) == 16
+    snap = read_snapshot(out / "rank_5.frt")
+    assert snap.wrapped and snap.capacity == 200
+    assert snap.identity["rank"] == 5 and snap.identity["host"] == "node00000"
+    verdict = json.loads(frtools("analyze", str(out), "--format", "json").stdout)["verdict"]
+    assert verdict["kind"] == "missing"
+    assert [g["rank"] for g in verdict["guilty"]] == [6]

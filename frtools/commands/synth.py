@@ -133,6 +133,14 @@ def _human_bytes(n: float) -> str:
 @click.option(
     "--workers", default=None, type=click.IntRange(1), help="Writer processes [default: CPU count]."
 )
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["torch", "frtools"]),
+    default="torch",
+    show_default=True,
+    help="torch: PyTorch NCCL Flight Recorder pickles; frtools: frtools snapshots (.frt).",
+)
 @click.option("--force", is_flag=True, help="Write into a directory that already holds files.")
 def synth(
     out_dir: str,
@@ -155,6 +163,7 @@ def synth(
     clock_skew_ms: float,
     timing: bool,
     workers: int | None,
+    fmt: str,
     force: bool,
 ) -> None:
     """Simulate a Megatron-style job's PyTorch Flight Recorder dumps with one injected
@@ -188,6 +197,7 @@ def synth(
             straggler_ms=straggler_ms,
             clock_skew_ms=clock_skew_ms,
             workers=workers,
+            format=fmt,
         )
     except (LayoutError, FaultError) as e:
         err.print(f"[red]error:[/] {e}")

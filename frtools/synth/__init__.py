@@ -97,8 +97,14 @@ def synthesize(
     straggler_ms: float = 8.0,
     clock_skew_ms: float = 0.2,
     workers: int | None = None,
+    format: str = "torch",
 ) -> SynthResult:
-    """Write a simulated job's dumps and ``truth.json`` into ``out_dir``."""
+    """Write a simulated job's dumps and ``truth.json`` into ``out_dir``.
+
+    ``format``: ``"torch"`` writes PyTorch NCCL Flight Recorder pickles
+    (``nccl_trace_rank_<R>``), ``"frtools"`` frtools snapshots (``rank_<R>.frt``)."""
+    if format not in ("torch", "frtools"):
+        raise ValueError(f"unknown format {format!r}: torch or frtools")
     t_start = time.perf_counter()
     layout = Layout.from_sizes(world_size, tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)
     schedule = build_schedule(layout, shape)
@@ -114,6 +120,7 @@ def synthesize(
         timing=timing,
         clock_skew_ms=clock_skew_ms,
         omit_ranks=set(plan.ranks) if fault == "dead" else set(),
+        format=format,
     )
     job = make_job(schedule, plan, outcome, params)
     out = Path(out_dir)

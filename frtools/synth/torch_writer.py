@@ -45,6 +45,7 @@ class WriteParams:
     timing: bool = True  # TORCH_NCCL_ENABLE_TIMING: completed calls carry duration_ms
     clock_skew_ms: float = 0.2
     prefix: str = DEFAULT_PREFIX
+    format: str = "torch"  # "torch": PyTorch FR pickles; "frtools": frtools snapshots
     omit_ranks: set[int] = field(default_factory=set)  # ranks that leave no dump
 
 
@@ -496,6 +497,14 @@ _OUT: Path | None = None
 def _write_ranks(ranks: list[int]) -> int:
     assert _JOB is not None and _OUT is not None
     written = 0
+    if _JOB.params.format == "frtools":
+        from .snapshot_writer import rank_snapshot
+
+        for r in ranks:
+            data = rank_snapshot(_JOB, r)
+            (_OUT / f"rank_{r}.frt").write_bytes(data)
+            written += len(data)
+        return written
     for r in ranks:
         data = pickle.dumps(rank_dump(_JOB, r), protocol=2)
         (_OUT / f"{_JOB.params.prefix}{r}").write_bytes(data)

@@ -1,0 +1,227 @@
+"""Write each rank's record as an frtools snapshot (``rank_<R>.frt``, docs/snapshot-format.md).
+
+The same simulated window as the PyTorch pickles, laid out the way the native black box
+leaves its memory-mapped file: header + identity JSON, process-group table, the slot ring
+(record ``r`` in slot ``r % capacity``), string table. Slots are one numpy structured array,
+so a rank costs a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+from frtools.recorder.snapshot import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    IDENTITY_OFFSET,
+    MAGIC,
+    PG_DTYPE,
+    SLOT_DTYPE,
+)
+from frtools.trace import dtypes_key, sizes_key
+
+from .layout import CREATION_ORDER
+from .schedule import CALL_SITES
+from .torch_writer import COMM_LIB_VERSION, RANKS_PER_HOST, T0_NS, Job, _Slot, rank_arrays
+
+_HEADER = struct.Struct("<8s6I5Qq2Q2Iq2I2q2Qq4Id2Iq")
+PG_CAPACITY = 64
+PAGE = 4096
+KINDS = ("world", *CREATION_ORDER)  # row order of the process-group table
+
+
+def compact_ranks(ranks: Any) -> str:
+    """Member ranks as the format's compact text: ``0-7``, ``3-2043:8``, ``5``."""
+    r = np.asarray(ranks).tolist()
+    if len(r) == 1:
+        return str(r[0])
+    step = r[1] - r[0]
+    if step > 0 and all(b - a == step for a, b in zip(r, r[1:], strict=False)):
+        return f"{r[0]}-{r[-1]}" + (f":{step}" if step != 1 else "")
+    return ",".join(map(str, r))
+
+
+class _Strings:
+    """The string area: id = byte offset of ``u32 length`` + UTF-8, padded to 4 bytes."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray(8)
+        self.ids: dict[str, int] = {"": 0}
+
+    def id(self, text: str) -> int:
+        sid = self.ids.get(text)
+        if sid is None:
+            raw = text.encode()
+            sid = len(self.buf)
+            self.buf += struct.pack("<I", len(raw)) + raw
+            self.buf += b"\0" * (-len(self.buf) % 4)
+            self.ids[text] = sid
+        return sid
+
+
+def _stack(frames: list[dict[str, object]]) -> str:
+    return "\n".join(f"{f['filename']}:{f['line']} in {f['name']}" for f in frames)
+
+
+def _texts(slot: _Slot) -> tuple[str, ...]:
+    """The slot's strings in the format's canonical forms (computed once per slot)."""
+    cached = slot.__dict__.get("_snapshot_texts")
+    if cached is None:
+        cached = (
+            slot.profiling_name.split(" ", 1)[0],  # "nccl:send 0->1" -> "nccl:send"
+            sizes_key(slot.input_sizes),
+            sizes_key(slot.output_sizes),
+            dtypes_key(slot.input_dtypes),
+            dtypes_key(slot.output_dtypes),
+            _stack(slot.frames),
+        )
+        slot.__dict__["_snapshot_texts"] = cached
+    return cached
+
+
+def rank_snapshot(job: Job, rank: int) -> bytes:
+    """The bytes of ``rank_<rank>.frt`` as the black box would leave them at the hang."""
+    a = rank_arrays(job, rank)
+    capacity = job.params.buffer_size
+    strings = _Strings()
+    pg_row = {kind: i for i, kind in enumerate(KINDS)}
+
+    def slot_columns(sl: list[_Slot]) -> dict[str, np.ndarray]:
+        cols: dict[str, list[int]] = {
+            k: [] for k in ("op", "ins", "outs", "idt", "odt", "stack", "pg", "peer", "p2p")
+        }
+        for x in sl:
+            texts = _texts(x)
+            cols["op"].append(strings.id(texts[0]))
+            cols["ins"].append(strings.id(texts[1]))
+            cols["outs"].append(strings.id(texts[2]))
+            cols["idt"].append(strings.id(texts[3]))
+            cols["odt"].append(strings.id(texts[4]))
+            cols["stack"].append(strings.id(texts[5]))
+            cols["pg"].append(pg_row[x.kind])
+            cols["peer"].append(int(a.pg_members["pp"][x.peer_stage]) if x.is_p2p else -1)
+            cols["p2p"].append(int(x.is_p2p))
+        return {k: np.array(v, dtype=np.int64) for k, v in cols.items()}
+
+    regular = slot_columns(a.slots)
+    hang = regular if a.hang_slots is a.slots else slot_columns(a.hang_slots)
+
+    def pick(key: str) -> np.ndarray:
+        r, h = regular[key], hang[key]
+        return np.where(
+            a.in_hang, h[np.minimum(a.pos, len(h) - 1)], r[np.minimum(a.pos, len(r) - 1)]
+        )
+
+    n = len(a.recs) + int(a.barrier)
+    slots = np.zeros(n, dtype=SLOT_DTYPE)
+    body = slice(int(a.barrier), n)
+    thread_name = strings.id("python")
+    slots["seq"] = 2
+    slots["thread_id"] = 100_000 + rank
+    slots["thread_name"] = thread_name
+    done = a.state == 0
+    slots["record_id"][body] = a.recs
+    slots["collective_seq_id"][body] = a.coll_seq
+    slots["p2p_seq_id"][body] = a.p2p_seq
+    slots["time_created_ns"][body] = a.created
+    slots["time_started_ns"][body] = np.where(a.state <= 1, a.started, 0)
+    slots["time_completed_ns"][body] = np.where(done, a.discovered, 0)
+    timing = job.params.timing
+    slots["duration_ms"][body] = np.where(done & timing, a.duration, np.nan)
+    slots["flags"][body] = np.where(done & timing, 1, 0)
+    slots["state"][body] = 3 - a.state  # 0 completed -> 3, 1 started -> 2, 2 scheduled -> 1
+    slots["pg"][body] = pick("pg")
+    slots["peer"][body] = pick("peer")
+    slots["is_p2p"][body] = pick("p2p")
+    for field, key in (
+        ("op", "op"),
+        ("input_sizes", "ins"),
+        ("output_sizes", "outs"),
+        ("input_dtypes", "idt"),
+        ("output_dtypes", "odt"),
+        ("stack", "stack"),
+    ):
+        slots[field][body] = pick(key)
+    if a.barrier:
+        t = T0_NS - 5_000_000_000 + a.skew
+        slots[0] = (
+            2, 0, 1, 0, t, t + 20_000, t + 2_000_000, 1.98 if timing else np.nan, 100_000 + rank,
+            0, -1, strings.id("nccl:all_reduce_barrier"), strings.id("[[1]]"),
+            strings.id("[[1]]"), strings.id("Float"), strings.id("Float"),
+            strings.id(_stack(CALL_SITES["init_barrier"])), 3, 0, int(timing), thread_name,
+        )  # fmt: skip
+
+    pgs = np.zeros(len(KINDS), dtype=PG_DTYPE)
+    for i, kind in enumerate(KINDS):
+        name, desc = a.pg_tuple[kind]
+        members = a.pg_members[kind]
+        e, s, c = a.status.get(kind, (0, 0, 0))
+        p2p_issued = p2p_done = 0
+        if kind == "pp" and len(members) > 1:
+            is_pp = (pick("pg") == i) & (pick("p2p") == 1)
+            if is_pp.any():
+                p2p_issued = int(a.p2p_seq[is_pp].max())
+                finished = is_pp & (a.state == 0)
+                p2p_done = int(a.p2p_seq[finished].max()) if finished.any() else 0
+        pgs[i] = (
+            strings.id(name),
+            strings.id(desc),
+            strings.id(compact_ranks(members)),
+            len(members),
+            e,
+            s,
+            c,
+            p2p_issued,
+            p2p_done,
+        )
+
+    ring = np.zeros(capacity, dtype=SLOT_DTYPE)
+    record_ids = slots["record_id"]
+    ring[record_ids % capacity] = slots
+
+    host = f"node{rank // RANKS_PER_HOST:05d}"
+    identity = json.dumps(
+        {
+            "job_id": f"synth-{job.params.seed}",
+            "rank": rank,
+            "world_size": job.layout.world_size,
+            "host": host,
+            "pid": 200_000 + rank,
+            "local_rank": rank % RANKS_PER_HOST,
+            "device": f"cuda:{rank % RANKS_PER_HOST}",
+            "device_id": f"GPU-{rank:08x}-5f1c-4e2a-9d3b-{job.params.seed:012x}",
+            "torch_version": "2.13.0",
+            "backend": "nccl",
+            "comm_lib_version": COMM_LIB_VERSION,
+        }
+    ).encode()
+
+    pg_offset = HEADER_BYTES
+    slots_offset = pg_offset + PG_CAPACITY * PG_DTYPE.itemsize
+    slots_offset += -slots_offset % PAGE
+    strings_offset = slots_offset + capacity * SLOT_DTYPE.itemsize
+    strings_bytes = len(strings.buf) + (-len(strings.buf) % PAGE)
+    file_bytes = strings_offset + strings_bytes
+    file_bytes += -file_bytes % PAGE
+    incomplete = a.state != 0
+    stalled = bool(incomplete.any())
+    stall_record = int(a.recs[np.argmax(incomplete)]) if stalled else -1
+    heartbeat = int(a.created.max()) + 600_000_000_000 if len(a.created) else T0_NS
+    header = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, HEADER_BYTES, SLOT_DTYPE.itemsize, capacity, PG_DTYPE.itemsize,
+        PG_CAPACITY, pg_offset, slots_offset, strings_offset, strings_bytes, file_bytes,
+        T0_NS - 60_000_000_000, a.total, len(strings.buf), len(KINDS), len(strings.ids) - 1,
+        heartbeat, int(stalled), 1, stall_record, heartbeat - 540_000_000_000 if stalled else 0,
+        0, 0, 0, 0, 0, 0, len(identity), 60.0, 100, 0, 200_000 + rank,
+    )  # fmt: skip
+    out = bytearray(file_bytes)
+    out[: len(header)] = header
+    out[IDENTITY_OFFSET : IDENTITY_OFFSET + len(identity)] = identity
+    out[pg_offset : pg_offset + pgs.nbytes] = pgs.tobytes()
+    out[slots_offset : slots_offset + ring.nbytes] = ring.tobytes()
+    out[strings_offset : strings_offset + len(strings.buf)] = strings.buf
+    return bytes(out)
