@@ -36,6 +36,7 @@ class Scenario:
     what: str  # one line for the README
     fault_at: str = "loss"  # faulty_job.py --fault-at
     stacks: bool = False  # faulty_job.py --stacks: rank_<R>.stacks next to each dump
+    fr_buffer: int | None = None  # TORCH_FR_BUFFER_SIZE (None: faulty_job.py's 2000)
 
     @property
     def exit_code(self) -> int:
@@ -76,6 +77,18 @@ SCENARIOS: tuple[Scenario, ...] = (
         "the 'missing' fault with each rank's Python stacks (faulthandler, written by the "
         "watchdog thread) in rank_<R>.stacks: rank 1's main thread sleeps in stall()",
         stacks=True,
+    ),
+    Scenario(
+        "missing-wrapped",
+        "compute",
+        1,
+        ("missing",),
+        (1,),
+        (WORLD,),
+        "the 'missing' fault with TORCH_FR_BUFFER_SIZE=4: every ring buffer dropped older "
+        "entries, and rank 1's keeps no world-group op at all (only its pg_status says it "
+        "stopped at world collective #2)",
+        fr_buffer=4,
     ),
     Scenario(
         "skipped",
@@ -210,7 +223,10 @@ def run_scenario(scenario: Scenario, out: Path, timeout: float = JOB_TIMEOUT):  
         scenario.fault_at,
         *(["--stacks"] if scenario.stacks else []),
     ]
-    return jobs.run_job(FAULTY_JOB, world_size=len(WORLD), args=args, timeout=timeout, cwd=REPO)
+    env = {"TORCH_FR_BUFFER_SIZE": str(scenario.fr_buffer)} if scenario.fr_buffer else None
+    return jobs.run_job(
+        FAULTY_JOB, world_size=len(WORLD), args=args, env=env, timeout=timeout, cwd=REPO
+    )
 
 
 def make_damaged(source: Path, out: Path) -> None:

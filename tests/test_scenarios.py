@@ -116,6 +116,14 @@ def test_rank_stuck_in_compute_is_blamed_not_the_victims_it_blocks(generated: Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TEST_TIMEOUT)
+def test_stuck_rank_is_blamed_when_the_ring_buffer_dropped_its_group_entries(
+    generated: Path,
+) -> None:
+    check_case(generated, "missing-wrapped")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT)
 def test_stuck_rank_is_located_in_user_code_by_its_stack(generated: Path) -> None:
     report = check_case(generated, "missing-stacks")
     (guilty,) = report["verdict"]["guilty"]
