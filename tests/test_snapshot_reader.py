@@ -4,6 +4,7 @@ torn slots, damaged files, live copies; and the analyzer reading them end to end
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import struct
 import subprocess
@@ -287,3 +288,35 @@ def test_reading_a_snapshot_costs_about_a_millisecond(tmp_path):
     per_file_ms = (time.process_time() - t0) * 1e3 / len(files)
     assert rows == 40_000
     assert per_file_ms < 5, f"{per_file_ms:.2f} ms of CPU per snapshot"
+
+
+@pytest.mark.timeout(60)
+def test_corrupted_snapshots_are_read_or_refused_never_crash(hung_job, tmp_path):
+    """Random byte damage in every region: the reader gives a Trace or a DumpError."""
+    data = (hung_job / "rank_0.frt").read_bytes()
+    h = read_snapshot(data).header
+    regions = [
+        (0, 200),
+        (512, 700),
+        (h["pg_offset"], h["pg_offset"] + 128),
+        (h["slots_offset"], h["slots_offset"] + 6 * SLOT_DTYPE.itemsize),
+        (h["strings_offset"], h["strings_offset"] + h["strings_used"]),
+    ]
+    rng = random.Random(7)
+    damaged = tmp_path / "rank_0.frt"
+    outcomes = {"read": 0, "refused": 0}
+    for _ in range(400):
+        buf = bytearray(data)
+        for _ in range(rng.randint(1, 6)):
+            lo, hi = rng.choice(regions)
+            buf[rng.randrange(lo, hi)] = rng.randrange(256)
+        if rng.random() < 0.1:
+            buf = buf[: rng.randrange(len(buf))]
+        damaged.write_bytes(bytes(buf))
+        try:
+            reader.read(damaged)
+            outcomes["read"] += 1
+        except DumpError as e:
+            assert "\n" not in str(e)
+            outcomes["refused"] += 1
+    assert outcomes["read"] and outcomes["refused"]
