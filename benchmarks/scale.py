@@ -148,13 +148,14 @@ def bench(args: argparse.Namespace) -> list[dict]:
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     rows = []
-    for n in args.ranks:
-        d = make_dumps(root, n, args.entries)
+    sizes = [(n, "torch") for n in args.ranks] + [(n, "frtools") for n in args.snapshot_ranks]
+    for n, fmt in sizes:
+        d = make_dumps(Path(args.snapshot_dir) if fmt == "frtools" else root, n, args.entries, fmt)
         fr_argv = [sys.executable, "-m", "frtools", "analyze", str(d), "--format", "json"]
         fr = [measure(fr_argv, args.limit) for _ in range(args.runs)]
         bad = [r for r in fr if r.returncode not in (0, 1)]
         torch_runs: list[Run] = []
-        if not args.no_torch:
+        if not args.no_torch and fmt == "torch":
             tt_argv = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(d)]
             for _ in range(args.torch_runs):
                 r = measure(tt_argv, args.torch_limit)
@@ -163,6 +164,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
                     break  # one over-long run is enough
         row = {
             "ranks": n,
+            "format": "PyTorch pickles" if fmt == "torch" else "frtools snapshots",
             "entries_per_rank": args.entries,
             "frtools_s": _median(fr, "wall_s"),
             "frtools_runs": len(fr),
@@ -185,7 +187,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
             row["speedup"] = "-"
         rows.append(row)
         print(
-            f"  {n} ranks: frtools {row['frtools_time']} (median of {len(fr)}), "
+            f"  {n} ranks ({row['format']}): frtools {row['frtools_time']} (median of {len(fr)}), "
             f"{row['frtools_max_rss_mb']:.0f} MB max process / {row['frtools_tree_rss_mb']:.0f} MB tree; "
             f"torchfrtrace {row['torch_time']}; speedup {row['speedup']}"
             + (f"; {len(bad)} frtools runs FAILED" if bad else ""),
@@ -198,13 +200,13 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| ranks | entries/rank | frtools analyze (median) | frtools peak RSS: largest process / process tree | torchfrtrace | torchfrtrace peak RSS | speedup |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| ranks | dumps | entries/rank | frtools analyze (median) | frtools peak RSS: largest process / process tree | torchfrtrace | torchfrtrace peak RSS | speedup |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         trss = f"{r['torch_max_rss_mb']:.0f} MB" if r["torch_max_rss_mb"] else "-"
         lines.append(
-            f"| {r['ranks']:,} | {r['entries_per_rank']:,} | {r['frtools_time']} ({r['frtools_runs']} runs) "
+            f"| {r['ranks']:,} | {r['format']} | {r['entries_per_rank']:,} | {r['frtools_time']} ({r['frtools_runs']} runs) "
             f"| {r['frtools_max_rss_mb']:.0f} MB / {r['frtools_tree_rss_mb']:.0f} MB "
             f"| {r['torch_time']} ({r['torch_runs']} runs) | {trss} | {r['speedup']} |"
         )
@@ -247,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         "--ranks", default="256,1024,4096", type=lambda s: [int(x) for x in s.split(",")]
     )
     ap.add_argument("--entries", type=int, default=2000)
+    ap.add_argument(
+        "--snapshot-ranks",
+        default=[],
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        help="also time frtools on frtools snapshots of these sizes (e.g. 16384)",
+    )
+    ap.add_argument("--snapshot-dir", default="/tmp/frtools-scale", help="where snapshots go")
     ap.add_argument("--runs", type=int, default=3, help="frtools runs per size (median)")
     ap.add_argument("--torch-runs", type=int, default=3)
     ap.add_argument("--limit", type=float, default=600, help="frtools time limit per run (s)")
