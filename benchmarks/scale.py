@@ -246,7 +246,7 @@ def profile(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--ranks", default="256,1024,4096", type=lambda s: [int(x) for x in s.split(",")]
+        "--ranks", default="256,1024,4096", type=lambda s: [int(x) for x in s.split(",") if x]
     )
     ap.add_argument("--entries", type=int, default=2000)
     ap.add_argument(
