@@ -351,7 +351,14 @@ def _parse(buf: bytes | memoryview, size: int, path: str | None) -> Snapshot:
         raise SnapshotError(
             f"truncated frtools snapshot: {size} bytes, the slots end at byte {slots_end}"
         )
-    raw = np.frombuffer(buf, dtype=SLOT_DTYPE, count=capacity, offset=header["slots_offset"])
+    live = np.frombuffer(buf, dtype=SLOT_DTYPE, count=capacity, offset=header["slots_offset"])
+    # seqlock read: a slot whose counter moved while it was copied is torn (a live file)
+    before = live["seq"].copy()
+    raw = live.copy()
+    moved = before != live["seq"]
+    del live
+    if moved.any():
+        raw["seq"][moved] |= 1
     slots, torn = _valid_slots(raw, capacity)
     if torn:
         notes.append(f"dropped {torn} torn slot(s) (being written when the file was read)")

@@ -972,8 +972,8 @@ PyObject* BlackBox_start_watchdog(BlackBoxObject* self, PyObject* args) {
 PyObject* BlackBox_poll_once(BlackBoxObject* self, PyObject*) {
   Box* b = open_box(self);
   if (!b) return closed_error();
-  Py_BEGIN_ALLOW_THREADS b->poll_once();
-  Py_END_ALLOW_THREADS Py_RETURN_NONE;
+  b->poll_once();  // keeps the GIL: close() cannot unmap underneath
+  Py_RETURN_NONE;
 }
 
 PyObject* BlackBox_fake_events(BlackBoxObject* self, PyObject* arg) {
