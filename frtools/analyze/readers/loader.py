@@ -15,6 +15,7 @@ import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,9 +153,15 @@ def _read_all(files: Sequence[Path], workers: int | None, progress: bool) -> lis
                 advance()
         else:
             chunk = max(1, min(32, len(files) // (workers * 8) or 1))
-            with ProcessPoolExecutor(max_workers=workers) as pool:
-                for r in pool.map(read_file, [str(f) for f in files], chunksize=chunk):
-                    results.append(r)
+            try:
+                with ProcessPoolExecutor(max_workers=workers) as pool:
+                    for r in pool.map(read_file, [str(f) for f in files], chunksize=chunk):
+                        results.append(r)
+                        advance()
+            except (BrokenProcessPool, OSError):
+                # a worker died (out of memory, killed) or none could start: finish here
+                for f in files[len(results) :]:
+                    results.append(read_file(f))
                     advance()
     finally:
         if bar is not None:
