@@ -78,7 +78,7 @@ def _dump_version(path: Path) -> str:
     "--out", type=click.Path(path_type=Path), default=REPO / "sample_dumps", show_default=True
 )
 @click.option("--case", "cases", multiple=True, help="only these cases (default: all)")
-@click.option("--parallel", default=2, show_default=True, help="jobs run at the same time")
+@click.option("--parallel", default=3, show_default=True, help="jobs run at the same time")
 def main(out: Path, cases: tuple[str, ...], parallel: int) -> None:
     """Run every fault scenario and write its dumps to OUT/<case>/."""
     import torch  # only to name the version in the README

@@ -1,9 +1,9 @@
 """End to end: real faulty 4-rank Gloo jobs, their PyTorch Flight Recorder dumps, and the
 verdict ``frtools analyze`` gives them (run as a user would, as a subprocess of the CLI).
 
-The dump sets are generated once per session (``examples/scenarios.py``, three jobs at a time: most of a hang case is waiting);
-the committed ``sample_dumps/`` are checked against the table in their README without
-running any job.
+The dump sets are generated once per session (``examples/scenarios.py``, three jobs at a
+time: most of a hang case is waiting); the committed ``sample_dumps/`` are checked against
+the table in their README without running any job.
 """
 
 from __future__ import annotations
