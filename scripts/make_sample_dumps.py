@@ -30,7 +30,7 @@ Process groups: `tensor_parallel` [0, 1], [2, 3]; `data_parallel` [0, 2], [1, 3]
 group `default_pg`. {steps} training steps; the fault hits at step {fault_step}. A hung rank's
 dump is written by a watchdog thread while its main thread is still blocked.
 
-Regenerate with `python scripts/make_sample_dumps.py` (about a minute); `tests/test_scenarios.py`
+Regenerate with `python scripts/make_sample_dumps.py` (about 90 s); `tests/test_scenarios.py`
 checks `frtools analyze <dir> --format json` against the table below (exit code 0 for healthy,
 1 otherwise). "guilty" is the exact guilty rank set; "process group" lists the acceptable
 member sets of `verdict.process_group` ("any": not checked).
