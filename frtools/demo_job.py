@@ -20,6 +20,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,6 +34,17 @@ def _mark(marker_dir: str | None, rank: int) -> None:
     if marker_dir:
         Path(marker_dir).mkdir(parents=True, exist_ok=True)
         (Path(marker_dir) / f"rank_{rank}.ready").touch()
+
+
+def _wait_for_peers(marker_dir: str | None, world_size: int, timeout: float = 30.0) -> None:
+    """Die only once every peer is inside the next all-reduce (their markers exist): a rank
+    killed while peers still finish the previous op would take them down with it."""
+    if not marker_dir:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(list(Path(marker_dir).iterdir())) < world_size:
+        time.sleep(0.05)
+    time.sleep(0.5)
 
 
 def forward(weight: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
@@ -66,6 +78,7 @@ def train(args: argparse.Namespace) -> None:
             elif args.fault == "gil":
                 hold_gil_forever()
             elif args.fault == "kill":
+                _wait_for_peers(args.marker_dir, dist.get_world_size())
                 os.kill(os.getpid(), signal.SIGKILL)
         if step == args.hang_step and args.fault != "none":
             _mark(args.marker_dir, rank)

@@ -9,8 +9,10 @@ rank 2 SIGKILLed. Every job is killed before its fixture returns.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,12 +127,23 @@ def compute_job(tmp_path_factory):
 @pytest.fixture(scope="session")
 def gil_job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gil")
-    shm = tmp / "shm"
-    job = launch(tmp, "gil", dict.fromkeys(range(WORLD), shm), {"FRTOOLS_STALL_SECONDS": "0"})
+    shm, socks = tmp / "shm", tmp / "socks"
+    env = {"FRTOOLS_STALL_SECONDS": "0", "TORCH_FR_BUFFER_SIZE": "200"}
+    args = ["--torch-socket-dir", str(socks)]
+    job = launch(tmp, "gil", dict.fromkeys(range(WORLD), shm), env, args)
     try:
         t = time.monotonic()
         job.results["dump"] = frtools("dump", "--dir", str(shm), "-o", str(tmp / "out"))
         job.results["dump_s"] = time.monotonic() - t
+        job.results["torch"] = frtools(
+            "dump",
+            "--torch-socket",
+            str(socks / "*.sock"),
+            "--timeout",
+            "2",
+            "-o",
+            str(tmp / "torch"),
+        )
     finally:
         finish(job)
     return job
@@ -266,6 +279,41 @@ def test_job_wide_dump_with_no_store_is_one_clear_error(tmp_path):
 
 
 # -- PyTorch's own Flight Recorder ------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_torch_fr_socket_of_a_gil_holder_gives_its_trace_but_says_stacks_are_missing(gil_job):
+    res = gil_job.results["torch"]
+    assert res.returncode == 0, res.stderr
+    out = gil_job.tmp / "torch"
+    assert (out / "rank_2.json").exists() and not (out / "rank_2.stacks").exists()
+    assert "rank 2: trace collected, but no stacks" in res.stdout
+    assert manifest(out)["ranks_answered"] == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(30)
+def test_nccl_debug_pipe_request_collects_the_dump_written_in_answer(tmp_path):
+    """Our side of the NCCL pipe protocol (a rank's FIFO reader stands in for
+    ProcessGroupNCCL's monitor thread, which Gloo and CPU builds do not have)."""
+    prefix, dump_prefix = str(tmp_path / "pipe_"), str(tmp_path / "nccl_trace_rank_")
+    for rank in (0, 1):
+        os.mkfifo(f"{prefix}{rank}.pipe")
+
+    def rank0_monitor() -> None:
+        fd = os.open(f"{prefix}0.pipe", os.O_RDONLY)  # blocks until frtools opens it
+        assert os.read(fd, 16)
+        os.close(fd)
+        Path(f"{dump_prefix}0").write_bytes(b"\x80\x04trace-bytes")
+
+    reader = threading.Thread(target=rank0_monitor, daemon=True)
+    reader.start()
+    time.sleep(0.2)
+    res = frtools("dump", "--torch-pipe", prefix, "--torch-dump-prefix", dump_prefix,
+                  "--timeout", "3", "-o", str(tmp_path / "out"))  # fmt: skip
+    reader.join(timeout=5)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "out" / "rank_0.pkl").read_bytes() == b"\x80\x04trace-bytes"
+    assert "rank 1: nobody reads the pipe" in res.stdout
 
 
 @pytest.mark.timeout(180)
