@@ -562,3 +562,28 @@ def test_analyzer_side_imports_without_torch(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=25)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
+
+
+@pytest.mark.timeout(60)
+def test_garbage_anywhere_in_a_dump_never_escapes_as_an_exception(tmp_path: Path) -> None:
+    import random
+
+    rnd = random.Random(0)
+    junk = [None, "x", -1, 2**70, 1.5, float("nan"), [], {}, [[1, "a"]], {"a": 1}, ("t",), True]
+    path = tmp_path / "rank_0.pkl"
+    statuses = set()
+    for _ in range(300):
+        dump = fr_dump(rnd.choice(VERSIONS), n=4)
+        for _ in range(rnd.randint(1, 4)):
+            if rnd.random() < 0.3:
+                dump[rnd.choice([*dump, "pg_status", "pg_config", "rank"])] = rnd.choice(junk)
+            elif isinstance(dump.get("entries"), list) and dump["entries"]:
+                e = rnd.choice(dump["entries"])
+                if isinstance(e, dict):
+                    e[rnd.choice([*e, "frames", "process_group"])] = rnd.choice(junk)
+        path.write_bytes(pickle.dumps(dump, protocol=2))
+        result = read_file(path)  # must not raise
+        statuses.add(result.input.status)
+        if result.input.status == "error":
+            assert "reader failed" not in result.input.reason, result.input.reason
+    assert statuses == {"ok", "error"}

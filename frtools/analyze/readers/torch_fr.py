@@ -31,9 +31,6 @@ from frtools.trace import (
 
 from .base import DumpError, RankDump, rank_from_filename
 
-# Buffer sizes PyTorch ships as defaults (TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_FR_BUFFER_SIZE).
-KNOWN_BUFFER_SIZES = (2000,)
-
 _P2P_OPS = {"send", "recv"}
 _SEND = re.compile(r"^\s*(-?\d+)\s*->\s*(-?\d+)\s*$")
 _RECV = re.compile(r"^\s*(-?\d+)\s*<-\s*(-?\d+)\s*$")
@@ -120,6 +117,8 @@ def _dtypes(v: Any) -> str:
         return ""
     if isinstance(v, str):
         return v
+    if not isinstance(v, (list, tuple)):
+        return ""
     return ",".join(str(d) for d in v)
 
 
@@ -217,6 +216,8 @@ def normalize(dump: Any, path: Path, fmt: str) -> RankDump:
             "cannot tell which rank this dump belongs to: the dump has no 'rank' and the file "
             "name carries none (expected e.g. rank_3.pkl)"
         )
+    if not 0 <= rank < 2**31:
+        raise DumpError(f"rank {rank} is out of range (0 … 2**31-1)")
     if isinstance(dump.get("host"), str) and dump["host"]:
         host = dump["host"]
 
@@ -410,10 +411,14 @@ def _columns(
     pg_id_to_name: dict[str, str] = {}
     for pg, pg_id in zip(col("process_group"), col("pg_id"), strict=True):
         key = (tuple(pg) if isinstance(pg, list) else pg, pg_id)
-        hit = pg_cache.get(key)
+        try:
+            hit = pg_cache.get(key)
+        except TypeError:  # an unhashable oddity in the file: read it, do not cache it
+            key, hit = None, None
         if hit is None:
             hit = _pg_of(pg, pg_id)
-            pg_cache[key] = hit
+            if key is not None:
+                pg_cache[key] = hit
             if pg_id is not None:
                 pg_id_to_name.setdefault(str(pg_id), hit[0])
         pg_names.append(hit[0])
@@ -447,7 +452,7 @@ def _columns(
     if not old_seq:
         coll_seq = [v or 0 for v in col("collective_seq_id")]
         p2p_seq = [v or 0 for v in col("p2p_seq_id")]
-    else:  # before 1.5 one counter ("seq_id") counted every op of the group
+    else:  # before 2.0 one counter ("seq_id") counted every op of the group
         seq = [v or 0 for v in col("seq_id")]
         coll_seq = [0 if p else s for s, p in zip(seq, is_p2p, strict=True)]
         p2p_seq = [s if p else 0 for s, p in zip(seq, is_p2p, strict=True)]
