@@ -141,6 +141,10 @@ def test_side_files_attach_stacks_and_apply_the_manifest(tmp_path):
     summary = stacks_summary(trace, [2])
     assert summary.guilty[0].user_frames[0].name == "compute_forever"
     assert [g.ranks for g in summary.groups] == [[0, 1, 3], [2]]
+    text = "\n".join(summary.lines())
+    assert "rank 2 main thread:\n  /job/train.py:46 in compute_forever" in text
+    assert "1 rank(s) 2            /job/train.py:46 in compute_forever  <- outlier" in text
+    assert "3 rank(s) 0-1,3" in text
     reasons = {i.path.rsplit("/", 1)[-1]: i.reason for i in trace.inputs}
     assert "process gone: ranks 3" in reasons["manifest.json"]
     assert reasons["rank_2.stacks"] == "Python stacks of rank 2"

@@ -262,12 +262,45 @@ class StacksSummary:
     groups: list[StackGroup]
     ranks_with_stacks: int
 
+    def lines(self, max_frames: int = 8) -> list[str]:
+        """Plain text for a report: each guilty rank's main-thread stack (the user's frames
+        first, then at most a few library frames), then one line per stack group."""
+        out: list[str] = []
+        for stack in self.guilty:
+            title = f"rank {stack.rank} main thread"
+            out.append(f"{title} ({stack.fatal}):" if stack.fatal else f"{title}:")
+            ordered = user_frames_first(stack.frames)
+            for frame in ordered[:max_frames]:
+                out.append(f"  {frame}" if frame.user else f"  ({frame})")
+            if len(ordered) > max_frames:
+                out.append(f"  ... {len(ordered) - max_frames} more frame(s)")
+        if len(self.groups) > 1 or (self.groups and self.guilty):
+            out.append(f"stacks of {self.ranks_with_stacks} rank(s), grouped:")
+            for g in self.groups:
+                mark = "  <- outlier" if g.outlier else ""
+                out.append(f"  {g.count:>4} rank(s) {_collapse(g.ranks):<12} {g.top}{mark}")
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "guilty": [s.to_dict() for s in self.guilty],
             "groups": [g.to_dict() for g in self.groups],
             "ranks_with_stacks": self.ranks_with_stacks,
         }
+
+
+def _collapse(ranks: Sequence[int]) -> str:
+    values = sorted(set(ranks))
+    parts: list[str] = []
+    start = prev = values[0] if values else 0
+    for r in values[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(parts) if values else "-"
 
 
 def stacks_summary(trace: Trace, guilty_ranks: Iterable[int] = ()) -> StacksSummary:
