@@ -587,3 +587,17 @@ def test_garbage_anywhere_in_a_dump_never_escapes_as_an_exception(tmp_path: Path
         if result.input.status == "error":
             assert "reader failed" not in result.input.reason, result.input.reason
     assert statuses == {"ok", "error"}
+
+
+@pytest.mark.timeout(30)
+def test_files_disagreeing_on_membership_are_noted(tmp_path: Path) -> None:
+    for r in range(3):
+        write_pickle(tmp_path / f"rank_{r}.pkl", fr_dump("2.10", world=3 if r != 2 else 4))
+    trace = load_trace(tmp_path)
+    assert trace.process_groups["0"].ranks == (0, 1, 2) and trace.world_size == 3
+    odd = next(i for i in trace.inputs if i.path.endswith("rank_2.pkl"))
+    assert odd.status == "ok"
+    assert (
+        odd.reason
+        == "lists process group 0 as [0, 1, 2, 3]; other files as [0, 1, 2], which is used"
+    )

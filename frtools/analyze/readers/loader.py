@@ -180,12 +180,9 @@ def _newest_first(results: Iterable[FileResult]) -> list[FileResult]:
     return sorted(results, key=key, reverse=True)
 
 
-def _merge_groups(
-    dumps: Sequence[RankDump], entries: pa.Table
-) -> tuple[dict[str, ProcessGroup], list[str]]:
-    """Membership from the files that list it; where none does, from which ranks recorded
-    ops on the group (``inferred``)."""
-    notes: list[str] = []
+def _merge_groups(dumps: Sequence[RankDump], entries: pa.Table) -> dict[str, ProcessGroup]:
+    """Membership from the files that list it (the most common list where they disagree);
+    where none does, from which ranks recorded ops on the group (``inferred``)."""
     descs: dict[str, Counter] = defaultdict(Counter)
     listed: dict[str, Counter] = defaultdict(Counter)
     for d in dumps:
@@ -217,15 +214,11 @@ def _merge_groups(
             desc = ranked[0][0]
         if listed[name]:
             ranks, _ = listed[name].most_common(1)[0]
-            if len(listed[name]) > 1:
-                notes.append(
-                    f"process group {name}: files disagree on its members; using {list(ranks)}"
-                )
             groups[name] = ProcessGroup(name, desc, tuple(ranks), inferred=False)
         else:
             members = tuple(sorted(set(recorded.get(name, ()))))
             groups[name] = ProcessGroup(name, desc, members, inferred=True)
-    return groups, notes
+    return groups
 
 
 def _pg_sort_key(name: str) -> tuple[int, int | str]:
@@ -283,11 +276,13 @@ def load_trace(
         )
 
     chosen: dict[int, RankDump] = {}
+    kept_inputs: dict[int, InputFile] = {}
     for rank, candidates in sorted(by_rank.items()):
         ordered = _newest_first(candidates)
         keep = ordered[0]
         assert keep.dump is not None
         chosen[rank] = keep.dump
+        kept_inputs[rank] = keep.input
         for older in ordered[1:]:
             older.input.status = "duplicate"
             older.input.reason = f"older dump of rank {rank}; using {keep.input.path}"
@@ -296,7 +291,16 @@ def load_trace(
 
     dumps = [chosen[r] for r in sorted(chosen)]
     entries = concat_entries([d.entries for d in dumps])
-    groups, notes = _merge_groups(dumps, entries)
+    groups = _merge_groups(dumps, entries)
+    for d in dumps:
+        for name, g in d.process_groups.items():
+            merged = groups.get(name)
+            if g.ranks and merged is not None and merged.ranks != g.ranks:
+                _add_reason(
+                    kept_inputs[d.rank_info.rank],
+                    f"lists process group {name} as {list(g.ranks)}; other files as "
+                    f"{list(merged.ranks)}, which is used",
+                )
 
     unusable = {i.rank for i in inputs if i.status == "error" and i.rank is not None}
     world_size = _world_size(dumps, groups, unusable)
@@ -321,8 +325,6 @@ def load_trace(
         if info.world_size is None:
             info.world_size = world_size
         ranks[info.rank] = info
-    for note in notes:
-        inputs.append(InputFile(str(root), "ok", note))
     return Trace(
         entries=entries,
         ranks=ranks,
@@ -330,6 +332,10 @@ def load_trace(
         inputs=inputs,
         world_size=world_size,
     )
+
+
+def _add_reason(info: InputFile, reason: str) -> None:
+    info.reason = f"{info.reason}; {reason}" if info.reason else reason
 
 
 def _default_group(groups: dict[str, ProcessGroup]) -> ProcessGroup | None:
