@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from frtools.trace import ProcessGroup, Trace
 
@@ -96,11 +98,25 @@ class Alignment:
         return GroupTimeline(pg, ops, status)
 
 
+_STRING_COLUMNS = ("pg_name", "pg_desc", "op", "state", "call_site") + SIGNATURE_COLUMNS[1:]
+
+
 def _entries_frame(trace: Trace) -> pd.DataFrame:
+    """The entries as pandas, strings as categoricals (groupbys on millions of rows)."""
     table = trace.entries.select(list(_LOAD_COLUMNS))
+    for name in _STRING_COLUMNS:
+        i = table.schema.get_field_index(name)
+        col = table.column(i)
+        if not pa.types.is_dictionary(col.type):
+            table = table.set_column(i, name, pc.dictionary_encode(col))
     df = table.to_pandas()
-    for col in ("pg_name", "pg_desc", "op", "state") + SIGNATURE_COLUMNS[1:]:
-        df[col] = df[col].fillna("").astype(str)
+    for col in _STRING_COLUMNS:
+        cat = df[col]
+        if not isinstance(cat.dtype, pd.CategoricalDtype):
+            cat = cat.astype("category")
+        if "" not in cat.cat.categories:
+            cat = cat.cat.add_categories([""])
+        df[col] = cat.fillna("") if col != "call_site" else cat
     df["collective_seq_id"] = df["collective_seq_id"].fillna(0).astype(np.int64)
     df["p2p_seq_id"] = df["p2p_seq_id"].fillna(0).astype(np.int64)
     df["record_id"] = df["record_id"].fillna(-1).astype(np.int64)
@@ -117,7 +133,9 @@ def group_members(trace: Trace, seen: pd.DataFrame | None = None) -> dict[str, t
     """Global member ranks of every group: the readers' membership, else who recorded on it."""
     members: dict[str, set[int]] = {}
     if seen is not None and len(seen):
-        for pg_name, ranks in seen.groupby("pg_name", sort=False)["rank"].unique().items():
+        for pg_name, ranks in (
+            seen.groupby("pg_name", sort=False, observed=True)["rank"].unique().items()
+        ):
             members[str(pg_name)] = set(int(r) for r in ranks)
     for info in trace.ranks.values():
         for pg_name in info.pg_status:
@@ -172,7 +190,7 @@ def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
     def _join(values: pd.Series) -> str:
         return ";".join(v for v in values if v)
 
-    agg = multi.groupby(keys, sort=False).agg(
+    agg = multi.groupby(keys, sort=False, observed=True).agg(
         record_id=("record_id", "min"),
         pg_desc=("pg_desc", "first"),
         p2p_seq_id=("p2p_seq_id", "first"),
@@ -199,9 +217,7 @@ def align(trace: Trace) -> Alignment:
     members = group_members(trace, df[["rank", "pg_name"]])
 
     # A rank whose states ever leave "scheduled" has informative states (NCCL, frtools).
-    informative = df.groupby("rank", sort=False)["state"].agg(
-        lambda s: bool(((s == "completed") | (s == "started")).any())
-    )
+    informative = df["state"].isin(("completed", "started")).groupby(df["rank"]).any()
     state_informative = {int(k): bool(v) for k, v in informative.items()}
 
     ps = _pg_status_frame(trace)
@@ -212,7 +228,11 @@ def align(trace: Trace) -> Alignment:
     coll["informative"] = coll["rank"].map(state_informative).fillna(False).astype(bool)
     coll["completed"] = _completion(coll, use_pg_status=True)
     if len(coll):
-        coll["sig"] = coll.groupby(list(SIGNATURE_COLUMNS), sort=False).ngroup().astype(np.int64)
+        coll["sig"] = (
+            coll.groupby(list(SIGNATURE_COLUMNS), sort=False, observed=True)
+            .ngroup()
+            .astype(np.int64)
+        )
     else:
         coll["sig"] = pd.Series(dtype=np.int64)
     coll = coll.drop(columns=["ps_enqueued", "ps_completed"])
@@ -256,11 +276,15 @@ def _completion(df: pd.DataFrame, use_pg_status: bool) -> pd.Series:
 
 def _status(coll: pd.DataFrame, ps: pd.DataFrame) -> pd.DataFrame:
     if len(coll):
-        per = coll.groupby(["rank", "pg_name"], sort=False).agg(
+        per = coll.groupby(["rank", "pg_name"], sort=False, observed=True).agg(
             first_seq=("seq", "min"), last_seq=("seq", "max")
         )
         done = coll[coll["completed"].fillna(False).astype(bool)]
-        last_done = done.groupby(["rank", "pg_name"], sort=False)["seq"].max().rename("done_seq")
+        last_done = (
+            done.groupby(["rank", "pg_name"], sort=False, observed=True)["seq"]
+            .max()
+            .rename("done_seq")
+        )
         per = per.join(last_done, how="left")
     else:
         per = pd.DataFrame(

@@ -135,7 +135,9 @@ class _Context:
         if not parts:
             return pd.DataFrame(columns=cols)
         ops = pd.concat(parts, ignore_index=True)
-        info = ops.groupby("rank")["completed"].apply(lambda s: bool(s.notna().any()))
+        info = ops.groupby("rank", observed=True)["completed"].apply(
+            lambda s: bool(s.notna().any())
+        )
         ops["rank_has_info"] = ops["rank"].map(info).astype(bool)
         with_info = ops[ops["rank_has_info"] & (ops["completed"] == False)]  # noqa: E712
         oldest = with_info.sort_values(["time_created_ns", "record_id"]).drop_duplicates("rank")
@@ -161,8 +163,10 @@ class _Context:
         if len(coll_blocked):
             keys = coll_blocked[["pg_name", "seq"]].drop_duplicates()
             rows = self.coll.merge(keys, on=["pg_name", "seq"], how="inner")
-            rows_by_point = dict(iter(rows.groupby(["pg_name", "seq"], sort=False)))
-            for (pg_name, seq), who in coll_blocked.groupby(["pg_name", "seq"], sort=False):
+            rows_by_point = dict(iter(rows.groupby(["pg_name", "seq"], sort=False, observed=True)))
+            for (pg_name, seq), who in coll_blocked.groupby(
+                ["pg_name", "seq"], sort=False, observed=True
+            ):
                 point = self._collective_point(
                     str(pg_name), int(seq), rows_by_point.get((pg_name, seq))
                 )
@@ -549,7 +553,9 @@ class _Context:
         rows = point.rows
         if rows is not None and len(rows):
             keyed = rows.assign(_done=rows["completed"].fillna(False).astype(bool))
-            for _, part in keyed.groupby(list(SIGNATURE_COLUMNS), sort=False, dropna=False):
+            for _, part in keyed.groupby(
+                list(SIGNATURE_COLUMNS), sort=False, dropna=False, observed=True
+            ):
                 first = part.iloc[0]
                 done = bool(part["_done"].all())
                 states = part["state"].value_counts()
@@ -652,7 +658,7 @@ class _Context:
             return {}
         kinds = {g: self._group_kind(g) for g in self.al.members}
         c = self.coll.sort_values(["rank", "time_created_ns", "record_id"])
-        c = c.groupby("rank", sort=False).tail(_HISTORY)
+        c = c.groupby("rank", sort=False, observed=True).tail(_HISTORY)
         token = (c["pg_name"].map(kinds).astype(str) + "|" + c["op"].astype(str)).to_numpy()
         ranks = c["rank"].to_numpy()
         pgs = c["pg_name"].to_numpy()
@@ -772,12 +778,12 @@ class _Context:
         c = self.coll
         if not len(c):
             return None
-        n = c.groupby(["pg_name", "seq"], sort=False)["sig"].nunique()
+        n = c.groupby(["pg_name", "seq"], sort=False, observed=True)["sig"].nunique()
         bad = n[n > 1]
         if not len(bad):
             return None
         first = c.set_index(["pg_name", "seq"]).loc[bad.index]
-        t = first.groupby(level=[0, 1])["time_created_ns"].min().sort_values()
+        t = first.groupby(level=[0, 1], observed=True)["time_created_ns"].min().sort_values()
         pg_name, seq = t.index[0]
         rows = c[(c["pg_name"] == pg_name) & (c["seq"] == seq)]
         point = self._collective_point(str(pg_name), int(seq), rows)
@@ -806,13 +812,13 @@ class _Context:
         c = c[c["pg_name"].map(sizes).fillna(0) >= 2]
         if not len(c):
             return None
-        grp = c.groupby(["pg_name", "seq"], sort=False)
+        grp = c.groupby(["pg_name", "seq"], sort=False, observed=True)
         counts = grp["rank"].transform("size")
         full = counts == c["pg_name"].map(sizes)
         c = c[full]
         if not len(c):
             return None
-        grp = c.groupby(["pg_name", "seq"], sort=False)["time_created_ns"]
+        grp = c.groupby(["pg_name", "seq"], sort=False, observed=True)["time_created_ns"]
         tmax = grp.transform("max")
         tmin = grp.transform("min")
         tsum = grp.transform("sum").astype(np.float64)
@@ -824,7 +830,7 @@ class _Context:
         spread = (tmax - tmin).astype(np.float64)
         per = pd.DataFrame(
             {"rank": c["rank"], "last": is_last, "late": late, "spread": spread}
-        ).groupby("rank")
+        ).groupby("rank", observed=True)
         share = per["last"].mean()
         n = per["last"].size()
         median_late = per["late"].median()
@@ -834,7 +840,7 @@ class _Context:
             others = c[c["rank"] != r]
             keys = c.loc[c["rank"] == r, ["pg_name", "seq"]]
             o = others.merge(keys, on=["pg_name", "seq"])
-            spread_others = o.groupby(["pg_name", "seq"])["time_created_ns"].agg(
+            spread_others = o.groupby(["pg_name", "seq"], observed=True)["time_created_ns"].agg(
                 lambda s: s.max() - s.min()
             )
             base = float(spread_others.median()) if len(spread_others) else 0.0
