@@ -118,7 +118,7 @@ def draw_case(index: int, seed: int) -> Case:
         fault=fault,
         faulty=faulty,
         seed=int(rng.integers(0, 1_000_000)),
-        buffer_size=int(rng.choice((150, 400, 1000))),
+        buffer_size=int(rng.choice((100, 250, 600))),
         layers=int(rng.integers(1, 3)),
         microbatches=int(rng.integers(1, 5)),
         dp_coalesced=bool(rng.random() < 0.3),
@@ -161,7 +161,7 @@ def run_case(case: Case, tmp_root: str | None = None) -> Outcome:
         outcome = Outcome(case, truth["kind"], truth["guilty"], pg["name"] if pg else None)
         t0 = time.perf_counter()
         try:
-            verdict = diagnose(load_trace(out))
+            verdict = diagnose(load_trace(out, workers=1))
             outcome.found_kind = verdict.kind
             outcome.found_guilty = sorted(g.rank for g in verdict.guilty)
             outcome.found_pg = verdict.process_group.name if verdict.process_group else None
