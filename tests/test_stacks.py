@@ -14,6 +14,7 @@ from frtools.analyze.readers.side_files import apply_manifest, attach_stacks
 from frtools.analyze.stacks import (
     group_stacks,
     last_dump,
+    main_thread_call_site,
     parse_dumps,
     stacks_summary,
     user_frames_first,
@@ -99,6 +100,13 @@ def test_outlier_rank_stands_alone_in_the_stack_groups():
 def test_even_split_marks_no_outlier():
     stacks = {0: _dump(WAITING), 1: _dump(WAITING), 2: _dump(STUCK), 3: _dump(STUCK)}
     assert not any(g.outlier for g in group_stacks(stacks))
+
+
+@pytest.mark.timeout(10)
+def test_call_site_comes_from_the_main_thread_not_a_helper_thread():
+    assert main_thread_call_site(_dump(STUCK)) == "/job/train.py:46 in compute_forever"
+    assert main_thread_call_site(_dump(WAITING)) == "/job/train.py:72 in train"
+    assert main_thread_call_site("garbage") is None
 
 
 @pytest.mark.timeout(10)

@@ -153,6 +153,16 @@ def main_thread_stack(text: str | None) -> ThreadStack | None:
     return dump.main_thread if dump else None
 
 
+def main_thread_call_site(text: str | None) -> str | None:
+    """Where the main thread stands in the user's code (``file:line in func``), from the
+    newest dump in a stacks file; None without a parsable main thread. Skips the watcher
+    and other ``threading`` threads and stdlib / torch frames."""
+    stack = main_thread_stack(text)
+    if stack is None or not stack.frames:
+        return None
+    return str(_innermost_user(stack.frames) or stack.frames[0])
+
+
 @dataclass
 class StackGroup:
     """Ranks whose main threads stand in the same place (same frames, same lines)."""

@@ -204,7 +204,33 @@ def _demo(
     print_summary(console, manifest, out)
 
     console.print(f"[bold]4.[/bold] frtools analyze {out}")
-    console.file.flush()
-    result = subprocess.run([sys.executable, "-m", "frtools", "analyze", str(out)], check=False)
+    code = _analyze(console, out)
     console.print(f"demo finished in {time.monotonic() - t0:.1f} s; job stopped")
-    return result.returncode
+    return code
+
+
+def _analyze(console: Console, out: Path) -> int:
+    """What ``frtools analyze`` prints, plus where the guilty rank's main thread stands when
+    the report does not already show it."""
+    from frtools.analyze.diagnose import diagnose
+    from frtools.analyze.readers import UnusableInput, load_trace
+    from frtools.analyze.readers.side_files import apply_side_files
+    from frtools.analyze.reporters import terminal
+    from frtools.analyze.stacks import stacks_summary
+
+    try:
+        trace = load_trace(out)
+    except UnusableInput as exc:
+        console.print(f"[red]frtools demo: {exc}[/red]")
+        return 2
+    apply_side_files(trace, out)
+    verdict = diagnose(trace)
+    text = terminal.render(verdict, width=100, color=False)
+    console.print(terminal.renderable(verdict))
+    summary = stacks_summary(trace, verdict.guilty_ranks)
+    shown = summary.guilty and str(summary.guilty[0].frames[0]) in text
+    if summary.guilty and not shown:
+        console.print("[bold]Python stacks[/bold] (from rank_<R>.stacks)")
+        for line in summary.lines():
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return verdict.exit_code
