@@ -308,3 +308,22 @@ def test_victims_of_a_hang_in_dp_are_not_blamed_for_missing_world_op():
 
 def test_program_helper_is_one_step():
     assert len(step_program(0)) == 4
+
+
+STACKS = """Current thread 0x00007fb3d17fa6c0 (most recent call first):
+  File "/job/train.py", line 102 in write_dump
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Thread 0x00007fb3f9ff2b80 (most recent call first):
+  File "/job/model.py", line 212 in slow_loss
+  File "/job/train.py", line 250 in main
+  File "/job/train.py", line 283 in <module>
+"""
+
+
+def test_stuck_rank_call_site_comes_from_its_main_thread_stack():
+    trace = simulate(JOB, training(JOB, 3, stop_at(5, 1)))
+    trace.ranks[5].stacks = STACKS
+    v = diagnose(trace)
+    assert v.guilty_ranks == [5]
+    assert v.guilty[0].call_site == "/job/model.py:212 in slow_loss"

@@ -1012,9 +1012,29 @@ _STACK_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
 
 def stack_call_site(stacks: str) -> str | None:
-    """Top user frame of the first thread in a faulthandler dump (innermost first)."""
+    """Top user frame of the main thread in a faulthandler dump (innermost first).
+
+    faulthandler lists the dumping thread first ("Current thread"); the main thread is the
+    one whose outermost frame is ``<module>``, else the first thread that is not current.
+    """
+    threads: list[tuple[bool, list[tuple[str, str, str]]]] = []
     for line in stacks.splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            threads.append((line.startswith("Current"), []))
+            continue
         m = _STACK_FRAME.search(line)
-        if m and is_user_frame(m.group(1)):
-            return f"{m.group(1)}:{m.group(2)} in {m.group(3)}"
-    return None
+        if m:
+            if not threads:
+                threads.append((False, []))
+            threads[-1][1].append((m.group(1), m.group(2), m.group(3)))
+    threads = [t for t in threads if t[1]]
+    if not threads:
+        return None
+    main = [t for t in threads if t[1][-1][2] == "<module>"]
+    other = [t for t in threads if not t[0]]
+    frames = (main or other or threads)[0][1]
+    for filename, line, func in frames:
+        if is_user_frame(filename):
+            return f"{filename}:{line} in {func}"
+    filename, line, func = frames[0]
+    return f"{filename}:{line} in {func}"
