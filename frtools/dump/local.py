@@ -146,6 +146,13 @@ def collect_job(
         time.sleep(0.02)
     for rf in pending.values():
         assert rf.entry is not None
+        if not pid_alive(rf.entry.pid):
+            rf.entry.alive = False
+            rf.entry.note = (
+                f"process {rf.entry.pid} died while asked for its stacks (a stack signal "
+                "without a handler terminates the process); black box collected as left"
+            )
+            continue
         rf.entry.note = (
             f"alive but did not acknowledge within {timeout:g} s (its native watchdog is not "
             "running?); black box copied as is, stacks may be old"
