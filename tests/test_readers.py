@@ -476,7 +476,7 @@ def test_bad_files_each_get_a_reason_and_the_rest_loads(tmp_path: Path) -> None:
     (tmp_path / "rank_5.json").write_text(json.dumps(fr_dump("2.10"))[:300])
     (tmp_path / "rank_6.pkl.gz").write_bytes(gzip.compress(good)[:200])
     (tmp_path / "README.txt").write_text("dumps of the job\n")
-    (tmp_path / "manifest.json").write_text('{"job": "x", "ranks": 8}')
+    (tmp_path / "manifest.json").write_text('{"job": "x", "ranks": 8}')  # not frtools'.
     (tmp_path / "rank_0.stacks").write_text("Thread 0x1 (most recent call first):\n")
     (tmp_path / "noise.bin").write_bytes(bytes(range(256)))
     trace = load_trace(tmp_path)
@@ -493,8 +493,11 @@ def test_bad_files_each_get_a_reason_and_the_rest_loads(tmp_path: Path) -> None:
     assert got["rank_4.pkl"][0] == "error" and "no 'entries' key" in got["rank_4.pkl"][1]
     assert got["rank_5.json"][0] == "error" and got["rank_5.json"][1].startswith("truncated JSON")
     assert got["rank_6.pkl.gz"][0] == "error" and "gzip" in got["rank_6.pkl.gz"][1]
-    for side in ("README.txt", "manifest.json", "rank_0.stacks", "noise.bin"):
+    for side in ("README.txt", "manifest.json", "noise.bin"):
         assert got[side][0] == "skipped", (side, got[side])
+    # side files of `frtools dump` are applied by the loader: rank 0's stacks are attached
+    assert got["rank_0.stacks"] == ("ok", "Python stacks of rank 0")
+    assert trace.ranks[0].stacks.startswith("Thread 0x1")
     assert list(trace.ranks) == [0]
 
 
@@ -601,3 +604,21 @@ def test_files_disagreeing_on_membership_are_noted(tmp_path: Path) -> None:
         odd.reason
         == "lists process group 0 as [0, 1, 2, 3]; other files as [0, 1, 2], which is used"
     )
+
+
+@pytest.mark.timeout(120)
+def test_manifest_world_size_reveals_a_missing_last_gloo_rank(
+    gloo_dumps: Path, tmp_path: Path
+) -> None:
+    # Gloo dumps do not say how many ranks the job had: without rank 3's file the loader
+    # could only guess 3; the manifest of `frtools dump` knows 4
+    for r in (0, 1, 2):
+        (tmp_path / f"rank_{r}.pkl").write_bytes(
+            (gloo_dumps / "pkl" / f"rank_{r}.pkl").read_bytes()
+        )
+    assert load_trace(tmp_path).world_size == 3
+    manifest = {"kind": "frtools-dump-manifest", "world_size": 4, "ranks": {}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    trace = load_trace(tmp_path)
+    assert trace.world_size == 4 and trace.missing_ranks == [3]
+    assert trace.process_groups["0"].ranks == (0, 1, 2, 3)

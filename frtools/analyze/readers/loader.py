@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from frtools.trace import InputFile, ProcessGroup, RankInfo, Trace, concat_entries
+from frtools.trace import InputFile, ProcessGroup, Trace, concat_entries
 
 from .base import DumpError, RankDump, rank_from_filename, read_head
 from .registry import UNAVAILABLE, reader_for
+from .side_files import apply_side_files
 
 # below this many files, reading in-process beats paying for worker start-up
 PARALLEL_MIN_FILES = 64
@@ -303,35 +304,38 @@ def load_trace(
                 )
 
     unusable = {i.rank for i in inputs if i.status == "error" and i.rank is not None}
-    world_size = _world_size(dumps, groups, unusable)
+    world_size, certain = _world_size(dumps, groups, unusable)
+    trace = Trace(
+        entries=entries,
+        ranks={d.rank_info.rank: d.rank_info for d in dumps},
+        process_groups=groups,
+        inputs=inputs,
+        world_size=world_size if certain else None,
+    )
+    # manifest.json (job's world size, which processes were gone, hosts) and rank_<R>.stacks
+    apply_side_files(trace, root)
+    if trace.world_size is None:
+        trace.world_size = world_size
+    world_size = trace.world_size
+
     default = _default_group(groups)
     if default is not None and (default.inferred or not default.ranks) and world_size:
         groups[default.name] = ProcessGroup(
             default.name, default.desc, tuple(range(world_size)), inferred=default.inferred
         )
-
     if any(d.unmapped_peer_groups for d in dumps):
-        tables = [
-            _map_peers(d.entries, groups, d.unmapped_peer_groups)
-            if d.unmapped_peer_groups
-            else d.entries
-            for d in dumps
-        ]
-        entries = concat_entries(tables)
-
-    ranks: dict[int, RankInfo] = {}
-    for d in dumps:
-        info = d.rank_info
+        trace.entries = concat_entries(
+            [
+                _map_peers(d.entries, groups, d.unmapped_peer_groups)
+                if d.unmapped_peer_groups
+                else d.entries
+                for d in dumps
+            ]
+        )
+    for info in trace.ranks.values():
         if info.world_size is None:
             info.world_size = world_size
-        ranks[info.rank] = info
-    return Trace(
-        entries=entries,
-        ranks=ranks,
-        process_groups=groups,
-        inputs=inputs,
-        world_size=world_size,
-    )
+    return trace
 
 
 def _add_reason(info: InputFile, reason: str) -> None:
@@ -347,17 +351,19 @@ def _default_group(groups: dict[str, ProcessGroup]) -> ProcessGroup | None:
 
 def _world_size(
     dumps: Sequence[RankDump], groups: dict[str, ProcessGroup], unusable: set[int]
-) -> int | None:
+) -> tuple[int | None, bool]:
+    """The job's world size and whether a file states it (``False``: only the highest
+    rank seen + 1, which a manifest may still correct)."""
     default = _default_group(groups)
     if default is not None and default.ranks and not default.inferred:
-        return max(default.ranks) + 1
+        return max(default.ranks) + 1, True
     stated = [d.rank_info.world_size for d in dumps if d.rank_info.world_size]
     if stated:
-        return max(stated)
+        return max(stated), True
     known = {d.rank_info.rank for d in dumps} | unusable
     for g in groups.values():
         known.update(g.ranks)
-    return max(known) + 1 if known else None
+    return (max(known) + 1 if known else None), False
 
 
 __all__ = ["FileResult", "UnusableInput", "load_trace", "read_file"]
