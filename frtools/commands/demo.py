@@ -135,6 +135,11 @@ def demo(ranks: int, fault: str, fault_rank: int, stall_seconds: float, keep: st
         work = Path(tmp.name)
     procs: list[subprocess.Popen] = []
     code = 2
+
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         code = _demo(console, work, ranks, fault, fault_rank, stall_seconds, procs)
     except KeyboardInterrupt:
@@ -142,6 +147,7 @@ def demo(ranks: int, fault: str, fault_rank: int, stall_seconds: float, keep: st
         code = 130
     finally:
         _stop(procs)
+        signal.signal(signal.SIGTERM, previous)
         if tmp is not None:
             tmp.cleanup()
     raise SystemExit(code)
