@@ -216,11 +216,10 @@ def _demo(
 
 
 def _analyze(console: Console, out: Path) -> int:
-    """What ``frtools analyze`` prints, plus where the guilty rank's main thread stands when
-    the report does not already show it."""
+    """What ``frtools analyze`` prints (the loader applies the dump's manifest and stacks),
+    plus where the guilty rank's main thread stands when the report does not show it."""
     from frtools.analyze.diagnose import diagnose
     from frtools.analyze.readers import UnusableInput, load_trace
-    from frtools.analyze.readers.side_files import apply_side_files
     from frtools.analyze.reporters import terminal
     from frtools.analyze.stacks import stacks_summary
 
@@ -229,7 +228,6 @@ def _analyze(console: Console, out: Path) -> int:
     except UnusableInput as exc:
         console.print(f"[red]frtools demo: {exc}[/red]")
         return 2
-    apply_side_files(trace, out)
     verdict = diagnose(trace)
     text = terminal.render(verdict, width=100, color=False)
     console.print(terminal.renderable(verdict))
