@@ -622,3 +622,36 @@ def test_manifest_world_size_reveals_a_missing_last_gloo_rank(
     trace = load_trace(tmp_path)
     assert trace.world_size == 4 and trace.missing_ranks == [3]
     assert trace.process_groups["0"].ranks == (0, 1, 2, 3)
+
+
+@pytest.mark.timeout(30)
+def test_pg_status_keyed_by_uid_is_named_even_after_the_buffer_dropped_the_group(
+    tmp_path: Path,
+) -> None:
+    # Gloo numbering: uid 1 is this rank's second group, named "4"; the buffer kept only
+    # ops of group "4", so uid 0 (always the default group "0") and uid 2 have no entry
+    dump = fr_dump("2.10", n=0)
+    dump["entries"] = [fr_entry("2.10", 7, pg_id=1, process_group=("4", "dp"))]
+    dump["pg_status"] = {
+        "0": {
+            "last_enqueued_collective": 2,
+            "last_started_collective": -1,
+            "last_completed_collective": 2,
+        },
+        "1": {
+            "last_enqueued_collective": 8,
+            "last_started_collective": -1,
+            "last_completed_collective": 8,
+        },
+        "2": {
+            "last_enqueued_collective": 5,
+            "last_started_collective": -1,
+            "last_completed_collective": 5,
+        },
+    }
+    trace = load_trace(write_pickle(tmp_path / "rank_1.pkl", dump))
+    assert trace.ranks[1].pg_status == {
+        "0": {"last_enqueued_collective": 2, "last_completed_collective": 2},
+        "4": {"last_enqueued_collective": 8, "last_completed_collective": 8},
+        "pg_id:2": {"last_enqueued_collective": 5, "last_completed_collective": 5},
+    }

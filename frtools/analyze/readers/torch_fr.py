@@ -129,10 +129,15 @@ def _pg_status(raw: Any, pg_id_to_name: Mapping[str, str]) -> tuple[dict[str, di
     note = ""
     if not isinstance(raw, Mapping):
         return out, ("pg_status not a mapping; ignored" if raw is not None else "")
+    named = set(pg_id_to_name.values())
     for key, status in raw.items():
-        # a uid with no entry left in the buffer cannot be named: never guess (uids and
-        # names are both small integers, so str(uid) would silently hit another group)
-        name = pg_id_to_name.get(str(key), f"pg_id:{key}")
+        # A uid with no entry left in the buffer cannot be named in general (uids and names
+        # are both small integers, so str(uid) would silently hit another group). Except
+        # uid 0: the default group is every process's first group, uid 0 and name "0"
+        # (NCCL and Gloo alike) — and its status is what tells where a rank stopped.
+        name = pg_id_to_name.get(str(key))
+        if name is None:
+            name = "0" if str(key) == "0" and "0" not in named else f"pg_id:{key}"
         counters: dict[str, int] = {}
         if isinstance(status, Mapping):
             for k in _STATUS_KEYS:
