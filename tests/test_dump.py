@@ -231,6 +231,23 @@ def test_dump_without_recorder_files_is_one_clear_error(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.timeout(10)
+def test_dump_names_an_unreadable_rank_file_and_collects_the_rest(tmp_path, gil_job):
+    bad = tmp_path / "shm" / JOB_ID
+    bad.mkdir(parents=True)
+    (bad / "rank_0.frt").write_bytes(b"garbage")
+    (bad / "rank_1.frt").write_bytes((gil_job.tmp / "out" / "rank_1.frt").read_bytes())
+    res = frtools("dump", "--dir", str(tmp_path / "shm"), "-o", str(tmp_path / "out"))
+    assert res.returncode == 0
+    assert (
+        res.stderr.strip()
+        == f"frtools dump: {bad / 'rank_0.frt'}: not an frtools snapshot (bad magic)"
+    )
+    m = manifest(tmp_path / "out")
+    assert m["ranks_unreadable"] == [0] and m["ranks_found"] == [0, 1]
+    assert m["ranks_gone"] == [1]  # its process ended with the job
+
+
 # -- job-wide and the stall hand-off ----------------------------------------------------------
 
 

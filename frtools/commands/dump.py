@@ -35,7 +35,9 @@ def print_summary(console: Console, manifest: Manifest, out: Path) -> None:
         table.add_column(col)
     for rank in sorted(manifest.ranks):
         e = manifest.ranks[rank]
-        if e.answered:
+        if e.error:
+            status = "[red]unreadable[/red]"
+        elif e.answered:
             status = "[green]answered[/green]"
         elif e.alive is False:
             status = "[red]process gone[/red]"
@@ -54,6 +56,12 @@ def print_summary(console: Console, manifest: Manifest, out: Path) -> None:
         note = manifest.ranks[rank].note
         if note and (not manifest.ranks[rank].answered or "no stacks" in note):
             console.print(f"  rank {rank}: {note}", soft_wrap=True)
+    for rank in sorted(manifest.ranks):
+        if manifest.ranks[rank].error:
+            _err.print(
+                f"[red]frtools dump: {manifest.ranks[rank].error}[/red]",
+                soft_wrap=True,
+            )
     for note in manifest.notes:
         console.print(f"note: {note}", soft_wrap=True)
     console.print(f"next: [bold]frtools analyze {out}[/bold]")

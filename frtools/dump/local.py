@@ -68,7 +68,6 @@ class _RankFile:
     entry: RankEntry | None = None
     seq: int | None = None
     stacks_offset: int = 0
-    error: str = ""
 
 
 def _stacks_path(path: Path) -> Path:
@@ -107,8 +106,7 @@ def collect_job(
         try:
             rf.header = read_header(rf.path)
         except (OSError, SnapshotError) as exc:
-            rf.error = f"{rf.path}: {exc}"
-            entry.note = str(exc)
+            entry.error = f"{rf.path}: {exc}"
             continue
         ident = rf.header.get("identity") or {}
         entry.host = ident.get("host")
@@ -174,7 +172,8 @@ def collect_job(
                 entry.files.append(dst.name)
             except OSError:
                 pass
-            entry.note = _join(entry.note, f"not copied consistently: {exc}")
+            if not entry.error:
+                entry.error = f"{rf.path}: not copied consistently: {exc}"
         stacks = _stacks_path(rf.path)
         if stacks.exists():
             text = _read_from(stacks, rf.stacks_offset if entry.answered else 0)

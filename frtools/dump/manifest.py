@@ -33,10 +33,12 @@ class RankEntry:
     answered: bool = False  # wrote a fresh snapshot / stacks on request
     files: list[str] = field(default_factory=list)  # names relative to the manifest's dir
     note: str = ""
+    error: str = ""  # the file is not a usable black box (the reason)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
+            "error": self.error,
             "host": self.host,
             "pid": self.pid,
             "alive": self.alive,
@@ -71,7 +73,15 @@ class Manifest:
 
     @property
     def ranks_no_answer(self) -> list[int]:
-        return sorted(r for r, e in self.ranks.items() if not e.answered and e.alive is not False)
+        return sorted(
+            r
+            for r, e in self.ranks.items()
+            if not e.answered and e.alive is not False and not e.error
+        )
+
+    @property
+    def ranks_unreadable(self) -> list[int]:
+        return sorted(r for r, e in self.ranks.items() if e.error)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +99,7 @@ class Manifest:
             "ranks_answered": self.ranks_answered,
             "ranks_gone": self.ranks_gone,
             "ranks_no_answer": self.ranks_no_answer,
+            "ranks_unreadable": self.ranks_unreadable,
             "ranks": {str(r): self.ranks[r].to_dict() for r in sorted(self.ranks)},
             "notes": self.notes,
         }
