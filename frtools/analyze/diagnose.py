@@ -114,6 +114,11 @@ class _Context:
         self.notes: list[str] = []
         self.blocked_known: set[int] = set()
         self._info_cache: dict[int, bool] = {}
+        times = [self.coll[["rank", "time_created_ns"]]]
+        if len(al.p2p):
+            times.append(al.p2p[["rank", "time_created_ns"]])
+        oldest = pd.concat(times).groupby("rank")["time_created_ns"].min()
+        self.oldest_ns = {int(r): int(t) for r, t in oldest.items()}
         self.points: dict[tuple, Point] = {}
         self.blocked_at: dict[int, tuple] = {}
         self.has_completion_info = bool(
@@ -148,13 +153,20 @@ class _Context:
         self.blocked_known = set(int(r) for r in oldest["rank"])
         return pd.concat([oldest, latest], ignore_index=True)
 
-    def _member_state(self, m: int, pg_name: str, seq: int) -> str:
+    def _member_state(self, m: int, pg_name: str, seq: int, time_ns: int | None = None) -> str:
         if m in self.absent:
             return "absent"
         st = self.status.get((m, pg_name))
         last = None if st is None else st[1]
         if last is None or pd.isna(last):
-            return "unknown" if m in self.wrapped else "missing"
+            if m not in self.wrapped:
+                return "missing"
+            # A wrapped record without this group: it still covers the op's time if its
+            # oldest entry is older, and then the op is simply not in it.
+            oldest = self.oldest_ns.get(m)
+            if time_ns is not None and oldest is not None and oldest < time_ns:
+                return "missing"
+            return "unknown"
         return "issued" if int(last) >= seq else "missing"
 
     def build_graph(self) -> None:
@@ -181,18 +193,24 @@ class _Context:
             self.blocked_at[int(row.rank)] = point.key
         # Members that issued the op but are blocked in an older op of their own (ops run in
         # order: NCCL streams, a CPU that ran ahead) cannot join it yet: they are waited for.
+        # So are members whose record does not reach back to the op (wrapped) but who are
+        # known to be blocked in another op now.
         for point in self.points.values():
-            if point.key[0] != "coll" or point.rows is None or not point.blockers:
+            if not point.blockers:
                 continue
-            rows = point.rows
-            pending = rows.loc[rows["completed"] == False, "rank"]  # noqa: E712
-            point.busy = sorted(
-                int(m)
+            pending: list[int] = list(point.unknown)
+            if point.key[0] == "coll" and point.rows is not None:
+                rows = point.rows
+                pending += [int(m) for m in rows.loc[rows["completed"] == False, "rank"]]  # noqa: E712
+            busy = {
+                m
                 for m in pending
-                if int(m) in self.blocked_known
-                and self.blocked_at.get(int(m), point.key) != point.key
-                and int(m) not in point.minority
-            )
+                if m in self.blocked_known
+                and self.blocked_at.get(m, point.key) != point.key
+                and m not in point.minority
+            }
+            point.busy = sorted(busy)
+            point.unknown = sorted(set(point.unknown) - busy)
 
     def _collective_point(self, pg_name: str, seq: int, rows: pd.DataFrame | None) -> Point:
         key = ("coll", pg_name, seq)
@@ -201,10 +219,11 @@ class _Context:
         if rows is not None:
             members |= set(int(r) for r in rows["rank"])
         recorded = set() if rows is None else set(int(r) for r in rows["rank"])
+        time_ns = int(rows["time_created_ns"].min()) if rows is not None and len(rows) else None
         for m in sorted(members):
             if m in recorded:
                 continue
-            state = self._member_state(m, pg_name, seq)
+            state = self._member_state(m, pg_name, seq, time_ns)
             if state == "issued":
                 point.issued.append(m)
             else:
@@ -528,7 +547,7 @@ class _Context:
         if point.key[0] == "coll":
             return f"{point.op or 'collective'} #{point.seq} on {label}"
         _, _, sender, receiver, k = point.key
-        return f"{point.op} {sender}->{receiver} (#{k + 1} of the pair) on {label}"
+        return f"send/recv {sender}->{receiver} (#{k + 1} of the pair) on {label}"
 
     def _pg(self, pg_name: str) -> ProcessGroup:
         pg = self.al.process_groups.get(pg_name)
@@ -736,40 +755,57 @@ class _Context:
         return self._stuck_verdict(stuck_points, set())
 
     def _stuck_verdict(self, stuck_points: list[Point], waiting: set[int]) -> Verdict:
+        """Blame, per stuck op, the members that never started it while others did (a wedged
+        GPU); with no such rank anywhere, every member of the earliest stuck op."""
+        blamed_at: dict[int, Point] = {}
+        for p in sorted(stuck_points, key=lambda p: p.time_ns):
+            rows = p.rows
+            assert rows is not None
+            started = set(int(r) for r in rows.loc[rows["state"] == "started", "rank"])
+            members = set(p.issued)
+            laggards = members - started if started else set()
+            if laggards and laggards != members:
+                for r in laggards:
+                    blamed_at.setdefault(r, p)
         point = min(stuck_points, key=lambda p: p.time_ns)
-        rows = point.rows
-        assert rows is not None
-        started = set(int(r) for r in rows.loc[rows["state"] == "started", "rank"])
+        if blamed_at:
+            point = min(blamed_at.values(), key=lambda p: p.time_ns)
         members = sorted(set(point.issued))
-        laggards = [r for r in members if r not in started] if started else []
-        blamed = laggards if laggards and len(laggards) < len(members) else members
+        never_started = bool(blamed_at)
+        if not blamed_at:
+            blamed_at = {r: point for r in members}
         guilty = []
-        for r in blamed:
-            g = self._guilty(r, "missing", point)
+        for r in sorted(blamed_at):
+            p = blamed_at[r]
+            g = self._guilty(r, "missing", p)
             g.reason = (
-                f"issued {self._point_name(point)} but never started it while its peers did"
-                if laggards and len(blamed) < len(members)
-                else f"issued {self._point_name(point)}; it never completed on any member"
+                f"issued {self._point_name(p)} but never started it while its peers did"
+                if never_started
+                else f"issued {self._point_name(p)}; it never completed on any member"
             )
-            g.call_site = self._call_site(r, point)
+            g.call_site = self._call_site(r, p)
             guilty.append(g)
+        blamed = sorted(blamed_at)
+        involved = set(members)
+        for p in stuck_points:
+            involved |= set(p.issued)
         verdict = Verdict(
             kind="stuck",
             headline="",
-            confidence=0.7 if len(blamed) < len(members) else 0.6,
+            confidence=0.7 if never_started else 0.6,
             guilty=guilty,
-            waiting=sorted((set(members) | waiting) - set(blamed)),
+            waiting=sorted((involved | waiting) - set(blamed)),
         )
-        if not rows["informative"].all():
+        if point.rows is not None and not point.rows["informative"].all():
             verdict.confidence = 0.5
         self._fill_point(verdict, point)
         verdict.headline = (
             f"Stuck: every member issued {self._point_name(point)}, none completed it"
-            + (f"; rank(s) {collapse_ranks(blamed)} never started it" if started else "")
+            + (f"; rank(s) {collapse_ranks(blamed)} never started it" if never_started else "")
         )
         verdict.evidence.append(
-            f"All {len(members)} members issued it with the same op/sizes/dtypes; "
-            "no member completed it."
+            f"{len(stuck_points)} op(s) issued by every member with one signature and "
+            "completed by none."
         )
         return verdict
 
