@@ -655,3 +655,22 @@ def test_pg_status_keyed_by_uid_is_named_even_after_the_buffer_dropped_the_group
         "4": {"last_enqueued_collective": 8, "last_completed_collective": 8},
         "pg_id:2": {"last_enqueued_collective": 5, "last_completed_collective": 5},
     }
+
+
+@pytest.mark.timeout(60)
+def test_cli_says_in_one_line_why_a_directory_is_unusable(tmp_path: Path) -> None:
+    import subprocess
+
+    (tmp_path / "rank_0.pkl").write_bytes(b"")
+    out = subprocess.run(
+        [sys.executable, "-m", "frtools", "analyze", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"frtools: error: {tmp_path}: no usable Flight Recorder dump among 1 file; "
+        f"e.g. {tmp_path / 'rank_0.pkl'}: empty file (0 bytes)"
+    ]
