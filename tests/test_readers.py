@@ -674,3 +674,15 @@ def test_cli_says_in_one_line_why_a_directory_is_unusable(tmp_path: Path) -> Non
         f"frtools: error: {tmp_path}: no usable Flight Recorder dump among 1 file; "
         f"e.g. {tmp_path / 'rank_0.pkl'}: empty file (0 bytes)"
     ]
+
+
+@pytest.mark.timeout(30)
+def test_default_group_written_as_all_ranks_is_known_not_inferred(tmp_path: Path) -> None:
+    for r in (0, 1, 2, 3, 5):
+        dump = fr_dump("2.10")
+        dump["pg_config"]["0"]["ranks"] = "all"
+        write_pickle(tmp_path / f"rank_{r}.pkl", dump)
+    trace = load_trace(tmp_path)
+    g = trace.process_groups["0"]
+    assert (g.ranks, g.inferred) == ((0, 1, 2, 3, 4, 5), False)
+    assert trace.missing_ranks == [4]

@@ -318,10 +318,16 @@ def load_trace(
         trace.world_size = world_size
     world_size = trace.world_size
 
-    default = _default_group(groups)
+    # the default group holds every rank: files that say "all ranks" (big frtools
+    # snapshots, a ranks string "all") know it; Gloo dumps leave it to be inferred
+    all_ranks = any(d.default_pg_all for d in dumps)
+    default = _default_group(groups) or (groups.get("0") if all_ranks else None)
     if default is not None and (default.inferred or not default.ranks) and world_size:
         groups[default.name] = ProcessGroup(
-            default.name, default.desc, tuple(range(world_size)), inferred=default.inferred
+            default.name,
+            default.desc,
+            tuple(range(world_size)),
+            inferred=default.inferred and not all_ranks,
         )
     if any(d.unmapped_peer_groups for d in dumps):
         trace.entries = concat_entries(
