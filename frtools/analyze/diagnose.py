@@ -67,6 +67,7 @@ class Point:
     unknown: list[int] = field(default_factory=list)  # record does not reach back (wrap)
     minority: list[int] = field(default_factory=list)  # issued something else
     busy: list[int] = field(default_factory=list)  # issued it, but blocked in an older op
+    no_record: list[int] = field(default_factory=list)  # absent, not blamed for this op
     mismatch_attrs: list[str] = field(default_factory=list)
     rows: pd.DataFrame | None = None  # the members' entries at this point
     time_ns: int = 0
@@ -243,7 +244,7 @@ class _Context:
         if point.absent and (point.missing or point.minority):
             # A present rank already explains the wait; whether the absent one got here is
             # unknown (its dump is missing), so it is not blamed for it.
-            point.unknown = sorted(point.unknown + point.absent)
+            point.no_record = sorted(point.absent)
             point.absent = []
         self.points[key] = point
         return point
@@ -597,6 +598,7 @@ class _Context:
             (issued_unrecorded, "issued (entry not in record)"),
             (point.missing, "not issued"),
             (point.absent, "no record"),
+            (point.no_record, "no record (not judged)"),
             (point.unknown, "unknown (record wrapped)"),
         ):
             if ranks:
@@ -648,10 +650,11 @@ class _Context:
         )
         self._fill_point(verdict, self.points[self.blocked_at[blamed[0]]])
         verdict.headline = (
-            f"Cross-group deadlock: rank(s) {collapse_ranks(blamed)} issued collectives in "
-            f"a different order than their peers; ranks {collapse_ranks(sorted(core))} wait "
-            "for each other"
+            f"Cross-group deadlock: {'rank' if len(blamed) == 1 else 'ranks'} "
+            f"{collapse_ranks(blamed)} issued collectives in a different order than "
+            f"{'its' if len(blamed) == 1 else 'their'} peers"
         )
+        verdict.evidence.append(f"Ranks {collapse_ranks(sorted(core))} wait for each other.")
         for p in shown[:6]:
             verdict.evidence.append(
                 f"Ranks {collapse_ranks(p.blockers)} blocked in {self._point_name(p)}, "
