@@ -1,9 +1,10 @@
 """Time and memory of ``frtools analyze`` vs ``torchfrtrace`` on simulated dumps at scale.
 
-For each world size (default 256, 1024, 4096 ranks, 2000 entries per rank, one rank
+For each world size (default 256, 1024, 4096 ranks, 2000 entries per rank, tp 8, one rank
 missing from a tensor-parallel collective) the dumps are written once with
 ``frtools synth``; then each analyzer runs as a child process, ``--runs`` times, and the
-median wall time and peak memory are printed with the ratio. Peak memory is reported two
+median wall time, CPU time (user + system, children included: robust on a shared machine)
+and peak memory are printed with the ratios. Peak memory is reported two
 ways: the largest single process (``wait4`` rusage of the child and its waited-for
 descendants) and the whole process tree (RSS summed over the tree, sampled every 50 ms),
 since ``frtools analyze`` reads files in worker processes. torchfrtrace is stopped at
@@ -35,6 +36,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 @dataclass
 class Run:
     wall_s: float
+    cpu_s: float  # user + system of the process and its waited-for descendants
     max_rss_mb: float  # largest single process
     tree_rss_mb: float  # peak of the summed RSS of the process tree
     returncode: int | None
@@ -98,6 +100,7 @@ def measure(argv: list[str], limit: float, env: dict[str, str] | None = None) ->
     proc.returncode = os.waitstatus_to_exitcode(status)
     return Run(
         wall_s=wall,
+        cpu_s=(rusage.ru_utime + rusage.ru_stime) if rusage else 0.0,
         max_rss_mb=(rusage.ru_maxrss / 1024) if rusage else 0.0,
         tree_rss_mb=peak[0] / 2**20,
         returncode=None if timed_out else proc.returncode,
@@ -105,22 +108,15 @@ def measure(argv: list[str], limit: float, env: dict[str, str] | None = None) ->
     )
 
 
-LAYOUTS = {  # world size -> Megatron-style sizes (tp, pp); dp is what is left
-    256: (8, 4),
-    1024: (8, 4),
-    4096: (8, 4),
-    16384: (8, 8),
-}
-
-
-def make_dumps(root: Path, n: int, entries: int, fmt: str = "torch") -> Path:
-    out = root / f"{fmt}-{n}-{entries}"
+def make_dumps(
+    root: Path, n: int, entries: int, fmt: str = "torch", tp: int = 8, pp: int = 1
+) -> Path:
+    out = root / f"{fmt}-{n}-{entries}-tp{tp}-pp{pp}"
     truth = out / "truth.json"
     if truth.exists():
         return out
     if out.exists():
         shutil.rmtree(out)
-    tp, pp = LAYOUTS.get(n, (8, 4))
     argv = [sys.executable, "-m", "frtools", "synth", "-o", str(out), "-n", str(n), "--tp", str(tp)]
     argv += ["--pp", str(pp), "--fault", "missing", "--seed", "1", "--buffer-size", str(entries)]
     if fmt != "torch":
@@ -150,7 +146,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
     rows = []
     sizes = [(n, "torch") for n in args.ranks] + [(n, "frtools") for n in args.snapshot_ranks]
     for n, fmt in sizes:
-        d = make_dumps(Path(args.snapshot_dir) if fmt == "frtools" else root, n, args.entries, fmt)
+        where = Path(args.snapshot_dir) if fmt == "frtools" else root
+        d = make_dumps(where, n, args.entries, fmt, args.tp, args.pp)
         fr_argv = [sys.executable, "-m", "frtools", "analyze", str(d), "--format", "json"]
         fr = [measure(fr_argv, args.limit) for _ in range(args.runs)]
         bad = [r for r in fr if r.returncode not in (0, 1)]
@@ -167,11 +164,14 @@ def bench(args: argparse.Namespace) -> list[dict]:
             "format": "PyTorch pickles" if fmt == "torch" else "frtools snapshots",
             "entries_per_rank": args.entries,
             "frtools_s": _median(fr, "wall_s"),
+            "frtools_cpu_s": _median(fr, "cpu_s"),
             "frtools_runs": len(fr),
             "frtools_max_rss_mb": _median(fr, "max_rss_mb"),
             "frtools_tree_rss_mb": _median(fr, "tree_rss_mb"),
             "frtools_failed": len(bad),
             "torch_s": _median(torch_runs, "wall_s") if torch_runs else None,
+            "torch_cpu_s": _median(torch_runs, "cpu_s") if torch_runs else None,
+            "torch_rc": [r.returncode for r in torch_runs],
             "torch_runs": len(torch_runs),
             "torch_timed_out": any(r.timed_out for r in torch_runs),
             "torch_max_rss_mb": _median(torch_runs, "max_rss_mb") if torch_runs else None,
@@ -179,17 +179,22 @@ def bench(args: argparse.Namespace) -> list[dict]:
             "frtools_time": _fmt_time(fr, args.limit),
             "torch_time": _fmt_time(torch_runs, args.torch_limit) if torch_runs else "-",
         }
+        row["speedup"] = row["cpu_speedup"] = "-"
         if torch_runs:
-            ratio = row["torch_s"] / row["frtools_s"]
             more = "> " if row["torch_timed_out"] else ""
-            row["speedup"] = f"{more}{ratio:.1f}x" if ratio < 10 else f"{more}{ratio:.0f}x"
-        else:
-            row["speedup"] = "-"
+            for key, a, b in (
+                ("speedup", "torch_s", "frtools_s"),
+                ("cpu_speedup", "torch_cpu_s", "frtools_cpu_s"),
+            ):
+                ratio = row[a] / max(row[b], 1e-9)
+                row[key] = f"{more}{ratio:.1f}x" if ratio < 10 else f"{more}{ratio:.0f}x"
         rows.append(row)
         print(
-            f"  {n} ranks ({row['format']}): frtools {row['frtools_time']} (median of {len(fr)}), "
+            f"  {n} ranks ({row['format']}): frtools {row['frtools_time']} "
+            f"(CPU {row['frtools_cpu_s']:.1f} s, median of {len(fr)}), "
             f"{row['frtools_max_rss_mb']:.0f} MB max process / {row['frtools_tree_rss_mb']:.0f} MB tree; "
-            f"torchfrtrace {row['torch_time']}; speedup {row['speedup']}"
+            f"torchfrtrace {row['torch_time']} (CPU {row['torch_cpu_s'] or 0:.1f} s, "
+            f"rc {row['torch_rc']}); speedup {row['speedup']} wall, {row['cpu_speedup']} CPU"
             + (f"; {len(bad)} frtools runs FAILED" if bad else ""),
             flush=True,
         )
@@ -200,15 +205,17 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| ranks | dumps | entries/rank | frtools analyze (median) | frtools peak RSS: largest process / process tree | torchfrtrace | torchfrtrace peak RSS | speedup |",
+        "| ranks | dumps | entries/rank | frtools analyze: wall (CPU) | frtools peak RSS: largest process / tree | torchfrtrace: wall (CPU) | torchfrtrace peak RSS | speedup: wall (CPU) |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         trss = f"{r['torch_max_rss_mb']:.0f} MB" if r["torch_max_rss_mb"] else "-"
         lines.append(
-            f"| {r['ranks']:,} | {r['format']} | {r['entries_per_rank']:,} | {r['frtools_time']} ({r['frtools_runs']} runs) "
+            f"| {r['ranks']:,} | {r['format']} | {r['entries_per_rank']:,} "
+            f"| {r['frtools_time']} ({r['frtools_cpu_s']:.0f} s), {r['frtools_runs']} runs "
             f"| {r['frtools_max_rss_mb']:.0f} MB / {r['frtools_tree_rss_mb']:.0f} MB "
-            f"| {r['torch_time']} ({r['torch_runs']} runs) | {trss} | {r['speedup']} |"
+            f"| {r['torch_time']} ({r['torch_cpu_s'] or 0:.0f} s), {r['torch_runs']} runs | {trss} "
+            f"| {r['speedup']} ({r['cpu_speedup']}) |"
         )
     return "\n".join(lines)
 
@@ -221,7 +228,7 @@ def profile(args: argparse.Namespace) -> None:
     from frtools.analyze.diagnose import diagnose
     from frtools.analyze.readers import load_trace
 
-    d = make_dumps(Path(args.dir), args.profile, args.entries)
+    d = make_dumps(Path(args.dir), args.profile, args.entries, "torch", args.tp, args.pp)
     t0 = time.perf_counter()
     trace = load_trace(d)
     t1 = time.perf_counter()
@@ -256,6 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         help="also time frtools on frtools snapshots of these sizes (e.g. 16384)",
     )
     ap.add_argument("--snapshot-dir", default="/tmp/frtools-scale", help="where snapshots go")
+    ap.add_argument("--tp", type=int, default=8, help="tensor-parallel size of the simulated job")
+    ap.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline-parallel size (torchfrtrace gives "
+        "up after 10 mismatches on a pipeline group, so 1 makes it do the full work)",
+    )
     ap.add_argument("--runs", type=int, default=3, help="frtools runs per size (median)")
     ap.add_argument("--torch-runs", type=int, default=3)
     ap.add_argument("--limit", type=float, default=600, help="frtools time limit per run (s)")
