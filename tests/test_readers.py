@@ -686,3 +686,11 @@ def test_default_group_written_as_all_ranks_is_known_not_inferred(tmp_path: Path
     g = trace.process_groups["0"]
     assert (g.ranks, g.inferred) == ((0, 1, 2, 3, 4, 5), False)
     assert trace.missing_ranks == [4]
+
+
+@pytest.mark.timeout(30)
+def test_deeply_nested_json_is_refused_not_a_crash(tmp_path: Path) -> None:
+    (tmp_path / "rank_0.json").write_text('{"entries": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    result = read_file(tmp_path / "rank_0.json")
+    assert result.input.status == "error"
+    assert result.input.reason == "JSON nests too deeply to be a dump; refused"
