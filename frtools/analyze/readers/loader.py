@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -125,45 +126,47 @@ def _files_under(path: Path) -> list[Path]:
     return files
 
 
+def _progress_bar(total: int) -> tuple[Any, Callable[[], None]]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    bar = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(file=sys.stderr),
+        transient=True,
+    )
+    task = bar.add_task("reading dumps", total=total)
+    return bar, lambda: bar.advance(task)
+
+
 def _read_all(files: Sequence[Path], workers: int | None, progress: bool) -> list[FileResult]:
     if workers is None:
         workers = min(os.cpu_count() or 1, MAX_WORKERS) if len(files) > PARALLEL_MIN_FILES else 1
     workers = max(1, min(workers, len(files) or 1))
-    advance: Callable[[], None] = lambda: None  # noqa: E731
-    bar = None
-    if progress:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-        bar = Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=Console(file=sys.stderr),
-            transient=True,
-        )
-        task = bar.add_task("reading dumps", total=len(files))
-        advance = lambda: bar.advance(task)  # noqa: E731
-        bar.start()
+    bar, advance = _progress_bar(len(files)) if progress else (None, lambda: None)
     results: list[FileResult] = []
     try:
-        if workers == 1:
-            for f in files:
-                results.append(read_file(f))
-                advance()
-        else:
+        if workers > 1:
             chunk = max(1, min(32, len(files) // (workers * 8) or 1))
             try:
                 with ProcessPoolExecutor(max_workers=workers) as pool:
+                    # fork every worker now, before the progress bar starts its thread
+                    pool.submit(int).result()
+                    if bar is not None:
+                        bar.start()
                     for r in pool.map(read_file, [str(f) for f in files], chunksize=chunk):
                         results.append(r)
                         advance()
             except (BrokenProcessPool, OSError):
-                # a worker died (out of memory, killed) or none could start: finish here
-                for f in files[len(results) :]:
-                    results.append(read_file(f))
-                    advance()
+                pass  # a worker died (out of memory, killed) or none could start: finish here
+        if bar is not None:
+            bar.start()
+        for f in files[len(results) :]:
+            results.append(read_file(f))
+            advance()
     finally:
         if bar is not None:
             bar.stop()
