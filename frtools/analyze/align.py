@@ -40,7 +40,6 @@ _LOAD_COLUMNS = (
     "rank",
     "record_id",
     "pg_name",
-    "pg_desc",
     "collective_seq_id",
     "p2p_seq_id",
     "is_p2p",
@@ -98,7 +97,7 @@ class Alignment:
         return GroupTimeline(pg, ops, status)
 
 
-_STRING_COLUMNS = ("pg_name", "pg_desc", "op", "state", "call_site") + SIGNATURE_COLUMNS[1:]
+_STRING_COLUMNS = ("pg_name", "op", "state", "call_site") + SIGNATURE_COLUMNS[1:]
 
 
 def _entries_frame(trace: Trace) -> pd.DataFrame:
@@ -178,8 +177,21 @@ def _pg_status_frame(trace: Trace) -> pd.DataFrame:
     return df
 
 
+def _unit_key(coll: pd.DataFrame) -> pd.Series:
+    """One int64 per (rank, group, seq) where the values fit; else a tuple-free fallback."""
+    pg = coll["pg_name"].cat.codes.to_numpy().astype(np.int64)
+    rank = coll["rank"].to_numpy().astype(np.int64)
+    seq = coll["collective_seq_id"].to_numpy().astype(np.int64)
+    if len(coll) and (rank.max() < 2**22 and pg.max() < 2**16 and seq.max() < 2**25):
+        return pd.Series((rank << 41) | (pg << 25) | seq, index=coll.index)
+    return pd.Series(
+        pd.MultiIndex.from_arrays([rank, pg, seq]).duplicated(keep=False), index=coll.index
+    )
+
+
 def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
-    dup = coll.duplicated(["rank", "pg_name", "collective_seq_id"], keep=False)
+    key = _unit_key(coll)
+    dup = key if key.dtype == bool else key.duplicated(keep=False)
     coll = coll.assign(n_ops=1)
     if not dup.any():
         return coll
@@ -192,7 +204,6 @@ def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
 
     agg = multi.groupby(keys, sort=False, observed=True).agg(
         record_id=("record_id", "min"),
-        pg_desc=("pg_desc", "first"),
         p2p_seq_id=("p2p_seq_id", "first"),
         is_p2p=("is_p2p", "first"),
         peer=("peer", "first"),
@@ -224,8 +235,12 @@ def align(trace: Trace) -> Alignment:
 
     coll = df[~df["is_p2p"] & (df["collective_seq_id"] > 0)]
     coll = _collapse_coalesced(coll).rename(columns={"collective_seq_id": "seq"})
-    coll = coll.merge(ps, on=["rank", "pg_name"], how="left")
     coll["informative"] = coll["rank"].map(state_informative).fillna(False).astype(bool)
+    if len(ps) and bool((~coll["informative"] & coll["retired"].isna()).any()):
+        coll = coll.merge(ps, on=["rank", "pg_name"], how="left")
+    else:  # every entry says itself whether it completed: pg_status is not needed per entry
+        coll["ps_enqueued"] = _null_ints(len(coll))
+        coll["ps_completed"] = _null_ints(len(coll))
     coll["completed"] = _completion(coll, use_pg_status=True)
     if len(coll):
         coll["sig"] = (
@@ -241,7 +256,7 @@ def align(trace: Trace) -> Alignment:
 
     p2p = df[df["is_p2p"]].copy()
     p2p["informative"] = p2p["rank"].map(state_informative).fillna(False).astype(bool)
-    p2p["ps_completed"] = pd.array([pd.NA] * len(p2p), dtype="Int64")
+    p2p["ps_completed"] = _null_ints(len(p2p))
     p2p["completed"] = _completion(p2p, use_pg_status=False)
     p2p = _pair_p2p(p2p, trace)
 
@@ -253,6 +268,10 @@ def align(trace: Trace) -> Alignment:
         process_groups=dict(trace.process_groups),
         state_informative=state_informative,
     )
+
+
+def _null_ints(n: int) -> pd.arrays.IntegerArray:
+    return pd.arrays.IntegerArray(np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool))
 
 
 def _completion(df: pd.DataFrame, use_pg_status: bool) -> pd.Series:
@@ -269,8 +288,8 @@ def _completion(df: pd.DataFrame, use_pg_status: bool) -> pd.Series:
         )
         done = done | by_status.fillna(False).astype(bool)
         known = known | (pc.notna() & df["retired"].isna())
-    out = pd.array(done.to_numpy(), dtype="boolean")
-    out[~known.to_numpy() & ~done.to_numpy()] = pd.NA
+    d = done.to_numpy(dtype=bool)
+    out = pd.arrays.BooleanArray(d, ~known.to_numpy(dtype=bool) & ~d)
     return pd.Series(out, index=df.index)
 
 
