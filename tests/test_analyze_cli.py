@@ -128,3 +128,15 @@ def test_unwritable_output_is_one_line(dumps, tmp_path):
     assert p.returncode == 2
     assert len(p.stderr.strip().splitlines()) == 1
     assert "cannot write" in p.stderr
+
+
+def test_analyze_runs_without_torch(dumps):
+    # A CI runner that only reads dumps has no torch: importing it must fail loudly here.
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from frtools.cli import main\n"
+        f"main(['analyze', {str(dumps['hang'])!r}, '--format', 'json'])\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert p.returncode == 1, p.stderr
+    assert json.loads(p.stdout)["verdict"]["kind"] == "missing"
