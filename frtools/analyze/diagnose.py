@@ -200,7 +200,7 @@ class _Context:
             if not point.blockers:
                 continue
             pending: list[int] = list(point.unknown)
-            if point.key[0] == "coll" and point.rows is not None:
+            if point.rows is not None:
                 rows = point.rows
                 pending += [int(m) for m in rows.loc[rows["completed"] == False, "rank"]]  # noqa: E712
             busy = {
