@@ -45,6 +45,8 @@ STRAGGLER_SPREAD_FACTOR = 3.0
 
 # Tokens of context when comparing a rank's recent order of ops with its peers'.
 _CONTEXT = 4
+# A rank's recent order is unusual when at most this share of its peers ever produced it.
+_RARE_SHARE = 0.25
 # Ops per rank (the most recent) whose order is compared.
 _HISTORY = 256
 
@@ -672,8 +674,9 @@ class _Context:
         Tokens are (group kind, op), run-length encoded (four DP bucket all_reduces in a row
         are one run of 4). At every position of every rank's recent history (the last
         ``_HISTORY`` ops) the last ``_CONTEXT`` runs up to that op form a gram. A cycle rank is
-        deviant when at most 10% of the other ranks that issued its blocked op's token ever
-        produced its gram there. A gram that differs from a peer's only by one run being one
+        deviant when its gram at the blocked op is new for it (not a habit from earlier
+        steps) and at most ``_RARE_SHARE`` of the other ranks that issued that token ever
+        produced it. A gram that differs from a peer's only by one run being one
         shorter reads as a skipped collective; anything else as a reordering.
         """
         if not len(self.coll):
@@ -686,6 +689,7 @@ class _Context:
         pgs = c["pg_name"].to_numpy()
         seqs = c["seq"].to_numpy()
         grams: dict[tuple, set[int]] = {}
+        habit: dict[tuple, int] = {}
         with_token: dict[str, set[int]] = {}
         mine: dict[tuple, tuple] = {}
         wanted = {
@@ -705,6 +709,7 @@ class _Context:
                     runs.append((tok, 1))
                 gram = tuple(runs[-_CONTEXT:])
                 grams.setdefault(gram, set()).add(r)
+                habit[(r, gram)] = habit.get((r, gram), 0) + 1
                 with_token.setdefault(tok, set()).add(r)
                 key = (r, str(pgs[i]), int(seqs[i]))
                 if key in wanted:
@@ -715,9 +720,11 @@ class _Context:
             if gram is None:
                 continue
             tok = gram[-1][0]
+            if habit.get((r, gram), 0) > 1:
+                continue  # the rank did exactly this in earlier steps: its usual order
             others = len(with_token.get(tok, set()) - {r})
             seen = len(grams.get(gram, set()) - {r})
-            if others and seen > 0.1 * others:
+            if others and seen > _RARE_SHARE * others:
                 continue
             skip = any(
                 len(other) == len(gram)
