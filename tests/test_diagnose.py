@@ -327,3 +327,52 @@ def test_stuck_rank_call_site_comes_from_its_main_thread_stack():
     v = diagnose(trace)
     assert v.guilty_ranks == [5]
     assert v.guilty[0].call_site == "/job/model.py:212 in slow_loss"
+
+
+def test_run_ahead_order_deadlock_where_every_rank_issued_both_ops():
+    # NCCL-style: a CPU runs ahead, so every rank *issued* both the DP and the world op of
+    # the last step; rank 1 issued them in the other order. Nobody is missing anything: the
+    # wait comes from ranks blocked in an older op of their own (busy), forming a cycle.
+    groups = {"0": (0, 1, 2, 3), "a": (0, 1), "b": (2, 3)}
+    rows = []
+
+    def add(rank, pg, seq, state, t):
+        rows.append(
+            {
+                "rank": rank,
+                "record_id": len([x for x in rows if x["rank"] == rank]),
+                "pg_name": pg,
+                "collective_seq_id": seq,
+                "op": "all_reduce",
+                "input_sizes": "[[8]]" if pg != "0" else "[[1]]",
+                "output_sizes": "[[8]]" if pg != "0" else "[[1]]",
+                "input_dtypes": "Float",
+                "output_dtypes": "Float",
+                "state": state,
+                "time_created_ns": t,
+            }
+        )
+
+    for r in range(4):
+        dp = "a" if r < 2 else "b"
+        add(r, dp, 1, "completed", 10 + r)  # step 0: DP then world, everyone
+        add(r, "0", 1, "completed", 20 + r)
+        if r == 1:  # step 1: rank 1 enters the world op first
+            add(r, "0", 2, "started", 30 + r)
+            add(r, dp, 2, "scheduled", 40 + r)
+        elif r == 0:
+            add(r, dp, 2, "started", 30 + r)
+            add(r, "0", 2, "scheduled", 40 + r)
+        else:
+            add(r, dp, 2, "completed", 30 + r)
+            add(r, "0", 2, "started", 40 + r)
+    trace = Trace(
+        entries=entries_table(rows),
+        ranks={r: RankInfo(rank=r) for r in range(4)},
+        process_groups={g: ProcessGroup(g, "", m) for g, m in groups.items()},
+        world_size=4,
+    )
+    v = diagnose(trace)
+    assert v.kind == "order"
+    assert v.guilty_ranks == [1]
+    assert set(v.waiting) == {0, 2, 3}
