@@ -20,20 +20,6 @@ from frtools.analyze.diagnose import diagnose
 from frtools.analyze.readers import load_trace
 from frtools.synth import FAULTS, ModelShape, synthesize
 
-# Fault kinds the diagnosis does not yet get right on every layout; each is written up,
-# with reproducing commands, in docs/benchmarks.md ("Accuracy misses"). They run, and turn
-# into XPASS once fixed.
-KNOWN_MISSES = {
-    "order": "cross-group deadlock read as a missing rank (docs/benchmarks.md)",
-    "stuck": "a kernel that never started read as a missing rank (docs/benchmarks.md)",
-    "straggler": "late arrivals not detected; analysis crash (docs/benchmarks.md)",
-    "missing": "victims blocked behind P2P / earlier calls also blamed (docs/benchmarks.md)",
-    "dead": "victims blocked behind P2P / earlier calls also blamed (docs/benchmarks.md)",
-    "mismatch-op": "victims blocked behind earlier calls also blamed (docs/benchmarks.md)",
-    "mismatch-size": "victims blocked behind earlier calls also blamed (docs/benchmarks.md)",
-    "mismatch-dtype": "victims blocked behind earlier calls also blamed (docs/benchmarks.md)",
-}
-
 
 @st.composite
 def jobs(draw: st.DrawFn) -> dict:
@@ -66,15 +52,7 @@ def _command(fault: str, job: dict) -> str:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "fault",
-    [
-        pytest.param(f, marks=pytest.mark.xfail(reason=KNOWN_MISSES[f], strict=False))
-        if f in KNOWN_MISSES
-        else f
-        for f in FAULTS
-    ],
-)
+@pytest.mark.parametrize("fault", FAULTS)
 @settings(
     max_examples=6,
     deadline=None,
