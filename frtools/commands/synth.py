@@ -16,7 +16,8 @@ def _parse_ranks(value: str | None) -> list[int] | None:
     try:
         return [int(v) for v in value.replace(" ", "").split(",") if v]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated ranks, got {value!r}") from None
+        click.echo(f"error: --fault-ranks: expected comma-separated ranks, got {value!r}", err=True)
+        sys.exit(2)
 
 
 def _human_bytes(n: float) -> str:
