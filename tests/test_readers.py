@@ -694,3 +694,17 @@ def test_deeply_nested_json_is_refused_not_a_crash(tmp_path: Path) -> None:
     result = read_file(tmp_path / "rank_0.json")
     assert result.input.status == "error"
     assert result.input.reason == "JSON nests too deeply to be a dump; refused"
+
+
+@pytest.mark.timeout(30)
+def test_dump_without_collectives_still_gives_the_rank_and_its_group_status(
+    tmp_path: Path,
+) -> None:
+    dump = fr_dump("2.10")
+    del dump["entries"]  # _dump_fr_trace(includeCollectives=False)
+    write_pickle(tmp_path / "rank_2.pkl", dump)
+    write_pickle(tmp_path / "rank_0.pkl", fr_dump("2.10"))
+    trace = load_trace(tmp_path)
+    assert trace.ranks[2].pg_status["0"]["last_completed_collective"] == 3
+    note = next(i for i in trace.inputs if i.path.endswith("rank_2.pkl"))
+    assert note.status == "ok" and "includeCollectives=False" in note.reason

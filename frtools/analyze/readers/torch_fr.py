@@ -202,14 +202,20 @@ def normalize(dump: Any, path: Path, fmt: str) -> RankDump:
         raise DumpError(
             f"not a Flight Recorder dump: top level is {type(dump).__name__}, not a dict"
         )
-    if "entries" not in dump:
+    notes: list[str] = []
+    if "entries" in dump:
+        raw_entries = dump["entries"]
+    elif "version" in dump and ("pg_status" in dump or "pg_config" in dump):
+        # dumped with includeCollectives=False: no ops, but pg_status still says where
+        # each group stopped
+        raw_entries = []
+        notes.append("dump without entries (includeCollectives=False); group status only")
+    else:
         keys = ", ".join(sorted(map(str, dump))[:6])
         raise DumpError(f"not a Flight Recorder dump: no 'entries' key (keys: {keys or 'none'})")
-    raw_entries = dump["entries"]
     if not isinstance(raw_entries, list):
         raise DumpError(f"'entries' is {type(raw_entries).__name__}, not a list")
     version = str(dump.get("version", "")) or "unversioned"
-    notes: list[str] = []
 
     # rank: from content where the dump has it (some builds write "rank"), else the name
     name_rank, host = rank_from_filename(path.name)
