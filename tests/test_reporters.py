@@ -115,3 +115,10 @@ def test_markdown_summary_has_headline_table_and_inputs(verdicts):
     assert "| ranks | op |" in md and "| 4 | all_reduce |" in md
     assert "### Inputs not used" in md and "`d/rank_1.pkl`" in md
     assert markdown.render(verdicts["healthy"]).startswith("## ✅ frtools: `healthy`")
+
+
+def test_long_rank_lists_are_cut_to_fit():
+    ranks = list(range(0, 2000, 3))
+    text = collapse_ranks(ranks, 40)
+    assert len(text) <= 40 + 20
+    assert text.endswith(f"… ({len(ranks)} ranks)")

@@ -477,8 +477,6 @@ class _Context:
         conf = {"dead": 0.9, "mismatch": 0.9, "missing": 0.85}[kind]
         if kind == "dead" and all(reasons[g.rank][0] == "absent" for g in guilty):
             conf = 0.9
-        if any(r in self.wrapped for r in roots):
-            conf -= 0.1
         if len(kinds) > 1:
             conf -= 0.1
         if kind == "mismatch" and point.rows is not None:
@@ -488,12 +486,15 @@ class _Context:
         verdict.confidence = conf
         for g in guilty:
             verdict.evidence.append(f"Rank {g.rank}: {g.reason}.")
-        for p in sorted(self.points.values(), key=lambda p: -len(p.blockers))[:5]:
+        shown = sorted(
+            self.points.values(), key=lambda p: (not p.targets <= roots, -len(p.blockers))
+        )
+        for p in shown[:5]:
             if not p.targets or not p.blockers:
                 continue
             verdict.evidence.append(
-                f"Ranks {collapse_ranks(p.blockers)} blocked in {self._point_name(p)}, "
-                f"waiting for {collapse_ranks(sorted(p.targets))}."
+                f"Ranks {collapse_ranks(p.blockers, 60)} blocked in {self._point_name(p)}, "
+                f"waiting for {collapse_ranks(sorted(p.targets), 60)}."
             )
         return verdict
 
@@ -659,8 +660,8 @@ class _Context:
         verdict.evidence.append(f"Ranks {collapse_ranks(sorted(core))} wait for each other.")
         for p in shown[:6]:
             verdict.evidence.append(
-                f"Ranks {collapse_ranks(p.blockers)} blocked in {self._point_name(p)}, "
-                f"waiting for {collapse_ranks(sorted(p.targets))}."
+                f"Ranks {collapse_ranks(p.blockers, 60)} blocked in {self._point_name(p)}, "
+                f"waiting for {collapse_ranks(sorted(p.targets), 60)}."
             )
         if not deviants:
             verdict.evidence.append(
@@ -974,7 +975,7 @@ class _Context:
         unexplained = sorted(self.absent - blamed)
         if unexplained:
             verdict.evidence.append(
-                f"No usable record for rank(s) {collapse_ranks(unexplained)}; nobody waits "
+                f"No usable record for rank(s) {collapse_ranks(unexplained, 60)}; nobody waits "
                 "for them in the recorded ops."
             )
             verdict.confidence -= 0.1
@@ -983,7 +984,7 @@ class _Context:
             verdict.evidence.append(f"{len(bad)} input file(s) could not be used.")
         if self.wrapped:
             verdict.evidence.append(
-                f"Ring buffer wrapped on rank(s) {collapse_ranks(sorted(self.wrapped))}: "
+                f"Ring buffer wrapped on rank(s) {collapse_ranks(sorted(self.wrapped), 60)}: "
                 "older ops were dropped; ops before their oldest entry are not judged."
             )
         verdict.confidence = float(min(1.0, max(0.05, verdict.confidence)))

@@ -112,8 +112,20 @@ class Verdict:
         }
 
 
-def collapse_ranks(ranks: list[int] | tuple[int, ...]) -> str:
-    """``[0, 1, 2, 3, 5]`` -> ``"0-3,5"``: rank lists that fit on one line."""
+def collapse_ranks(ranks: list[int] | tuple[int, ...], limit: int | None = None) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3,5"``: rank lists that fit on one line.
+
+    With ``limit``, a longer text is cut at a comma and ends with ``… (N ranks)``.
+    """
+    text = _collapse(ranks)
+    if limit is None or len(text) <= limit:
+        return text
+    cut = text.rfind(",", 0, max(1, limit - 12))
+    head = text[:cut] if cut > 0 else text[: max(1, limit - 12)]
+    return f"{head},… ({len(set(ranks))} ranks)"
+
+
+def _collapse(ranks: list[int] | tuple[int, ...]) -> str:
     values = sorted(set(int(r) for r in ranks))
     if not values:
         return "-"

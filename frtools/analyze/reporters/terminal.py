@@ -49,7 +49,7 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
         where.append(pg.name, style="bold")
         if pg.desc:
             where.append(f" ({pg.desc})")
-        where.append(f" ranks {collapse_ranks(list(pg.ranks))}")
+        where.append(f" ranks {collapse_ranks(list(pg.ranks), 40)}")
         if pg.inferred:
             where.append(" (membership inferred)", style="dim")
         if verdict.op:
@@ -61,7 +61,7 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
         parts.append(where)
     if verdict.waiting:
         w = Text("  waiting: ")
-        w.append(collapse_ranks(verdict.waiting), style="yellow")
+        w.append(collapse_ranks(verdict.waiting, 85), style="yellow")
         parts.append(w)
 
     if verdict.groups:
@@ -77,7 +77,7 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
         parts.append(Text("Inputs", style="bold"))
         if verdict.ranks_missing:
             parts.append(
-                Text(f"  no usable record for rank(s) {collapse_ranks(verdict.ranks_missing)}")
+                Text(f"  no usable record for rank(s) {collapse_ranks(verdict.ranks_missing, 60)}")
             )
         shown = bad if verbose else bad[:8]
         for i in shown:
@@ -106,7 +106,7 @@ def _groups_table(verdict: Verdict, verbose: bool) -> Table:
         ranks = set(g.ranks)
         style = "red" if ranks & guilty else ("yellow" if ranks <= waiting else "")
         row = [
-            Text(collapse_ranks(g.ranks), style=style),
+            Text(collapse_ranks(g.ranks, 24), style=style),
             g.op or "-",
             g.input_sizes or "-",
             g.input_dtypes or "-",
