@@ -376,3 +376,13 @@ def test_run_ahead_order_deadlock_where_every_rank_issued_both_ops():
     assert v.kind == "order"
     assert v.guilty_ranks == [1]
     assert set(v.waiting) == {0, 2, 3}
+
+
+def test_ops_issued_moments_before_a_live_dump_are_in_flight_not_hung():
+    # Rank 7 was dumped just before it reached the world all_reduce the others are in.
+    trace = simulate(JOB, training(JOB, 2, stop_at(7, 1, index=3)))
+    assert diagnose(trace).guilty_ranks == [7]  # without dump times: a hang
+    last = max(trace.entries.column("time_created_ns").to_pylist())
+    for info in trace.ranks.values():
+        info.dump_time_ns = last + 1_000_000
+    assert diagnose(trace).kind == "healthy"

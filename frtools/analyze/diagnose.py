@@ -35,6 +35,10 @@ from frtools.trace import ProcessGroup, Trace, is_user_frame
 # record of a process that was already gone.
 STALE_DUMP_NS = 60 * 1_000_000_000
 
+# An op younger than this at its rank's dump time (when the dump says when it was taken)
+# is in flight, not blocked: live dumps of healthy jobs are full of such ops.
+IN_FLIGHT_NS = 5 * 1_000_000_000
+
 # Straggler rule: last into >= STRAGGLER_LAST_SHARE of the (>= STRAGGLER_MIN_COLLECTIVES)
 # matched collectives it took part in, and median lateness behind the others' mean
 # >= max(STRAGGLER_MIN_LATE_NS, STRAGGLER_SPREAD_FACTOR x the others' median spread).
@@ -153,8 +157,14 @@ class _Context:
         latest = no_info.sort_values(["time_created_ns", "record_id"]).drop_duplicates(
             "rank", keep="last"
         )
-        self.blocked_known = set(int(r) for r in oldest["rank"])
-        return pd.concat([oldest, latest], ignore_index=True)
+        out = pd.concat([oldest, latest], ignore_index=True)
+        dump_ns = {r: i.dump_time_ns for r, i in self.trace.ranks.items() if i.dump_time_ns}
+        if dump_ns and len(out):
+            # An op issued moments before its rank's dump is in flight, not hung.
+            age = out["rank"].map(dump_ns) - out["time_created_ns"]
+            out = out[~(age.notna() & (age < IN_FLIGHT_NS))]
+        self.blocked_known = set(int(r) for r in out.loc[out["rank_has_info"], "rank"])
+        return out
 
     def _member_state(self, m: int, pg_name: str, seq: int, time_ns: int | None = None) -> str:
         if m in self.absent:
