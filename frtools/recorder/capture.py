@@ -23,10 +23,12 @@ How (checked on torch 2.13 with Gloo, 4 ranks; see tests/test_recorder_capture.p
   the object and reach every override, including ``all_gather_single``,
   ``reduce_scatter_single``, ``reduce``, ``gather``, ``scatter``, ``alltoall``,
   ``recv_anysource``.
-* Each override records, then forwards with ``super().<op>(...)``: the C++ base method, which
-  dispatches through the c10d op registry to the registered real backend exactly as an
-  unwrapped group does (pybind11 sees the call comes from the override of the same name and
-  does not re-enter Python). If recording raises, the op is still forwarded.
+* Each override records, then forwards the op to the real backend of the tensors' device
+  (``ProcessGroupGloo.allreduce(...)`` …), whose binding releases the GIL while the op is
+  issued. Not ``super().<op>()``: pybind11's trampoline (``WORK_OVERRIDE``) would run the
+  C++ base op with the GIL held, so other Python threads stall behind a blocking op, and a
+  backend thread that needs the GIL while holding its queue lock deadlocks with it (seen in
+  a benchmark). If recording raises, the op is still forwarded.
 * Functional collectives (``torch.distributed._functional_collectives``) resolve the group by
   name in C++ and call the op methods of the group object registered under that name; the
   registered object is the ``RecordingProcessGroup``, so the overridable ones are recorded
@@ -120,6 +122,8 @@ class Recorder:
         self._op_tables: dict[str, list[int]] = {}
         self._sizes: dict[Any, int] = {}
         self._dtypes: dict[Any, int] = {}
+        self._sizes1: dict[Any, int] = {}
+        self._dtypes1: dict[Any, int] = {}
         self._frames: dict[Any, str] = {}
         self._stacks: dict[tuple, int] = {}
         self._lock = threading.Lock()
@@ -152,7 +156,17 @@ class Recorder:
 
     def sizes_id(self, tensors: Any) -> tuple[int, int]:
         """(sizes id, dtypes id) for a list of tensors (or one tensor)."""
-        if tensors.__class__ is torch.Tensor or isinstance(tensors, torch.Tensor):
+        if tensors.__class__ is list and len(tensors) == 1:  # the common case, cached apart
+            t = tensors[0]
+            shape, dtype = t.shape, t.dtype
+            sid = self._sizes1.get(shape)
+            if sid is None:
+                sid = self._sizes1[shape] = self._intern_sizes((shape,))
+            did = self._dtypes1.get(dtype)
+            if did is None:
+                did = self._dtypes1[dtype] = self._intern_dtypes((dtype,))
+            return sid, did
+        if isinstance(tensors, torch.Tensor):
             key = (tensors.shape,)
             dkey = (tensors.dtype,)
         else:
@@ -160,50 +174,79 @@ class Recorder:
             dkey = tuple([t.dtype for t in tensors])
         sid = self._sizes.get(key)
         if sid is None:
-            from frtools.trace import sizes_key  # first sight of this shape only
-
-            text = sizes_key(key)
-            sid = self._sizes[key] = self.box.intern(text)
+            sid = self._sizes[key] = self._intern_sizes(key)
         did = self._dtypes.get(dkey)
         if did is None:
-            from frtools.trace import dtypes_key
-
-            text = dtypes_key([_dtype_name(d) for d in dkey])
-            did = self._dtypes[dkey] = self.box.intern(text) if text else 0
+            did = self._dtypes[dkey] = self._intern_dtypes(dkey)
         return sid, did
+
+    def _intern_sizes(self, shapes: Any) -> int:
+        from frtools.trace import sizes_key  # first sight of these shapes only
+
+        return self.box.intern(sizes_key(shapes))
+
+    def _intern_dtypes(self, dtypes: Any) -> int:
+        from frtools.trace import dtypes_key
+
+        text = dtypes_key([_dtype_name(d) for d in dtypes])
+        return self.box.intern(text) if text else 0
 
     def nested_sizes_id(self, lists: Any) -> tuple[int, int]:
         """Shapes of a list of lists of tensors, flattened (as PyTorch's recorder does)."""
         return self.sizes_id([t for ts in lists for t in ts])
 
     def stack_id(self) -> int:
-        """The calling Python stack, innermost first, interned; frames of this module skipped."""
-        frame = sys._getframe(1)
+        """The calling Python stack, innermost first, interned; frames of this module skipped.
+
+        Keyed by a flat tuple of ints — id(code object), last instruction — cheap to build and
+        hash (a code object's own hash is not). Line numbers are only worked out the first
+        time a stack is seen; the code objects are kept referenced by ``_frames`` from then on,
+        so their ids stay theirs.
+        """
+        frame = sys._getframe(2)
         here = self._here
         while frame is not None and frame.f_code.co_filename == here:
             frame = frame.f_back
+        top = frame
         key = []
-        while frame is not None and len(key) < _STACK_DEPTH:
-            key.append((frame.f_code, frame.f_lineno))
+        append = key.append
+        depth = 0
+        while frame is not None and depth < _STACK_DEPTH:
+            append(id(frame.f_code))
+            append(frame.f_lasti)
             frame = frame.f_back
+            depth += 1
         tkey = tuple(key)
         sid = self._stacks.get(tkey)
         if sid is None:
-            lines = []
-            frames = self._frames
-            for fkey in tkey:
-                line = frames.get(fkey)
-                if line is None:
-                    code, lineno = fkey
-                    line = frames[fkey] = f"{code.co_filename}:{lineno} in {code.co_name}"
-                lines.append(line)
-            sid = self._stacks[tkey] = self.box.intern("\n".join(lines))
+            sid = self._stacks[tkey] = self._intern_stack(top)
         return sid
+
+    def _intern_stack(self, frame: Any) -> int:
+        lines = []
+        frames = self._frames
+        depth = 0
+        while frame is not None and depth < _STACK_DEPTH:
+            code, lasti = frame.f_code, frame.f_lasti
+            fkey = (code, lasti)
+            line = frames.get(fkey)
+            if line is None:
+                line = frames[fkey] = (
+                    f"{code.co_filename}:{_line_of(code, lasti)} in {code.co_name}"
+                )
+            lines.append(line)
+            frame = frame.f_back
+            depth += 1
+        return self.box.intern("\n".join(lines))
 
     # -- completion ------------------------------------------------------------------------
 
-    def watch(self, rid: int, work: Any, tensor: Any) -> None:
+    def watch(self, rid: int, work: Any, tensor: Any, order: Any = None) -> None:
         """Arrange for ``rid`` to be marked completed once ``work`` is.
+
+        ``order``: collectives of one group complete in issue order, so when one completes,
+        the group's older ones are marked completed too (some Gloo works, e.g. the one of
+        ``reduce_scatter_tensor``, never report completion themselves). None for P2P.
 
         CUDA ops: start/end events polled by the native watchdog (no GIL). CPU ops: the work
         is queued and checked with ``is_completed()`` at the next recorded op and by a
@@ -217,7 +260,7 @@ class Recorder:
         if self.cuda_events and tensor is not None and tensor.is_cuda:
             self._watch_cuda(rid, work)
             return
-        self._pending.append((rid, work))
+        self._pending.append((rid, work, order))
         if self._poller is None:
             self._start_poller()
 
@@ -228,12 +271,22 @@ class Recorder:
         try:
             pending = self._pending
             mark = self.box.mark_completed
+            done_upto: dict[Any, int] = {}
+            waiting = []
             for _ in range(min(len(pending), 256)):
-                rid, work = pending.popleft()
+                item = pending.popleft()
+                rid, work, order = item
                 if work.is_completed():
                     mark(rid)
+                    if order is not None and rid > done_upto.get(order, -1):
+                        done_upto[order] = rid
                 else:
-                    pending.append((rid, work))
+                    waiting.append(item)
+            for item in waiting:
+                if item[2] is not None and item[0] < done_upto.get(item[2], -1):
+                    mark(item[0])
+                else:
+                    pending.append(item)
         finally:
             self._poll_lock.release()
 
@@ -267,12 +320,27 @@ class Recorder:
             del self._cuda_keep[:2048]
 
 
+def _line_of(code: Any, lasti: int) -> int:
+    """Source line of the instruction at byte offset ``lasti`` (what ``f_lineno`` says)."""
+    line = code.co_firstlineno
+    for start, end, lineno in code.co_lines():
+        if start <= lasti < end and lineno is not None:
+            return lineno
+        if start > lasti:
+            break
+        if lineno is not None:
+            line = lineno
+    return line
+
+
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
 def _first_tensor(x: Any) -> Any:
     """The first tensor of a tensor / list / list of lists (for the device check)."""
+    if x.__class__ is list and x and x[0].__class__ is not list:
+        return x[0]
     while isinstance(x, list | tuple):
         if not x:
             return None
@@ -312,6 +380,13 @@ class RecordingProcessGroup(ProcessGroup):
             first_type = first_type or backend_type
         if first_type is not None:
             self._set_default_backend(first_type)
+        self._fr_cpu = self._fr_real.get("cpu")
+        self._fr_cuda = self._fr_real.get("cuda")
+        self._fr_barrier_backend = (
+            self._fr_cuda
+            if any(b[1] == ProcessGroup.BackendType.NCCL for b in backends)
+            else (self._fr_cpu or self._fr_cuda)
+        )
 
     def getBackendName(self) -> str:  # noqa: N802 - C++ virtual name
         return self._fr_backend_name
@@ -383,120 +458,213 @@ class RecordingProcessGroup(ProcessGroup):
             fr.fail(exc)
             return -1
 
-    def _fr_done(self, rid: int, work: Any, tensors: Any) -> Any:
+    def _fr_backend(self, tensors: Any) -> Any:
+        """The real backend for these tensors' device (as ProcessGroup::getBackend picks)."""
+        t = _first_tensor(tensors)
+        if t is not None and t.is_cuda:
+            return self._fr_cuda or self._fr_cpu
+        return self._fr_cpu or self._fr_cuda
+
+    def _fr_done(self, rid: int, work: Any, tensors: Any, order: bool = True) -> Any:
         if rid >= 0:
             try:
-                self._fr.watch(rid, work, _first_tensor(tensors))
+                self._fr.watch(rid, work, _first_tensor(tensors), self if order else None)
             except Exception as exc:
                 self._fr.fail(exc)
         return work
 
     # -- collectives -----------------------------------------------------------------------
+    # Each op goes straight to the real backend's binding, which releases the GIL while the
+    # op is issued. (``super().<op>()`` would reach the C++ base through pybind11's
+    # trampoline, which holds the GIL for the whole op.) A call form the backend binding
+    # does not accept (legacy overloads) raises TypeError before anything is issued and
+    # takes the group's own path instead.
 
-    def allreduce(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    def allreduce(self, tensors, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(0, tensors, tensors)
-        return self._fr_done(rid, super().allreduce(tensors, *args, **kwargs), tensors)
+        try:
+            work = self._fr_backend(tensors).allreduce(tensors, *args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().allreduce(tensors, *args, **kwargs)
+        return self._fr_done(rid, work, tensors)
 
-    def allreduce_coalesced(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    def allreduce_coalesced(self, tensors, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(1, tensors, tensors)
-        return self._fr_done(rid, super().allreduce_coalesced(tensors, *args, **kwargs), tensors)
+        try:
+            work = self._fr_backend(tensors).allreduce_coalesced(tensors, *args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().allreduce_coalesced(tensors, *args, **kwargs)
+        return self._fr_done(rid, work, tensors)
 
-    def broadcast(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    def broadcast(self, tensors, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(2, tensors, tensors)
-        return self._fr_done(rid, super().broadcast(tensors, *args, **kwargs), tensors)
+        try:
+            work = self._fr_backend(tensors).broadcast(tensors, *args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().broadcast(tensors, *args, **kwargs)
+        return self._fr_done(rid, work, tensors)
 
-    def reduce(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    def reduce(self, tensors, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(3, tensors, tensors)
-        return self._fr_done(rid, super().reduce(tensors, *args, **kwargs), tensors)
+        try:
+            work = self._fr_backend(tensors).reduce(tensors, *args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().reduce(tensors, *args, **kwargs)
+        return self._fr_done(rid, work, tensors)
 
-    def allgather(self, output_tensors: Any, input_tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll_nested(4, input_tensors, output_tensors)
-        work = super().allgather(output_tensors, input_tensors, *args, **kwargs)
+    def allgather(self, output_lists, input_tensors, *args: Any, **kwargs: Any) -> Any:
+        rid = self._fr_coll_nested(4, input_tensors, output_lists)
+        try:
+            work = self._fr_backend(input_tensors).allgather(
+                output_lists, input_tensors, *args, **kwargs
+            )
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().allgather(output_lists, input_tensors, *args, **kwargs)
         return self._fr_done(rid, work, input_tensors)
 
-    def all_gather_single(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+    def all_gather_single(self, output, input, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(5, input, output)
-        return self._fr_done(rid, super().all_gather_single(output, input, *args, **kwargs), input)
+        try:
+            work = self._fr_backend(input)._allgather_base(output, input, *args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().all_gather_single(output, input, *args, **kwargs)
+        return self._fr_done(rid, work, input)
 
-    def _allgather_base(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+    def _allgather_base(self, output, input, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(5, input, output)
-        return self._fr_done(rid, super()._allgather_base(output, input, *args, **kwargs), input)
+        try:
+            work = self._fr_backend(input)._allgather_base(output, input, *args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super()._allgather_base(output, input, *args, **kwargs)
+        return self._fr_done(rid, work, input)
 
-    def allgather_coalesced(
-        self, output_lists: Any, input_tensors: Any, *args: Any, **kwargs: Any
-    ) -> Any:
+    def allgather_coalesced(self, output_lists, input_tensors, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll_nested(6, input_tensors, output_lists)
-        work = super().allgather_coalesced(output_lists, input_tensors, *args, **kwargs)
+        try:
+            work = self._fr_backend(input_tensors).allgather_coalesced(
+                output_lists, input_tensors, *args, **kwargs
+            )
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().allgather_coalesced(output_lists, input_tensors, *args, **kwargs)
         return self._fr_done(rid, work, input_tensors)
 
-    def all_gather_single_coalesced(
-        self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any
-    ) -> Any:
+    def all_gather_single_coalesced(self, outputs, inputs, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(7, inputs, outputs)
-        work = super().all_gather_single_coalesced(outputs, inputs, *args, **kwargs)
+        try:
+            work = self._fr_backend(inputs).allgather_into_tensor_coalesced(
+                outputs, inputs, *args, **kwargs
+            )
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().all_gather_single_coalesced(outputs, inputs, *args, **kwargs)
         return self._fr_done(rid, work, inputs)
 
-    def gather(self, output_lists: Any, input_tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    def gather(self, output_lists, input_tensors, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll_nested(8, input_tensors, output_lists)
-        work = super().gather(output_lists, input_tensors, *args, **kwargs)
+        try:
+            work = self._fr_backend(input_tensors).gather(
+                output_lists, input_tensors, *args, **kwargs
+            )
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().gather(output_lists, input_tensors, *args, **kwargs)
         return self._fr_done(rid, work, input_tensors)
 
-    def scatter(self, output_tensors: Any, input_lists: Any, *args: Any, **kwargs: Any) -> Any:
+    def scatter(self, output_tensors, input_lists, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll_nested(9, input_lists, output_tensors)
-        work = super().scatter(output_tensors, input_lists, *args, **kwargs)
+        try:
+            work = self._fr_backend(output_tensors).scatter(
+                output_tensors, input_lists, *args, **kwargs
+            )
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().scatter(output_tensors, input_lists, *args, **kwargs)
         return self._fr_done(rid, work, output_tensors)
 
-    def reduce_scatter(
-        self, output_tensors: Any, input_lists: Any, *args: Any, **kwargs: Any
-    ) -> Any:
+    def reduce_scatter(self, output_tensors, input_lists, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll_nested(10, input_lists, output_tensors)
-        work = super().reduce_scatter(output_tensors, input_lists, *args, **kwargs)
+        try:
+            work = self._fr_backend(output_tensors).reduce_scatter(
+                output_tensors, input_lists, *args, **kwargs
+            )
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().reduce_scatter(output_tensors, input_lists, *args, **kwargs)
         return self._fr_done(rid, work, output_tensors)
 
-    def reduce_scatter_single(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+    def reduce_scatter_single(self, output, input, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(11, input, output)
-        work = super().reduce_scatter_single(output, input, *args, **kwargs)
+        try:
+            work = self._fr_backend(input)._reduce_scatter_base(output, input, *args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().reduce_scatter_single(output, input, *args, **kwargs)
         return self._fr_done(rid, work, input)
 
-    def _reduce_scatter_base(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+    def _reduce_scatter_base(self, output, input, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(11, input, output)
-        work = super()._reduce_scatter_base(output, input, *args, **kwargs)
+        try:
+            work = self._fr_backend(input)._reduce_scatter_base(output, input, *args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super()._reduce_scatter_base(output, input, *args, **kwargs)
         return self._fr_done(rid, work, input)
 
-    def reduce_scatter_single_coalesced(
-        self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any
-    ) -> Any:
+    def reduce_scatter_single_coalesced(self, outputs, inputs, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(12, inputs, outputs)
-        work = super().reduce_scatter_single_coalesced(outputs, inputs, *args, **kwargs)
+        try:
+            work = self._fr_backend(inputs).reduce_scatter_tensor_coalesced(
+                outputs, inputs, *args, **kwargs
+            )
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().reduce_scatter_single_coalesced(outputs, inputs, *args, **kwargs)
         return self._fr_done(rid, work, inputs)
 
-    def all_to_all_single(self, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+    def all_to_all_single(self, output, input, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(13, input, output)
-        work = super().all_to_all_single(output, input, *args, **kwargs)
+        try:
+            work = self._fr_backend(input).alltoall_base(output, input, *args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().all_to_all_single(output, input, *args, **kwargs)
         return self._fr_done(rid, work, input)
 
-    def alltoall(self, output_tensors: Any, input_tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    def alltoall(self, output_tensors, input_tensors, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(14, input_tensors, output_tensors)
-        work = super().alltoall(output_tensors, input_tensors, *args, **kwargs)
+        try:
+            work = self._fr_backend(input_tensors).alltoall(
+                output_tensors, input_tensors, *args, **kwargs
+            )
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().alltoall(output_tensors, input_tensors, *args, **kwargs)
         return self._fr_done(rid, work, input_tensors)
 
     def barrier(self, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_coll(15, (), ())
-        return self._fr_done(rid, super().barrier(*args, **kwargs), None)
+        try:
+            work = self._fr_barrier_backend.barrier(*args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().barrier(*args, **kwargs)
+        return self._fr_done(rid, work, None)
 
     # -- point to point --------------------------------------------------------------------
 
     def send(self, tensors: Any, dst: int, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_p2p(16, tensors, dst)
-        return self._fr_done(rid, super().send(tensors, dst, *args, **kwargs), tensors)
+        try:
+            work = self._fr_backend(tensors).send(tensors, dst, *args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().send(tensors, dst, *args, **kwargs)
+        return self._fr_done(rid, work, tensors, False)
 
     def recv(self, tensors: Any, src: int, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_p2p(17, tensors, src)
-        return self._fr_done(rid, super().recv(tensors, src, *args, **kwargs), tensors)
+        try:
+            work = self._fr_backend(tensors).recv(tensors, src, *args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().recv(tensors, src, *args, **kwargs)
+        return self._fr_done(rid, work, tensors, False)
 
     def recv_anysource(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
         rid = self._fr_p2p(18, tensors, -1)
-        return self._fr_done(rid, super().recv_anysource(tensors, *args, **kwargs), tensors)
+        try:
+            work = self._fr_backend(tensors).recv_anysource(tensors, *args, **kwargs)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = super().recv_anysource(tensors, *args, **kwargs)
+        return self._fr_done(rid, work, tensors, False)
 
     # -- coalescing ------------------------------------------------------------------------
 
