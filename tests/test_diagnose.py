@@ -386,3 +386,9 @@ def test_ops_issued_moments_before_a_live_dump_are_in_flight_not_hung():
     for info in trace.ranks.values():
         info.dump_time_ns = last + 1_000_000
     assert diagnose(trace).kind == "healthy"
+
+
+def test_two_stragglers_in_one_pair_do_not_hide_each_other():
+    v = diagnose(simulate(JOB, training(JOB, 4), delay_ms={4: 30, 5: 30}))
+    assert v.kind == "straggler"
+    assert v.guilty_ranks == [4, 5]

@@ -39,9 +39,9 @@ STALE_DUMP_NS = 60 * 1_000_000_000
 # is in flight, not blocked: live dumps of healthy jobs are full of such ops.
 IN_FLIGHT_NS = 5 * 1_000_000_000
 
-# Straggler rule: last into >= STRAGGLER_LAST_SHARE of the (>= STRAGGLER_MIN_COLLECTIVES)
-# matched collectives it took part in, and median lateness behind the others' mean
-# >= max(STRAGGLER_MIN_LATE_NS, STRAGGLER_SPREAD_FACTOR x the others' median spread).
+# Straggler rule: with T = max(STRAGGLER_MIN_LATE_NS, STRAGGLER_SPREAD_FACTOR x the typical
+# jitter), at least T behind the other members' mean in >= STRAGGLER_LAST_SHARE of the
+# (>= STRAGGLER_MIN_COLLECTIVES) matched collectives it took part in, median lateness >= T.
 STRAGGLER_LAST_SHARE = 0.6
 STRAGGLER_MIN_COLLECTIVES = 5
 STRAGGLER_MIN_LATE_NS = 5_000_000
@@ -875,43 +875,26 @@ class _Context:
         c = c[full]
         if not len(c):
             return None
-        grp = c.groupby(["pg_name", "seq"], sort=False, observed=True)["time_created_ns"]
-        tmax = grp.transform("max")
-        tmin = grp.transform("min")
-        tsum = grp.transform("sum").astype(np.float64)
-        n_members = grp.transform("size").astype(np.float64)
-        t = c["time_created_ns"].astype(np.float64)
-        is_last = (c["time_created_ns"] == tmax) & (tmax > tmin)
-        # Lateness behind the mean of the *other* members (in a pair: behind the partner).
-        late = t - (tsum - t) / (n_members - 1)
-        spread = (tmax - tmin).astype(np.float64)
-        per = pd.DataFrame(
-            {"rank": c["rank"], "last": is_last, "late": late, "spread": spread}
-        ).groupby("rank", observed=True)
-        share = per["last"].mean()
-        n = per["last"].size()
-        median_late = per["late"].median()
-        cand = share[(share >= STRAGGLER_LAST_SHARE) & (n >= STRAGGLER_MIN_COLLECTIVES)]
-        found = []
-        for r in cand.index:
-            others = c[c["rank"] != r]
-            keys = c.loc[c["rank"] == r, ["pg_name", "seq"]]
-            o = others.merge(keys, on=["pg_name", "seq"])
-            spread_others = o.groupby(["pg_name", "seq"], observed=True)["time_created_ns"].agg(
-                lambda s: s.max() - s.min()
-            )
-            base = float(spread_others.median()) if len(spread_others) else 0.0
-            threshold = max(STRAGGLER_MIN_LATE_NS, STRAGGLER_SPREAD_FACTOR * base)
-            if float(median_late[r]) >= threshold:
-                found.append((int(r), float(share[r]), float(median_late[r]), int(n[r])))
-        if not found:
+        c = c[["pg_name", "seq", "rank", "time_created_ns"]].reset_index(drop=True)
+        # Pass 1 with every member as a reference; pass 2 measures each rank against the
+        # members that are not straggler candidates (two stragglers in one pair or group
+        # would otherwise hide each other).
+        found = self._stragglers(c, set())
+        if found:
+            loose = set(found)
+            found = self._stragglers(c, loose)
+        else:
+            found = {}
+        found_list = [(r, *found[r]) for r in sorted(found)]
+        if not found_list:
             return None
+        found = found_list
         guilty = []
         for r, sh, lt, cnt in found:
             g = self._identity(r)
             g.call_site = self._call_site(r, None)
             g.reason = (
-                f"last into {sh:.0%} of its {cnt} collectives, median {lt / 1e6:.1f} ms "
+                f"late into {sh:.0%} of its {cnt} collectives, median {lt / 1e6:.1f} ms "
                 "behind its peers"
             )
             guilty.append(g)
@@ -925,11 +908,37 @@ class _Context:
             guilty=guilty,
         )
         verdict.evidence.append(
-            f"Rule: last in >= {STRAGGLER_LAST_SHARE:.0%} of >= {STRAGGLER_MIN_COLLECTIVES} "
-            f"matched collectives and median lateness >= max({STRAGGLER_MIN_LATE_NS / 1e6:.0f} "
-            f"ms, {STRAGGLER_SPREAD_FACTOR:g} x the others' spread)."
+            f"Rule: at least T late in >= {STRAGGLER_LAST_SHARE:.0%} of >= "
+            f"{STRAGGLER_MIN_COLLECTIVES} matched collectives and median lateness >= T, "
+            f"T = max({STRAGGLER_MIN_LATE_NS / 1e6:.0f} ms, {STRAGGLER_SPREAD_FACTOR:g} x the "
+            "typical jitter)."
         )
         return verdict
+
+    @staticmethod
+    def _stragglers(c: pd.DataFrame, candidates: set[int]) -> dict[int, tuple[float, float, int]]:
+        """rank -> (late share, median lateness ns, collectives) for ranks that pass the rule,
+        with lateness measured against the mean of the other members not in ``candidates``."""
+        t = c["time_created_ns"].to_numpy(dtype=np.float64)
+        ref = ~c["rank"].isin(candidates).to_numpy()
+        keys = [c["pg_name"], c["seq"]]
+        ref_sum = pd.Series(np.where(ref, t, 0.0)).groupby(keys, observed=True).transform("sum")
+        ref_n = pd.Series(ref.astype(np.float64)).groupby(keys, observed=True).transform("sum")
+        ref_sum = ref_sum.to_numpy() - np.where(ref, t, 0.0)
+        ref_n = ref_n.to_numpy() - ref
+        ok = ref_n > 0
+        late = t[ok] - ref_sum[ok] / ref_n[ok]
+        ranks = c["rank"].to_numpy()[ok]
+        if not len(late):
+            return {}
+        jitter = float(np.median(np.clip(late[~np.isin(ranks, list(candidates))], 0, None)))
+        threshold = max(STRAGGLER_MIN_LATE_NS, STRAGGLER_SPREAD_FACTOR * jitter)
+        per = pd.DataFrame({"rank": ranks, "late": late, "flag": late >= threshold}).groupby("rank")
+        share, n, med = per["flag"].mean(), per["flag"].size(), per["late"].median()
+        hit = (
+            (share >= STRAGGLER_LAST_SHARE) & (n >= STRAGGLER_MIN_COLLECTIVES) & (med >= threshold)
+        )
+        return {int(r): (float(share[r]), float(med[r]), int(n[r])) for r in share.index[hit]}
 
     def unexplained_absence(self) -> Verdict | None:
         """No hang in the records, but expected ranks left no dump: they may have died
