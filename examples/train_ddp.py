@@ -33,6 +33,13 @@ def main() -> None:
     parser.add_argument("--fault-step", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0, help="process group timeout (s)")
     parser.add_argument(
+        "--linger",
+        type=float,
+        default=0.0,
+        help="when a collective fails (a peer died), wait this long before exiting, as a "
+        "rank stuck in NCCL would",
+    )
+    parser.add_argument(
         "--extras", action="store_true", help="also a subgroup all-reduce and a P2P ring"
     )
     parser.add_argument(
@@ -57,7 +64,12 @@ def main() -> None:
         x = torch.randn(16, 32)
         loss = ddp(x).pow(2).mean()
         optimizer.zero_grad()
-        loss.backward()
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            print(f"rank {rank} step {step}: collective failed: {exc}", flush=True)
+            time.sleep(args.linger)
+            raise
         optimizer.step()
         print(f"rank {rank} step {step} loss {loss.item():.4f}", flush=True)
     if args.extras:

@@ -141,7 +141,9 @@ def dead_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     runs = {}
     for kind in ("kill", "exit"):
         base = tmp_path_factory.mktemp(f"fault_{kind}")
-        argv = frtools_run(base, kind, *fault_args(kind), "--timeout", "20")
+        # survivors fail fast on Gloo when a peer dies; --linger keeps them blocked a while,
+        # as NCCL ranks would be, so their last op is visibly old
+        argv = frtools_run(base, kind, *fault_args(kind), "--timeout", "20", "--linger", "7")
         result = wait_ranks(start_ranks(argv, WORLD, env={"FRTOOLS_STALL_SECONDS": "2"}), 90)
         runs[kind] = {"dir": base / kind, "result": result}
     return runs

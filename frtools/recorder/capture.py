@@ -277,9 +277,11 @@ class Recorder:
                 item = pending.popleft()
                 rid, work, order = item
                 if work.is_completed():
-                    mark(rid)
-                    if order is not None and rid > done_upto.get(order, -1):
-                        done_upto[order] = rid
+                    # a failed op (a peer died, a timeout) is not "completed": leave its state
+                    if _succeeded(work):
+                        mark(rid)
+                        if order is not None and rid > done_upto.get(order, -1):
+                            done_upto[order] = rid
                 else:
                     waiting.append(item)
             for item in waiting:
@@ -318,6 +320,19 @@ class Recorder:
         self._cuda_keep.append((start, end))
         if len(self._cuda_keep) > 4096:
             del self._cuda_keep[:2048]
+
+
+def _succeeded(work: Any) -> bool:
+    """Whether a completed work succeeded (``is_success()`` would print a deprecation)."""
+    try:
+        fut = work.get_future()
+    except RuntimeError:  # no future (Gloo P2P): completion is all there is to know
+        return True
+    try:
+        fut.value()
+    except Exception:
+        return False
+    return True
 
 
 def _line_of(code: Any, lasti: int) -> int:
