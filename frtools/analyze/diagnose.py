@@ -879,7 +879,7 @@ class _Context:
         # Pass 1 with every member as a reference; pass 2 measures each rank against the
         # members that are not straggler candidates (two stragglers in one pair or group
         # would otherwise hide each other).
-        found = self._stragglers(c, set())
+        found = self._stragglers(c, set(), loose=True)
         if found:
             loose = set(found)
             found = self._stragglers(c, loose)
@@ -916,9 +916,12 @@ class _Context:
         return verdict
 
     @staticmethod
-    def _stragglers(c: pd.DataFrame, candidates: set[int]) -> dict[int, tuple[float, float, int]]:
+    def _stragglers(
+        c: pd.DataFrame, candidates: set[int], loose: bool = False
+    ) -> dict[int, tuple[float, float, int]]:
         """rank -> (late share, median lateness ns, collectives) for ranks that pass the rule,
-        with lateness measured against the mean of the other members not in ``candidates``."""
+        with lateness measured against the mean of the other members not in ``candidates``;
+        ``loose`` halves the share and the lateness asked for (the candidate pass)."""
         t = c["time_created_ns"].to_numpy(dtype=np.float64)
         ref = ~c["rank"].isin(candidates).to_numpy()
         keys = [c["pg_name"], c["seq"]]
@@ -935,8 +938,11 @@ class _Context:
         threshold = max(STRAGGLER_MIN_LATE_NS, STRAGGLER_SPREAD_FACTOR * jitter)
         per = pd.DataFrame({"rank": ranks, "late": late, "flag": late >= threshold}).groupby("rank")
         share, n, med = per["flag"].mean(), per["flag"].size(), per["late"].median()
+        k = 0.5 if loose else 1.0
         hit = (
-            (share >= STRAGGLER_LAST_SHARE) & (n >= STRAGGLER_MIN_COLLECTIVES) & (med >= threshold)
+            (share >= k * STRAGGLER_LAST_SHARE)
+            & (n >= STRAGGLER_MIN_COLLECTIVES)
+            & (med >= k * threshold)
         )
         return {int(r): (float(share[r]), float(med[r]), int(n[r])) for r in share.index[hit]}
 
