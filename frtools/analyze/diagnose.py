@@ -120,7 +120,8 @@ class _Context:
         }
         self.notes: list[str] = []
         self.blocked_known: set[int] = set()
-        self._info_cache: dict[int, bool] = {}
+        self._ranks_with_info: set[int] | None = None
+        self._pair_rows: dict[tuple, pd.DataFrame] = {}
         times = [self.coll[["rank", "time_created_ns"]]]
         if len(al.p2p):
             times.append(al.p2p[["rank", "time_created_ns"]])
@@ -198,7 +199,16 @@ class _Context:
                 point.blockers = sorted(int(r) for r in who["rank"])
                 for r in point.blockers:
                     self.blocked_at[r] = point.key
-        for row in blocked[blocked["kind"] == "p2p"].itertuples(index=False):
+        p2p_blocked = blocked[blocked["kind"] == "p2p"]
+        if len(p2p_blocked):
+            # Only the pairs some rank is blocked on, split once.
+            p2p = self.al.p2p
+            mine = p2p.loc[p2p_blocked["seq"].to_numpy(), ["pg_name", "sender", "receiver"]]
+            rows = p2p.merge(mine.drop_duplicates(), on=["pg_name", "sender", "receiver"])
+            self._pair_rows = dict(
+                iter(rows.groupby(["pg_name", "sender", "receiver", "direction"], observed=True))
+            )
+        for row in p2p_blocked.itertuples(index=False):
             point = self._p2p_point(int(row.seq))
             if point is None:
                 continue
@@ -309,12 +319,9 @@ class _Context:
             time_ns=int(row["time_created_ns"]),
         )
         other_dir = "recv" if row["direction"] == "send" else "send"
-        pair = p2p[
-            (p2p["pg_name"] == row["pg_name"])
-            & (p2p["sender"] == sender)
-            & (p2p["receiver"] == receiver)
-            & (p2p["direction"] == other_dir)
-        ]
+        pair = self._pair_rows.get((row["pg_name"], sender, receiver, other_dir))
+        if pair is None:
+            pair = p2p.iloc[0:0]
         me = int(row["rank"])
         peer = receiver if me == sender else sender
         peer_known = pair["completed"].notna().any() or self._has_info(peer)
@@ -354,10 +361,13 @@ class _Context:
 
     def _has_info(self, rank: int) -> bool:
         """Whether this rank's record says which of its ops completed."""
-        if rank not in self._info_cache:
-            mine = self.coll.loc[self.coll["rank"] == rank, "completed"]
-            self._info_cache[rank] = bool(mine.notna().any())
-        return self._info_cache[rank]
+        if self._ranks_with_info is None:
+            known = self.coll.loc[self.coll["completed"].notna(), "rank"]
+            self._ranks_with_info = set(int(r) for r in known.unique())
+            if len(self.al.p2p):
+                p = self.al.p2p
+                self._ranks_with_info |= set(int(r) for r in p.loc[p["completed"].notna(), "rank"])
+        return rank in self._ranks_with_info
 
     def _targets_of(self, rank: int) -> set[int]:
         key = self.blocked_at.get(rank)
