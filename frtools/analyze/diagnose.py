@@ -406,10 +406,12 @@ class _Context:
             and self._stuck_point(self.points[self.blocked_at[r]], trust_gloo=True)
         }
         if roots and stuck_roots == roots:
-            stuck_points = list(
-                {self.blocked_at[r]: self.points[self.blocked_at[r]] for r in roots}.values()
-            )
-            return self._stuck_verdict(stuck_points, waiting)
+            stuck = {self.blocked_at[r]: self.points[self.blocked_at[r]] for r in roots}
+            # Other ops wedged the same way (real states), even if nobody waits on them yet.
+            for key, p in self.points.items():
+                if key not in stuck and self._stuck_point(p):
+                    stuck[key] = p
+            return self._stuck_verdict(list(stuck.values()), waiting)
         roots -= stuck_roots
         waiting |= stuck_roots
         if roots:
