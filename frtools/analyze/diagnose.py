@@ -891,12 +891,8 @@ class _Context:
         # Pass 1 with every member as a reference; pass 2 measures each rank against the
         # members that are not straggler candidates (two stragglers in one pair or group
         # would otherwise hide each other).
-        found = self._stragglers(c, set(), loose=True)
-        if found:
-            loose = set(found)
-            found = self._stragglers(c, loose)
-        else:
-            found = {}
+        candidates = set(self._stragglers(c, set())) or set(self._stragglers(c, set(), loose=True))
+        found = self._stragglers(c, candidates) if candidates else {}
         found_list = [(r, *found[r]) for r in sorted(found)]
         if not found_list:
             return None
@@ -933,7 +929,7 @@ class _Context:
     ) -> dict[int, tuple[float, float, int]]:
         """rank -> (late share, median lateness ns, collectives) for ranks that pass the rule,
         with lateness measured against the mean of the other members not in ``candidates``;
-        ``loose`` halves the share and the lateness asked for (the candidate pass)."""
+        ``loose``: the candidate pass (late in >= 15%, 90th percentile lateness >= T)."""
         t = c["time_created_ns"].to_numpy(dtype=np.float64)
         ref = ~c["rank"].isin(candidates).to_numpy()
         keys = [c["pg_name"], c["seq"]]
@@ -946,16 +942,22 @@ class _Context:
         ranks = c["rank"].to_numpy()[ok]
         if not len(late):
             return {}
-        jitter = float(np.median(np.clip(late[~np.isin(ranks, list(candidates))], 0, None)))
+        normal = late[~np.isin(ranks, list(candidates))]
+        jitter = float(np.median(np.clip(normal, 0, None))) if len(normal) else 0.0
         threshold = max(STRAGGLER_MIN_LATE_NS, STRAGGLER_SPREAD_FACTOR * jitter)
         per = pd.DataFrame({"rank": ranks, "late": late, "flag": late >= threshold}).groupby("rank")
         share, n, med = per["flag"].mean(), per["flag"].size(), per["late"].median()
-        k = 0.5 if loose else 1.0
-        hit = (
-            (share >= k * STRAGGLER_LAST_SHARE)
-            & (n >= STRAGGLER_MIN_COLLECTIVES)
-            & (med >= k * threshold)
-        )
+        if loose:
+            # Candidates: clearly late in some collectives (a group made only of stragglers
+            # shows them on time, so the share and the median are not asked for yet).
+            q90 = per["late"].quantile(0.9)
+            hit = (share >= 0.15) & (n >= STRAGGLER_MIN_COLLECTIVES) & (q90 >= threshold)
+        else:
+            hit = (
+                (share >= STRAGGLER_LAST_SHARE)
+                & (n >= STRAGGLER_MIN_COLLECTIVES)
+                & (med >= threshold)
+            )
         return {int(r): (float(share[r]), float(med[r]), int(n[r])) for r in share.index[hit]}
 
     def unexplained_absence(self) -> Verdict | None:
