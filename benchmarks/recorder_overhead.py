@@ -43,7 +43,16 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str) -> None:
     if not frtools.recorder.enable(dir=out_dir, stall_seconds=0):
         raise SystemExit("frtools could not be enabled")
     recorded = dist.new_group([0, 1])
-    groups = {"plain": plain, "recorded": recorded}
+    nostack = dist.new_group([0, 1])
+    groups = {"plain": plain, "recorded": recorded, "nostack": nostack}
+    from frtools.recorder import capture
+
+    recorder = capture.current_recorder()
+    with_stacks = recorder.stack_id
+
+    def stacks_for(name: str) -> None:
+        # exactly what FRTOOLS_STACKS=0 does, switched per block
+        recorder.stack_id = capture._no_stack if name == "nostack" else with_stacks
 
     torch.manual_seed(0)
 
@@ -57,33 +66,45 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str) -> None:
     x = torch.randn(8, 64)
     t = torch.zeros(1)
 
-    def allreduce_block(g: object) -> float:
+    def allreduce_block(g: object) -> tuple[float, float]:
         dist.barrier(group=g)
-        start = time.perf_counter_ns()
+        start, cpu = time.perf_counter_ns(), time.thread_time_ns()
         for _ in range(ops):
             dist.all_reduce(t, group=g)
-        return (time.perf_counter_ns() - start) / ops / 1000.0
+        wall, cpu = time.perf_counter_ns() - start, time.thread_time_ns() - cpu
+        return wall / ops / 1000.0, cpu / ops / 1000.0
 
-    def ddp_block(ddp: nn.Module, g: object) -> float:
+    def ddp_block(ddp: nn.Module, g: object) -> tuple[float, float]:
         dist.barrier(group=g)
-        start = time.perf_counter_ns()
+        start, cpu = time.perf_counter_ns(), time.thread_time_ns()
         for _ in range(steps):
             ddp(x).sum().backward()
-        return (time.perf_counter_ns() - start) / steps / 1000.0
+        wall, cpu = time.perf_counter_ns() - start, time.thread_time_ns() - cpu
+        return wall / steps / 1000.0, cpu / steps / 1000.0
 
-    for name, g in groups.items():  # warm up both paths
+    for name, g in groups.items():  # warm up every path
+        stacks_for(name)
         allreduce_block(g)
         ddp_block(ddps[name], g)
     samples: dict[str, list[float]] = {
-        f"{kind}/{name}": [] for kind in ("allreduce", "ddp") for name in groups
+        f"{kind}/{clock}/{name}": []
+        for kind in ("allreduce", "ddp")
+        for clock in ("wall", "cpu")
+        for name in groups
     }
+
+    def add(kind: str, name: str, values: tuple[float, float]) -> None:
+        samples[f"{kind}/wall/{name}"].append(values[0])
+        samples[f"{kind}/cpu/{name}"].append(values[1])
+
     for r in range(rounds):
         order = list(groups) if r % 2 == 0 else list(reversed(groups))
         for name in order:
-            samples[f"allreduce/{name}"].append(allreduce_block(groups[name]))
+            stacks_for(name)
+            add("allreduce", name, allreduce_block(groups[name]))
         for name in order:
-            samples[f"ddp/{name}"].append(ddp_block(ddps[name], groups[name]))
-    # ops per DDP step on the recorded group, counted from the black box
+            stacks_for(name)
+            add("ddp", name, ddp_block(ddps[name], groups[name]))
     if rank == 0:
         print("RESULT " + json.dumps(samples), flush=True)
     dist.barrier()
@@ -152,52 +173,60 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in no_fr.items()}
     med_fr = {k: statistics.median(v) for k, v in with_fr.items()}
     rows = []
-    for kind, label, unit in (
-        ("allreduce", "all_reduce (1 float), per op", "µs/op"),
-        ("ddp", "DDP step (fwd+bwd), per step", "µs/step"),
+    for kind, label in (
+        ("allreduce", "all_reduce, 1 float [µs/op]"),
+        ("ddp", "DDP step fwd+bwd [µs/step]"),
     ):
-        base = med[f"{kind}/plain"]
-        torch_fr = med_fr[f"{kind}/plain"]
-        ours = med[f"{kind}/recorded"]
-        both = med_fr[f"{kind}/recorded"]
-        rows.append(
-            {
-                "workload": label,
-                "unit": unit,
-                "none": base,
-                "torch_fr": torch_fr,
-                "frtools": ours,
-                "torch_fr_plus_frtools": both,
-                "torch_fr_overhead": torch_fr - base,
-                "frtools_overhead": ours - base,
-                "frtools_ratio": ours / base,
-                "torch_fr_ratio": torch_fr / base,
-            }
-        )
+        for clock in ("wall", "cpu"):
+            base = med[f"{kind}/{clock}/plain"]
+            torch_fr = med_fr[f"{kind}/{clock}/plain"]
+            ours = med[f"{kind}/{clock}/recorded"]
+            rows.append(
+                {
+                    "workload": label,
+                    "clock": clock,
+                    "none": base,
+                    "torch_fr": torch_fr,
+                    "frtools": ours,
+                    "torch_fr_plus_frtools": med_fr[f"{kind}/{clock}/recorded"],
+                    "frtools_no_stacks": med[f"{kind}/{clock}/nostack"],
+                    "torch_fr_overhead": torch_fr - base,
+                    "frtools_overhead": ours - base,
+                    "torch_fr_ratio": torch_fr / base,
+                    "frtools_ratio": ours / base,
+                }
+            )
     try:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title="Recorder overhead (Gloo, 2 ranks, medians)")
-        for col in ("workload", "none", "PyTorch FR", "frtools", "FR Δ", "frtools Δ", "ratio"):
-            table.add_column(col, justify="left" if col == "workload" else "right")
+        table = Table(title="Recorder overhead (Gloo, 2 ranks, medians over blocks)")
+        cols = ("workload", "clock", "none", "PyTorch FR", "frtools", "FR Δ", "frtools Δ")
+        for col in (*cols, "no-stacks Δ"):
+            table.add_column(col, justify="left" if col in ("workload", "clock") else "right")
+        table.add_column("frtools/none", justify="right")
         for r in rows:
             table.add_row(
-                f"{r['workload']} [{r['unit']}]",
+                r["workload"],
+                "caller CPU" if r["clock"] == "cpu" else "wall",
                 f"{r['none']:.1f}",
                 f"{r['torch_fr']:.1f}",
                 f"{r['frtools']:.1f}",
-                f"{r['torch_fr_overhead']:+.2f}",
-                f"{r['frtools_overhead']:+.2f}",
-                f"{r['frtools_ratio']:.3f}x",
+                f"{r['torch_fr_overhead']:+.1f}",
+                f"{r['frtools_overhead']:+.1f}",
+                f"{r['frtools_no_stacks'] - r['none']:+.1f}",
+                f"{r['frtools_ratio']:.2f}x",
             )
-        Console().print(table)
+        Console(width=110).print(table)
     except ImportError:
         for r in rows:
             print(r)
     print(
-        f"rounds={args.rounds} ops/block={args.ops} ddp steps/block={args.steps}; "
-        "Δ = difference to no recording; PyTorch FR and no-recording come from separate jobs."
+        f"rounds={args.rounds} ops/block={args.ops} DDP steps/block={args.steps}. "
+        "Δ = difference to no recording. 'caller CPU' = CPU time of the calling thread "
+        "(robust to a loaded machine); 'wall' includes the network round trip. "
+        "No recording and frtools share each job (alternating blocks); PyTorch FR is a "
+        "second job. no-stacks: frtools with FRTOOLS_STACKS=0."
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -108,7 +108,7 @@ def _open(rank: int, world_size: int, backend: str) -> Any:
         print(f"frtools: watchdog not started: {exc}", file=sys.stderr)
     _session["path"] = path
     _session["box"] = box
-    return capture.Recorder(box)
+    return capture.Recorder(box, poll_ms=max(5, min(cfg.poll_ms, 100)), stacks=cfg.stacks)
 
 
 def enable(

@@ -49,6 +49,7 @@ recorded on the collective's stream after the op) handed to ``BlackBox.watch_cud
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import sys
 import threading
@@ -115,7 +116,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class Recorder:
     """Everything the hooks share: the black box, the string caches, the failure switch."""
 
-    def __init__(self, box: Any, cuda_events: bool = True, poll_ms: int = 10) -> None:
+    def __init__(
+        self, box: Any, cuda_events: bool = True, poll_ms: int = 10, stacks: bool = True
+    ) -> None:
         self.box = box
         self.enabled = True
         self.cuda_events = cuda_events
@@ -129,6 +132,8 @@ class Recorder:
         self._lock = threading.Lock()
         self._failed_once = False
         self._cuda_keep: list[tuple[Any, Any]] = []
+        if not stacks:
+            self.stack_id = _no_stack  # type: ignore[method-assign]
         self._here = __file__
         # (rid, work) of CPU ops not known to be completed yet
         self._pending: deque[tuple[int, Any]] = deque()
@@ -249,10 +254,10 @@ class Recorder:
         ``reduce_scatter_tensor``, never report completion themselves). None for P2P.
 
         CUDA ops: start/end events polled by the native watchdog (no GIL). CPU ops: the work
-        is queued and checked with ``is_completed()`` at the next recorded op and by a
-        low-rate poller thread. (A ``Future.add_done_callback`` per op would make Gloo's
-        worker thread take the GIL at every completion, a contended handoff that costs far
-        more than the recording itself.)
+        is queued and checked with ``is_completed()`` by a poller thread every ``poll_ms``
+        (completion times are discovery times, as in PyTorch's recorder). Checking in the
+        caller's thread, or a ``Future.add_done_callback`` per op (Gloo's worker thread then
+        takes the GIL at every completion), cost more than the recording itself.
         """
         if work is None:
             self.box.mark_completed(rid)
@@ -265,7 +270,7 @@ class Recorder:
             self._start_poller()
 
     def poll(self) -> None:
-        """Mark the queued works that have finished; called per op and by the poller."""
+        """Mark the queued works that have finished (the poller thread calls this)."""
         if not self._poll_lock.acquire(blocking=False):
             return
         try:
@@ -273,7 +278,7 @@ class Recorder:
             mark = self.box.mark_completed
             done_upto: dict[Any, int] = {}
             waiting = []
-            for _ in range(min(len(pending), 256)):
+            for _ in range(len(pending)):
                 item = pending.popleft()
                 rid, work, order = item
                 if work.is_completed():
@@ -302,6 +307,12 @@ class Recorder:
 
         self._poller = threading.Thread(target=loop, name="frtools-poller", daemon=True)
         self._poller.start()
+        atexit.register(self._final_poll)
+
+    def _final_poll(self) -> None:
+        """At exit, mark what finished since the poller's last pass (the job's last ops)."""
+        with contextlib.suppress(Exception):
+            self.poll()
 
     def _watch_cuda(self, rid: int, work: Any) -> None:
         start = torch.cuda.Event(enable_timing=True)
@@ -320,6 +331,10 @@ class Recorder:
         self._cuda_keep.append((start, end))
         if len(self._cuda_keep) > 4096:
             del self._cuda_keep[:2048]
+
+
+def _no_stack() -> int:
+    return 0
 
 
 def _succeeded(work: Any) -> bool:
@@ -420,8 +435,6 @@ class RecordingProcessGroup(ProcessGroup):
         if not fr.enabled:
             return -1
         try:
-            if fr._pending:
-                fr.poll()
             if not self._fr_coalescing:
                 self._fr_coll_seq += 1
             isz, idt = fr.sizes_id(inputs)
@@ -451,8 +464,6 @@ class RecordingProcessGroup(ProcessGroup):
         if not fr.enabled:
             return -1
         try:
-            if fr._pending:
-                fr.poll()
             self._fr_p2p_seq += 1
             sz, dt = fr.sizes_id(tensors)
             gpeer = self._fr_ranks[peer] if 0 <= peer < len(self._fr_ranks) else peer

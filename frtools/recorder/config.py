@@ -22,6 +22,9 @@ variable                   default             meaning
                                                stack to ``rank_<R>.stacks``
 ``FRTOOLS_POLL_MS``        ``50``              how often the native watchdog polls CUDA events,
                                                beats the heartbeat and serves dump requests
+                                               (and Python checks CPU ops for completion)
+``FRTOOLS_STACKS``         ``1``               ``0``: record no Python call stacks (saves
+                                               about half the per-op cost; no call sites)
 =========================  ==================  ==============================================
 
 Reading is pure and cheap: no torch, no files touched.
@@ -50,6 +53,7 @@ ENV_VARS = (
     "FRTOOLS_STALL_SECONDS",
     "FRTOOLS_STACK_SIGNAL",
     "FRTOOLS_POLL_MS",
+    "FRTOOLS_STACKS",
 )
 
 
@@ -66,6 +70,7 @@ class RecorderConfig:
     stall_seconds: float
     stack_signal: int
     poll_ms: int
+    stacks: bool = True
 
     def rank_path(self, rank: int, suffix: str = ".frt") -> str:
         return os.path.join(self.dir, self.job_id, f"rank_{rank}{suffix}")
@@ -131,6 +136,7 @@ def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> Recor
         "stall_seconds": float(_number(env, "FRTOOLS_STALL_SECONDS", DEFAULT_STALL_SECONDS, float)),
         "stack_signal": parse_signal(env.get("FRTOOLS_STACK_SIGNAL", "") or DEFAULT_STACK_SIGNAL),
         "poll_ms": int(_number(env, "FRTOOLS_POLL_MS", DEFAULT_POLL_MS, int)),
+        "stacks": env.get("FRTOOLS_STACKS", "1").strip().lower() not in ("0", "false", "no", "off"),
     }
     for key, value in overrides.items():
         if value is not None:
