@@ -269,3 +269,44 @@ def test_gpu_check_accepts_ops_completed_by_cuda_events(tmp_path: Path) -> None:
     _fake_cuda_box(tmp_path / "running.frt", end_done=False)
     problems = check_snapshot(tmp_path / "running.frt", 1)
     assert len(problems) == 1 and "is 'started', not completed" in problems[0]
+
+
+# --------------------------------------------------------------------------------------
+# enable() / disable() in-process
+# --------------------------------------------------------------------------------------
+
+ENABLE_SCRIPT = """
+import sys, torch, torch.distributed as dist, frtools.recorder as fr
+mode, out = sys.argv[1], sys.argv[2]
+if mode == "before":
+    assert fr.enable(dir=out, job_id="j")
+dist.init_process_group("gloo")
+if mode == "after":
+    assert fr.enable(dir=out, job_id="j")
+later = dist.new_group([0], group_desc="later")
+dist.all_reduce(torch.ones(2))
+dist.all_reduce(torch.ones(3), group=later)
+fr.disable()
+dist.all_reduce(torch.ones(4), group=later)
+print(dist.get_backend(), dist.get_backend(later), fr.is_enabled())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("mode", "recorded"),
+    [("before", [("default_pg", "[[2]]"), ("later", "[[3]]")]), ("after", [("later", "[[3]]")])],
+)
+def test_enable_before_or_after_init_records_the_groups_created_after_it(
+    tmp_path: Path, mode: str, recorded: list
+) -> None:
+    from jobs import run_job
+
+    script = tmp_path / "enable_job.py"
+    script.write_text(ENABLE_SCRIPT)
+    result = run_job(script, world_size=1, args=[mode, str(tmp_path / "out")], timeout=100)
+    assert result.ranks[0].returncode == 0, result.output()
+    assert result.ranks[0].stdout.split() == ["gloo", "gloo", "False"]  # names unchanged
+    entries = load_trace(tmp_path / "out" / "j").entries.to_pandas()
+    assert list(zip(entries["pg_desc"], entries["input_sizes"], strict=True)) == recorded
