@@ -30,10 +30,15 @@ How (checked on torch 2.13 with Gloo, 4 ranks; see tests/test_recorder_capture.p
   backend thread that needs the GIL while holding its queue lock deadlocks with it (seen in
   a benchmark). If recording raises, the op is still forwarded.
 * Functional collectives (``torch.distributed._functional_collectives``) resolve the group by
-  name in C++ and call the op methods of the group object registered under that name; the
-  registered object is the ``RecordingProcessGroup``, so the overridable ones are recorded
-  (``all_reduce``, ``all_to_all_single``; ``all_gather_into_tensor`` and
-  ``reduce_scatter_tensor`` call non-virtual C++ paths — see the test for what is seen).
+  name in C++ and call its virtual op methods; the object registered under that name is the
+  ``RecordingProcessGroup``, so they are recorded: ``all_reduce`` as ``all_reduce``,
+  ``all_gather_tensor`` as ``all_gather_into_tensor_coalesced``, ``reduce_scatter_tensor``
+  as ``reduce_scatter_tensor_coalesced`` (what the trampoline receives).
+* Checked by hand on 4 Gloo ranks: every ``dist.*`` collective, ``send``/``recv``,
+  ``batch_isend_irecv``, ``_coalescing_manager`` (one ``allreduce_coalesced``), functional
+  collectives, DDP (start-up broadcasts, reducer bucket all-reduces) and FSDP2
+  ``fully_shard`` (``_all_gather_base`` / ``_reduce_scatter_base``), each with the same
+  ``collective_seq_id`` as PyTorch's own recorder assigns.
 * Known limits: ``batch_isend_irecv`` only groups P2P ops for plain ``ProcessGroup`` objects
   (``type(group) is ProcessGroup``), so on a recorded group each P2P op is issued on its own
   (correct, each recorded with its own ``p2p_seq_id``; NCCL then does not fuse them). A group
@@ -42,9 +47,13 @@ How (checked on torch 2.13 with Gloo, 4 ranks; see tests/test_recorder_capture.p
 
 Per op the Python part is thin: bump the group's counter, look the shapes/dtypes and the
 call stack up in small caches (interned once in the black box's string table), one
-``BlackBox.record()`` call, and a completion hook: ``work.get_future()`` +
-``BlackBox.completer(rid)``; on CUDA a start and an end ``torch.cuda.Event`` (the end one
-recorded on the collective's stream after the op) handed to ``BlackBox.watch_cuda``.
+``BlackBox.record()`` call, and completion tracking. CPU ops: the Work is queued and a poller
+thread marks it completed once ``is_completed()`` and its future holds no error (a failed
+op — a dead peer — stays incomplete); a completed op also completes its group's older ones
+(some Gloo works never report completion). CUDA ops: a start and an end
+``torch.cuda.Event`` (the end one recorded in a ``then`` callback of the work's CUDA future,
+which runs with the collective's stream as current stream, so it is ordered after the op)
+handed to ``BlackBox.watch_cuda``; the native watchdog polls them without the GIL.
 """
 
 from __future__ import annotations
