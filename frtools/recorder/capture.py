@@ -906,6 +906,9 @@ def _wrapped_helper(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _state.pending = None
         if isinstance(pg, RecordingProcessGroup):
+            device_id = kwargs.get("device_id", args[3] if len(args) > 3 else None)
+            if device_id is not None and pg.bound_device_id is None:
+                pg.bound_device_id = device_id  # set on the helper's own pg object, not ours
             world = c10d._world
             world.pg_map[pg] = (backend, prefix_store)
             world.pg_backend_config[pg] = str(c10d.BackendConfig(c10d.Backend(str(backend))))
