@@ -325,15 +325,18 @@ class Recorder:
 
     def _watch_cuda(self, rid: int, work: Any) -> None:
         start = torch.cuda.Event(enable_timing=True)
-        start.record()  # after the op's kernels on the current stream's view: start proxy
+        start.record()  # current stream: the collective stream waited on it, so "can start"
         end = torch.cuda.Event(enable_timing=True)
         fut = work.get_future()
 
         def _record_end(_: Any) -> None:
             # Runs with the collective's stream as the current stream (CUDA futures set
             # it), so this event is ordered after the collective.
-            end.record()
-            self.box.watch_cuda(rid, start.cuda_event, end.cuda_event)
+            try:
+                end.record()
+                self.box.watch_cuda(rid, start.cuda_event, end.cuda_event)
+            except Exception as exc:  # raised here it would vanish into the future
+                self.fail(exc)
 
         fut.then(_record_end)
         # keep both events alive while the watchdog polls them
