@@ -71,6 +71,9 @@ def analyze(path: Path, fmt: str, output: Path | None, verbose: bool, workers: i
         code = _run(path, fmt, output, verbose, workers)
     except SystemExit:
         raise
+    except BrokenPipeError:  # `frtools analyze DIR | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
     except KeyboardInterrupt:
         _fail("interrupted")
     except Exception as e:  # noqa: BLE001 - the user gets one line, never a traceback
