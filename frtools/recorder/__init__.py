@@ -76,10 +76,8 @@ def _identity(rank: int, world_size: int, backend: str, job_id: str) -> dict[str
 
 def _open(rank: int, world_size: int, backend: str) -> Any:
     """Create this rank's black box, stacks file and watchdog; None (after one line) if not."""
-    import faulthandler
-
     from frtools.recorder import capture
-    from frtools.recorder.blackbox import NativeUnavailable, load_native
+    from frtools.recorder.blackbox import NativeUnavailable, load_native, register_stack_signal
     from frtools.recorder.config import STRINGS_BYTES
 
     cfg = _session["config"]
@@ -98,7 +96,8 @@ def _open(rank: int, world_size: int, backend: str) -> Any:
         return None
     try:
         stacks = open(cfg.rank_path(rank, ".stacks"), "a")  # noqa: SIM115 - kept for the process
-        faulthandler.register(cfg.stack_signal, file=stacks, all_threads=True, chain=True)
+        # chains only to a real earlier handler: chaining to SIGUSR2's default would kill us
+        register_stack_signal(cfg.stack_signal, stacks)
         _session["stacks_file"] = stacks
     except Exception as exc:  # stacks are a bonus: record without them
         print(f"frtools: no stacks file for rank {rank}: {exc}", file=sys.stderr)
@@ -108,7 +107,42 @@ def _open(rank: int, world_size: int, backend: str) -> Any:
         print(f"frtools: watchdog not started: {exc}", file=sys.stderr)
     _session["path"] = path
     _session["box"] = box
+    _start_jobwide_when_ready(rank, world_size, path, box)
     return capture.Recorder(box, poll_ms=max(5, min(cfg.poll_ms, 100)), stacks=cfg.stacks)
+
+
+def _start_jobwide_when_ready(rank: int, world_size: int, path: str, box: Any) -> None:
+    """Start the job-wide dump watcher once the default group (and so its store) exists.
+
+    ``_open`` runs while the first group is being built, before ``init_process_group`` has
+    returned, so a short-lived daemon thread waits for it instead of blocking the job.
+    """
+    import threading
+    import time
+
+    def wait_then_start() -> None:
+        try:
+            import torch.distributed.distributed_c10d as c10d
+
+            from frtools.recorder import jobwide
+
+            deadline = time.monotonic() + 3600
+            while not c10d.is_initialized():
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.2)
+            jobwide.start(
+                c10d._get_default_store(),
+                rank,
+                path,
+                path[: -len(".frt")] + ".stacks",
+                world_size=world_size,
+                stalled=box.stalled,
+            )
+        except Exception as exc:  # the watcher is a bonus: never hurt the job
+            print(f"frtools: job-wide dump watcher not started: {exc}", file=sys.stderr)
+
+    threading.Thread(target=wait_then_start, name="frtools-jobwide-start", daemon=True).start()
 
 
 def enable(
