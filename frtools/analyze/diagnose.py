@@ -36,7 +36,8 @@ from frtools.trace import ProcessGroup, Trace, is_user_frame
 STALE_DUMP_NS = 60 * 1_000_000_000
 
 # An op younger than this at its rank's dump time (when the dump says when it was taken)
-# is in flight, not blocked: live dumps of healthy jobs are full of such ops.
+# is in flight, not blocked: live dumps of healthy jobs are full of such ops. Not applied to
+# a rank whose recorder marked a stall.
 IN_FLIGHT_NS = 5 * 1_000_000_000
 
 # Straggler rule: with T = max(STRAGGLER_MIN_LATE_NS, STRAGGLER_SPREAD_FACTOR x the typical
@@ -159,7 +160,11 @@ class _Context:
             "rank", keep="last"
         )
         out = pd.concat([oldest, latest], ignore_index=True)
-        dump_ns = {r: i.dump_time_ns for r, i in self.trace.ranks.items() if i.dump_time_ns}
+        dump_ns = {
+            r: i.dump_time_ns
+            for r, i in self.trace.ranks.items()
+            if i.dump_time_ns and not i.stalled  # the recorder's watchdog saw a stall: not fresh
+        }
         if dump_ns and len(out):
             # An op issued moments before its rank's dump is in flight, not hung.
             age = out["rank"].map(dump_ns) - out["time_created_ns"]
