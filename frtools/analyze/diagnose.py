@@ -1042,7 +1042,7 @@ def _who(g: GuiltyRank) -> str:
     parts = [str(g.rank)]
     extra = [x for x in (g.host, g.device) if x]
     if extra:
-        parts.append(f"({' '.join(extra)})")
+        parts.append(f"({', '.join(extra)})")
     return " ".join(parts)
 
 
@@ -1121,11 +1121,18 @@ def stack_call_site(stacks: str) -> str | None:
     threads = [t for t in threads if t[1]]
     if not threads:
         return None
-    main = [t for t in threads if t[1][-1][2] == "<module>"]
-    other = [t for t in threads if not t[0]]
+    # Threads started by `threading` end in _bootstrap; the main thread runs <module>.
+    main = [
+        t for t in threads if t[1][-1][2] != "_bootstrap" and any(f[2] == "<module>" for f in t[1])
+    ]
+    other = [t for t in threads if not t[0] and t[1][-1][2] != "_bootstrap"]
     frames = (main or other or threads)[0][1]
     for filename, line, func in frames:
-        if is_user_frame(filename):
+        if is_user_frame(filename) and not _is_stdlib(filename):
             return f"{filename}:{line} in {func}"
     filename, line, func = frames[0]
     return f"{filename}:{line} in {func}"
+
+
+def _is_stdlib(filename: str) -> bool:
+    return "/lib/python3" in filename and "-packages/" not in filename
