@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from trace_builder import STOP, megatron8, simulate, training
+from trace_builder import STOP, Op, megatron8, simulate, training
 
 from frtools.analyze.diagnose import diagnose
 from frtools.analyze.reporters import json_report, markdown, terminal
@@ -27,6 +27,20 @@ def _stop(rank, step):
     return fault
 
 
+def _bigger(rank):
+    def fault(r, s, ops):
+        return [Op(ops[0].pg, ops[0].op, "[[99]]")] + ops[1:] if (r, s) == (rank, 1) else ops
+
+    return fault
+
+
+def _world_first(rank):
+    def fault(r, s, ops):
+        return [ops[3], *ops[:3]] if (r, s) == (rank, 1) else ops
+
+    return fault
+
+
 @pytest.fixture(scope="module")
 def verdicts() -> dict[str, Verdict]:
     out = {
@@ -34,6 +48,11 @@ def verdicts() -> dict[str, Verdict]:
         "missing": diagnose(simulate(JOB, training(JOB, 2, _stop(5, 1)))),
         "dead": diagnose(simulate(JOB, training(JOB, 2, _stop(3, 1)), absent=(3,))),
         "straggler": diagnose(simulate(JOB, training(JOB, 4), delay_ms={6: 40})),
+        "mismatch": diagnose(simulate(JOB, training(JOB, 2, _bigger(3)))),
+        "order": diagnose(simulate(JOB, training(JOB, 2, _world_first(0)))),
+        "stuck": diagnose(
+            simulate(JOB, training(JOB, 2), completion="nccl", wedge=("tp1", 3), unstarted=(3,))
+        ),
     }
     bad = out["missing"]
     bad.inputs = [
@@ -50,7 +69,9 @@ def test_collapsed_rank_ranges():
     assert collapse_ranks([]) == "-"
 
 
-@pytest.mark.parametrize("kind", ["healthy", "missing", "dead", "straggler"])
+@pytest.mark.parametrize(
+    "kind", ["healthy", "missing", "dead", "straggler", "mismatch", "order", "stuck"]
+)
 def test_json_report_follows_the_schema(verdicts, kind):
     doc = json.loads(json_report.render(verdicts[kind]))
     jsonschema.Draft202012Validator(SCHEMA).validate(doc)
