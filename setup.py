@@ -13,6 +13,14 @@ setup(
             extra_link_args=["-pthread"],
             libraries=["dl"],
             optional=True,
-        )
+        ),
+        # call-stack ids cached in C (optional: without it the recorder walks stacks in Python)
+        Extension(
+            "frtools.recorder._callsite",
+            sources=["frtools/recorder/_native/callsite.cpp"],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wall"],
+            optional=True,
+        ),
     ],
 )
