@@ -602,14 +602,15 @@ class _Context:
         groups: list[RankGroup] = []
         rows = point.rows
         if rows is not None and len(rows):
-            keyed = rows.assign(_done=rows["completed"].fillna(False).astype(bool))
+            done = rows["completed"].fillna(False).astype(bool)
+            shown = rows["state"].astype(str).where(~done, "completed")
+            keyed = rows[list(SIGNATURE_COLUMNS) + ["rank"]].astype({"rank": int})
+            keyed = keyed.assign(_state=shown.to_numpy())
             for _, part in keyed.groupby(
-                list(SIGNATURE_COLUMNS), sort=False, dropna=False, observed=True
+                [*SIGNATURE_COLUMNS, "_state"], sort=False, dropna=False, observed=True
             ):
                 first = part.iloc[0]
-                done = bool(part["_done"].all())
-                states = part["state"].value_counts()
-                state = "completed" if done else (str(states.index[0]) if len(states) else None)
+                state = str(first["_state"]) or None
                 groups.append(
                     RankGroup(
                         ranks=sorted(int(r) for r in part["rank"]),
