@@ -30,7 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rounds: int, ops: int, steps: int, out_dir: str) -> None:
+def worker(rounds: int, ops: int, steps: int, out_dir: str, burst: int = 50) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -48,11 +48,15 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str) -> None:
     from frtools.recorder import capture
 
     recorder = capture.current_recorder()
-    with_stacks = recorder.stack_id
 
     def stacks_for(name: str) -> None:
         # exactly what FRTOOLS_STACKS=0 does, switched per block
-        recorder.stack_id = capture._no_stack if name == "nostack" else with_stacks
+        if hasattr(recorder, "set_stacks"):
+            recorder.set_stacks(name != "nostack")
+        else:  # an older frtools (A/B runs against a checkout)
+            recorder.stack_id = capture._no_stack if name == "nostack" else with_stacks
+
+    with_stacks = recorder.stack_id
 
     torch.manual_seed(0)
 
@@ -74,6 +78,24 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str) -> None:
         wall, cpu = time.perf_counter_ns() - start, time.thread_time_ns() - cpu
         return wall / ops / 1000.0, cpu / ops / 1000.0
 
+    def issue_block(g: object) -> tuple[float, float]:
+        # only the issuing call of async all-reduces (what a recorder adds to the caller):
+        # bursts of `burst` in flight, waited for outside the timed part
+        dist.barrier(group=g)
+        wall = cpu = 0
+        works = []
+        for _ in range(ops // burst):
+            start, cpu0 = time.perf_counter_ns(), time.thread_time_ns()
+            for _ in range(burst):
+                works.append(dist.all_reduce(t, group=g, async_op=True))
+            wall += time.perf_counter_ns() - start
+            cpu += time.thread_time_ns() - cpu0
+            for w in works:
+                w.wait()
+            works.clear()
+        n = (ops // burst) * burst
+        return wall / n / 1000.0, cpu / n / 1000.0
+
     def ddp_block(ddp: nn.Module, g: object) -> tuple[float, float]:
         dist.barrier(group=g)
         start, cpu = time.perf_counter_ns(), time.thread_time_ns()
@@ -85,10 +107,11 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str) -> None:
     for name, g in groups.items():  # warm up every path
         stacks_for(name)
         allreduce_block(g)
+        issue_block(g)
         ddp_block(ddps[name], g)
     samples: dict[str, list[float]] = {
         f"{kind}/{clock}/{name}": []
-        for kind in ("allreduce", "ddp")
+        for kind in ("allreduce", "issue", "ddp")
         for clock in ("wall", "cpu")
         for name in groups
     }
@@ -102,6 +125,9 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str) -> None:
         for name in order:
             stacks_for(name)
             add("allreduce", name, allreduce_block(groups[name]))
+        for name in order:
+            stacks_for(name)
+            add("issue", name, issue_block(groups[name]))
         for name in order:
             stacks_for(name)
             add("ddp", name, ddp_block(ddps[name], groups[name]))
@@ -175,6 +201,7 @@ def main() -> None:
     rows = []
     for kind, label in (
         ("allreduce", "all_reduce, 1 float [µs/op]"),
+        ("issue", "issuing async all_reduce [µs/op]"),
         ("ddp", "DDP step fwd+bwd [µs/step]"),
     ):
         for clock in ("wall", "cpu"):

@@ -141,9 +141,12 @@ class Recorder:
         self._lock = threading.Lock()
         self._failed_once = False
         self._cuda_keep: list[tuple[Any, Any]] = []
-        if not stacks:
-            self.stack_id = _no_stack  # type: ignore[method-assign]
         self._here = __file__
+        # the calling stack's id, or -1 when not cached yet (then stack_miss() works it out)
+        self._native_stacks = _stack_cache()
+        self.stacks = stacks
+        self.stack_lookup: Callable[[], int] = _no_stack
+        self.set_stacks(stacks)
         # (rid, work) of CPU ops not known to be completed yet
         self._pending: deque[tuple[int, Any]] = deque()
         self._poll_lock = threading.Lock()
@@ -209,15 +212,45 @@ class Recorder:
         """Shapes of a list of lists of tensors, flattened (as PyTorch's recorder does)."""
         return self.sizes_id([t for ts in lists for t in ts])
 
+    def set_stacks(self, on: bool) -> None:
+        """Record call stacks (``FRTOOLS_STACKS``) or not; switchable at any time."""
+        self.stacks = on
+        if not on:
+            self.stack_lookup = _no_stack
+        elif self._native_stacks is not None:
+            self.stack_lookup = self._native_stacks.lookup
+        else:
+            self.stack_lookup = self._py_stack_id
+
     def stack_id(self) -> int:
-        """The calling Python stack, innermost first, interned; frames of this module skipped.
+        """The calling Python stack, innermost first, interned; frames of this module skipped."""
+        sid = self.stack_lookup()
+        return sid if sid >= 0 else self.stack_miss()
+
+    def stack_miss(self) -> int:
+        """First sight of a stack with the native cache: intern its text, remember its id.
+
+        Called from this module, so the native cache walks the same frames as in lookup().
+        """
+        frame = sys._getframe(1)
+        here = self._here
+        while frame is not None and frame.f_code.co_filename == here:
+            frame = frame.f_back
+        sid = self._intern_stack(frame)
+        cache = self._native_stacks
+        if cache is not None:
+            cache.store(sid)
+        return sid
+
+    def _py_stack_id(self) -> int:
+        """stack_lookup without the native cache (no compiler at install time).
 
         Keyed by a flat tuple of ints — id(code object), last instruction — cheap to build and
         hash (a code object's own hash is not). Line numbers are only worked out the first
         time a stack is seen; the code objects are kept referenced by ``_frames`` from then on,
         so their ids stay theirs.
         """
-        frame = sys._getframe(2)
+        frame = sys._getframe(1)
         here = self._here
         while frame is not None and frame.f_code.co_filename == here:
             frame = frame.f_back
@@ -349,6 +382,16 @@ def _no_stack() -> int:
     return 0
 
 
+def _stack_cache() -> Any:
+    """The native call-site cache (``frtools.recorder._callsite``); None: stacks in Python."""
+    try:
+        from frtools.recorder._callsite import StackCache
+
+        return StackCache(Recorder.stack_miss.__code__, _STACK_DEPTH)
+    except Exception:  # not built (no compiler): the Python walk does the same, slower
+        return None
+
+
 def _succeeded(work: Any) -> bool:
     """Whether a completed work succeeded (``is_success()`` would print a deprecation)."""
     try:
@@ -390,6 +433,135 @@ def _first_tensor(x: Any) -> Any:
     return x if _is_tensor(x) else None
 
 
+class _GroupState:
+    """One recorded group's constants and counters, and its per-op record path.
+
+    A plain object with slots: an attribute of the pybind11 ProcessGroup subclass costs
+    several times more to read, and the hot path reads a dozen per op.
+    """
+
+    __slots__ = (
+        "fr",
+        "box",
+        "pg",
+        "ops",
+        "ranks",
+        "coll_seq",
+        "p2p_seq",
+        "coalescing",
+        "cpu",
+        "cuda",
+        "single",
+        "barrier_backend",
+        "maybe_cuda",
+        "sizes1",
+        "dtypes1",
+    )
+
+    def __init__(self, recorder: Recorder, ops: list[int], ranks: list[int]) -> None:
+        self.fr = recorder
+        self.box = recorder.box
+        self.pg = -1
+        self.ops = ops
+        self.ranks = ranks
+        self.coll_seq = 0
+        self.p2p_seq = 0
+        self.coalescing = False
+        self.cpu: Any = None
+        self.cuda: Any = None
+        self.single: Any = None  # the one real backend whatever the device, if only one
+        self.barrier_backend: Any = None
+        # a CPU-only torch build never sees a CUDA tensor: no is_cuda check per op
+        self.maybe_cuda = bool(torch.backends.cuda.is_built())
+        self.sizes1 = recorder._sizes1
+        self.dtypes1 = recorder._dtypes1
+
+    def coll(self, op: int, inputs: Any, outputs: Any) -> int:
+        """Record one collective; returns the record id (-1: not recorded)."""
+        fr = self.fr
+        if not fr.enabled:
+            return -1
+        try:
+            if not self.coalescing:
+                self.coll_seq += 1
+            if inputs.__class__ is list and len(inputs) == 1:  # the common case, inline
+                t = inputs[0]
+                isz = self.sizes1.get(t.shape)
+                idt = self.dtypes1.get(t.dtype)
+                if isz is None or idt is None:
+                    isz, idt = fr.sizes_id(inputs)
+            else:
+                isz, idt = fr.sizes_id(inputs)
+            if outputs is inputs:
+                osz, odt = isz, idt
+            else:
+                osz, odt = fr.sizes_id(outputs)
+            sid = fr.stack_lookup()
+            if sid < 0:
+                sid = fr.stack_miss()
+            return self.box.record(
+                self.pg, self.ops[op], self.coll_seq, 0, -1, False, isz, osz, idt, odt, sid
+            )
+        except Exception as exc:
+            fr.fail(exc)
+            return -1
+
+    def coll_nested(self, op: int, inputs: Any, outputs: Any) -> int:
+        """coll() for ops taking lists of lists (shapes flattened, as PyTorch's recorder)."""
+        if not self.fr.enabled:
+            return -1
+        try:
+            inputs, outputs = _flatten(inputs), _flatten(outputs)
+        except Exception as exc:
+            self.fr.fail(exc)
+            return -1
+        return self.coll(op, inputs, outputs)
+
+    def p2p(self, op: int, tensors: Any, peer: int) -> int:
+        fr = self.fr
+        if not fr.enabled:
+            return -1
+        try:
+            self.p2p_seq += 1
+            sz, dt = fr.sizes_id(tensors)
+            ranks = self.ranks
+            gpeer = ranks[peer] if 0 <= peer < len(ranks) else peer
+            sid = fr.stack_lookup()
+            if sid < 0:
+                sid = fr.stack_miss()
+            return self.box.record(
+                self.pg, self.ops[op], 0, self.p2p_seq, gpeer, True, sz, sz, dt, dt, sid
+            )
+        except Exception as exc:
+            fr.fail(exc)
+            return -1
+
+    def pick(self, tensors: Any) -> Any:
+        """The real backend for these tensors' device (as ProcessGroup::getBackend picks)."""
+        t = _first_tensor(tensors)
+        if t is not None and t.is_cuda:
+            return self.cuda or self.cpu
+        return self.cpu or self.cuda
+
+    def done(self, rid: int, work: Any, tensors: Any, order: bool = True) -> None:
+        """Completion tracking for record ``rid`` (Recorder.watch, inlined for the hot path)."""
+        fr = self.fr
+        try:
+            if work is None:
+                fr.box.mark_completed(rid)
+                return
+            if self.maybe_cuda and fr.cuda_events:
+                t = _first_tensor(tensors)
+                if t is not None and t.is_cuda:
+                    fr._watch_cuda(rid, work)
+                    return
+            fr._pending.append((rid, work, self if order else None))
+            if fr._poller is None:
+                fr._start_poller()
+        except Exception as exc:
+            fr.fail(exc)
+
+
 class RecordingProcessGroup(ProcessGroup):
     """A ProcessGroup that records each op in the black box and forwards it unchanged."""
 
@@ -405,15 +577,9 @@ class RecordingProcessGroup(ProcessGroup):
     ) -> None:
         super().__init__(rank, size)
         self._fr = recorder
-        self._fr_box = recorder.box
-        self._fr_ranks = global_ranks
         self._fr_backend_name = backend_name
-        self._fr_pg = -1
         prefix = "nccl" if any(b[1] == ProcessGroup.BackendType.NCCL for b in backends) else "gloo"
-        self._fr_ops = recorder.op_ids(prefix)
-        self._fr_coll_seq = 0
-        self._fr_p2p_seq = 0
-        self._fr_coalescing = False
+        st = self._frs = _GroupState(recorder, recorder.op_ids(prefix), global_ranks)
         self._fr_real = {}
         first_type = None
         for device, backend_type, backend in backends:
@@ -422,12 +588,14 @@ class RecordingProcessGroup(ProcessGroup):
             first_type = first_type or backend_type
         if first_type is not None:
             self._set_default_backend(first_type)
-        self._fr_cpu = self._fr_real.get("cpu")
-        self._fr_cuda = self._fr_real.get("cuda")
-        self._fr_barrier_backend = (
-            self._fr_cuda
+        st.cpu = self._fr_real.get("cpu")
+        st.cuda = self._fr_real.get("cuda")
+        if st.cpu is None or st.cuda is None or st.cpu is st.cuda:
+            st.single = st.cpu or st.cuda
+        st.barrier_backend = (
+            st.cuda
             if any(b[1] == ProcessGroup.BackendType.NCCL for b in backends)
-            else (self._fr_cpu or self._fr_cuda)
+            else (st.cpu or st.cuda)
         )
 
     def getBackendName(self) -> str:  # noqa: N802 - C++ virtual name
@@ -437,288 +605,281 @@ class RecordingProcessGroup(ProcessGroup):
         return self._fr_backend_name
 
     def _fr_register(self, name: str, desc: str) -> None:
-        self._fr_pg = self._fr_box.add_process_group(name, desc, self._fr_ranks)
-
-    # -- the hot path ----------------------------------------------------------------------
-
-    def _fr_coll(self, op: int, inputs: Any, outputs: Any) -> int:
-        """Record one collective; returns the record id (-1: not recorded)."""
-        fr = self._fr
-        if not fr.enabled:
-            return -1
-        try:
-            if not self._fr_coalescing:
-                self._fr_coll_seq += 1
-            isz, idt = fr.sizes_id(inputs)
-            if outputs is inputs:
-                osz, odt = isz, idt
-            else:
-                osz, odt = fr.sizes_id(outputs)
-            return self._fr_box.record(
-                self._fr_pg,
-                self._fr_ops[op],
-                self._fr_coll_seq,
-                0,
-                -1,
-                False,
-                isz,
-                osz,
-                idt,
-                odt,
-                fr.stack_id(),
-            )
-        except Exception as exc:
-            fr.fail(exc)
-            return -1
-
-    def _fr_p2p(self, op: int, tensors: Any, peer: int) -> int:
-        fr = self._fr
-        if not fr.enabled:
-            return -1
-        try:
-            self._fr_p2p_seq += 1
-            sz, dt = fr.sizes_id(tensors)
-            gpeer = self._fr_ranks[peer] if 0 <= peer < len(self._fr_ranks) else peer
-            return self._fr_box.record(
-                self._fr_pg,
-                self._fr_ops[op],
-                0,
-                self._fr_p2p_seq,
-                gpeer,
-                True,
-                sz,
-                sz,
-                dt,
-                dt,
-                fr.stack_id(),
-            )
-        except Exception as exc:
-            fr.fail(exc)
-            return -1
-
-    def _fr_backend(self, tensors: Any) -> Any:
-        """The real backend for these tensors' device (as ProcessGroup::getBackend picks)."""
-        t = _first_tensor(tensors)
-        if t is not None and t.is_cuda:
-            return self._fr_cuda or self._fr_cpu
-        return self._fr_cpu or self._fr_cuda
-
-    def _fr_done(self, rid: int, work: Any, tensors: Any, order: bool = True) -> Any:
-        if rid >= 0:
-            try:
-                self._fr.watch(rid, work, _first_tensor(tensors), self if order else None)
-            except Exception as exc:
-                self._fr.fail(exc)
-        return work
+        st = self._frs
+        st.pg = st.box.add_process_group(name, desc, st.ranks)
 
     # -- collectives -----------------------------------------------------------------------
-    # Each op goes straight to the real backend's binding, which releases the GIL while the
-    # op is issued. (``super().<op>()`` would reach the C++ base through pybind11's
-    # trampoline, which holds the GIL for the whole op.) A call form the backend binding
-    # does not accept (legacy overloads) raises TypeError before anything is issued and
-    # takes the group's own path instead.
-
+    # Each op records (one call into _GroupState), then goes straight to the real backend's
+    # binding, which releases the GIL while the op is issued. (``super().<op>()`` would reach
+    # the C++ base through pybind11's trampoline, which holds the GIL for the whole op.) A
+    # call form the backend binding does not accept (legacy overloads) raises TypeError before
+    # anything is issued and takes the group's own path instead.
     def allreduce(self, tensors, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(0, tensors, tensors)
+        st = self._frs
+        rid = st.coll(0, tensors, tensors)
         try:
-            work = self._fr_backend(tensors).allreduce(tensors, *args, **kwargs)
+            work = (st.single or st.pick(tensors)).allreduce(tensors, *args, **kwargs)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().allreduce(tensors, *args, **kwargs)
-        return self._fr_done(rid, work, tensors)
+        if rid >= 0:
+            st.done(rid, work, tensors)
+        return work
 
     def allreduce_coalesced(self, tensors, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(1, tensors, tensors)
+        st = self._frs
+        rid = st.coll(1, tensors, tensors)
         try:
-            work = self._fr_backend(tensors).allreduce_coalesced(tensors, *args, **kwargs)
+            work = (st.single or st.pick(tensors)).allreduce_coalesced(tensors, *args, **kwargs)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().allreduce_coalesced(tensors, *args, **kwargs)
-        return self._fr_done(rid, work, tensors)
+        if rid >= 0:
+            st.done(rid, work, tensors)
+        return work
 
     def broadcast(self, tensors, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(2, tensors, tensors)
+        st = self._frs
+        rid = st.coll(2, tensors, tensors)
         try:
-            work = self._fr_backend(tensors).broadcast(tensors, *args, **kwargs)
+            work = (st.single or st.pick(tensors)).broadcast(tensors, *args, **kwargs)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().broadcast(tensors, *args, **kwargs)
-        return self._fr_done(rid, work, tensors)
+        if rid >= 0:
+            st.done(rid, work, tensors)
+        return work
 
     def reduce(self, tensors, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(3, tensors, tensors)
+        st = self._frs
+        rid = st.coll(3, tensors, tensors)
         try:
-            work = self._fr_backend(tensors).reduce(tensors, *args, **kwargs)
+            work = (st.single or st.pick(tensors)).reduce(tensors, *args, **kwargs)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().reduce(tensors, *args, **kwargs)
-        return self._fr_done(rid, work, tensors)
+        if rid >= 0:
+            st.done(rid, work, tensors)
+        return work
 
     def allgather(self, output_lists, input_tensors, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll_nested(4, input_tensors, output_lists)
+        st = self._frs
+        rid = st.coll_nested(4, input_tensors, output_lists)
         try:
-            work = self._fr_backend(input_tensors).allgather(
+            work = (st.single or st.pick(input_tensors)).allgather(
                 output_lists, input_tensors, *args, **kwargs
             )
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().allgather(output_lists, input_tensors, *args, **kwargs)
-        return self._fr_done(rid, work, input_tensors)
+        if rid >= 0:
+            st.done(rid, work, input_tensors)
+        return work
 
     def all_gather_single(self, output, input, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(5, input, output)
+        st = self._frs
+        rid = st.coll(5, input, output)
         try:
-            work = self._fr_backend(input)._allgather_base(output, input, *args, **kwargs)
+            work = (st.single or st.pick(input))._allgather_base(output, input, *args, **kwargs)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().all_gather_single(output, input, *args, **kwargs)
-        return self._fr_done(rid, work, input)
+        if rid >= 0:
+            st.done(rid, work, input)
+        return work
 
     def _allgather_base(self, output, input, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(5, input, output)
+        st = self._frs
+        rid = st.coll(5, input, output)
         try:
-            work = self._fr_backend(input)._allgather_base(output, input, *args, **kwargs)
+            work = (st.single or st.pick(input))._allgather_base(output, input, *args, **kwargs)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super()._allgather_base(output, input, *args, **kwargs)
-        return self._fr_done(rid, work, input)
+        if rid >= 0:
+            st.done(rid, work, input)
+        return work
 
     def allgather_coalesced(self, output_lists, input_tensors, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll_nested(6, input_tensors, output_lists)
+        st = self._frs
+        rid = st.coll_nested(6, input_tensors, output_lists)
         try:
-            work = self._fr_backend(input_tensors).allgather_coalesced(
+            work = (st.single or st.pick(input_tensors)).allgather_coalesced(
                 output_lists, input_tensors, *args, **kwargs
             )
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().allgather_coalesced(output_lists, input_tensors, *args, **kwargs)
-        return self._fr_done(rid, work, input_tensors)
+        if rid >= 0:
+            st.done(rid, work, input_tensors)
+        return work
 
     def all_gather_single_coalesced(self, outputs, inputs, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(7, inputs, outputs)
+        st = self._frs
+        rid = st.coll(7, inputs, outputs)
         try:
-            work = self._fr_backend(inputs).allgather_into_tensor_coalesced(
+            work = (st.single or st.pick(inputs)).allgather_into_tensor_coalesced(
                 outputs, inputs, *args, **kwargs
             )
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().all_gather_single_coalesced(outputs, inputs, *args, **kwargs)
-        return self._fr_done(rid, work, inputs)
+        if rid >= 0:
+            st.done(rid, work, inputs)
+        return work
 
     def gather(self, output_lists, input_tensors, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll_nested(8, input_tensors, output_lists)
+        st = self._frs
+        rid = st.coll_nested(8, input_tensors, output_lists)
         try:
-            work = self._fr_backend(input_tensors).gather(
+            work = (st.single or st.pick(input_tensors)).gather(
                 output_lists, input_tensors, *args, **kwargs
             )
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().gather(output_lists, input_tensors, *args, **kwargs)
-        return self._fr_done(rid, work, input_tensors)
+        if rid >= 0:
+            st.done(rid, work, input_tensors)
+        return work
 
     def scatter(self, output_tensors, input_lists, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll_nested(9, input_lists, output_tensors)
+        st = self._frs
+        rid = st.coll_nested(9, input_lists, output_tensors)
         try:
-            work = self._fr_backend(output_tensors).scatter(
+            work = (st.single or st.pick(output_tensors)).scatter(
                 output_tensors, input_lists, *args, **kwargs
             )
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().scatter(output_tensors, input_lists, *args, **kwargs)
-        return self._fr_done(rid, work, output_tensors)
+        if rid >= 0:
+            st.done(rid, work, output_tensors)
+        return work
 
     def reduce_scatter(self, output_tensors, input_lists, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll_nested(10, input_lists, output_tensors)
+        st = self._frs
+        rid = st.coll_nested(10, input_lists, output_tensors)
         try:
-            work = self._fr_backend(output_tensors).reduce_scatter(
+            work = (st.single or st.pick(output_tensors)).reduce_scatter(
                 output_tensors, input_lists, *args, **kwargs
             )
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().reduce_scatter(output_tensors, input_lists, *args, **kwargs)
-        return self._fr_done(rid, work, output_tensors)
+        if rid >= 0:
+            st.done(rid, work, output_tensors)
+        return work
 
     def reduce_scatter_single(self, output, input, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(11, input, output)
+        st = self._frs
+        rid = st.coll(11, input, output)
         try:
-            work = self._fr_backend(input)._reduce_scatter_base(output, input, *args, **kwargs)
+            work = (st.single or st.pick(input))._reduce_scatter_base(
+                output, input, *args, **kwargs
+            )
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().reduce_scatter_single(output, input, *args, **kwargs)
-        return self._fr_done(rid, work, input)
+        if rid >= 0:
+            st.done(rid, work, input)
+        return work
 
     def _reduce_scatter_base(self, output, input, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(11, input, output)
+        st = self._frs
+        rid = st.coll(11, input, output)
         try:
-            work = self._fr_backend(input)._reduce_scatter_base(output, input, *args, **kwargs)
+            work = (st.single or st.pick(input))._reduce_scatter_base(
+                output, input, *args, **kwargs
+            )
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super()._reduce_scatter_base(output, input, *args, **kwargs)
-        return self._fr_done(rid, work, input)
+        if rid >= 0:
+            st.done(rid, work, input)
+        return work
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(12, inputs, outputs)
+        st = self._frs
+        rid = st.coll(12, inputs, outputs)
         try:
-            work = self._fr_backend(inputs).reduce_scatter_tensor_coalesced(
+            work = (st.single or st.pick(inputs)).reduce_scatter_tensor_coalesced(
                 outputs, inputs, *args, **kwargs
             )
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().reduce_scatter_single_coalesced(outputs, inputs, *args, **kwargs)
-        return self._fr_done(rid, work, inputs)
+        if rid >= 0:
+            st.done(rid, work, inputs)
+        return work
 
     def all_to_all_single(self, output, input, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(13, input, output)
+        st = self._frs
+        rid = st.coll(13, input, output)
         try:
-            work = self._fr_backend(input).alltoall_base(output, input, *args, **kwargs)
+            work = (st.single or st.pick(input)).alltoall_base(output, input, *args, **kwargs)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().all_to_all_single(output, input, *args, **kwargs)
-        return self._fr_done(rid, work, input)
+        if rid >= 0:
+            st.done(rid, work, input)
+        return work
 
     def alltoall(self, output_tensors, input_tensors, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(14, input_tensors, output_tensors)
+        st = self._frs
+        rid = st.coll(14, input_tensors, output_tensors)
         try:
-            work = self._fr_backend(input_tensors).alltoall(
+            work = (st.single or st.pick(input_tensors)).alltoall(
                 output_tensors, input_tensors, *args, **kwargs
             )
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().alltoall(output_tensors, input_tensors, *args, **kwargs)
-        return self._fr_done(rid, work, input_tensors)
+        if rid >= 0:
+            st.done(rid, work, input_tensors)
+        return work
 
     def barrier(self, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_coll(15, (), ())
+        st = self._frs
+        rid = st.coll(15, (), ())
         try:
-            work = self._fr_barrier_backend.barrier(*args, **kwargs)
+            work = st.barrier_backend.barrier(*args, **kwargs)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().barrier(*args, **kwargs)
-        return self._fr_done(rid, work, None)
+        if rid >= 0:
+            st.done(rid, work, None)
+        return work
 
     # -- point to point --------------------------------------------------------------------
 
     def send(self, tensors: Any, dst: int, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_p2p(16, tensors, dst)
+        st = self._frs
+        rid = st.p2p(16, tensors, dst)
         try:
-            work = self._fr_backend(tensors).send(tensors, dst, *args, **kwargs)
+            work = (st.single or st.pick(tensors)).send(tensors, dst, *args, **kwargs)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().send(tensors, dst, *args, **kwargs)
-        return self._fr_done(rid, work, tensors, False)
+        if rid >= 0:
+            st.done(rid, work, tensors, False)
+        return work
 
     def recv(self, tensors: Any, src: int, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_p2p(17, tensors, src)
+        st = self._frs
+        rid = st.p2p(17, tensors, src)
         try:
-            work = self._fr_backend(tensors).recv(tensors, src, *args, **kwargs)
+            work = (st.single or st.pick(tensors)).recv(tensors, src, *args, **kwargs)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().recv(tensors, src, *args, **kwargs)
-        return self._fr_done(rid, work, tensors, False)
+        if rid >= 0:
+            st.done(rid, work, tensors, False)
+        return work
 
     def recv_anysource(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        rid = self._fr_p2p(18, tensors, -1)
+        st = self._frs
+        rid = st.p2p(18, tensors, -1)
         try:
-            work = self._fr_backend(tensors).recv_anysource(tensors, *args, **kwargs)
+            work = (st.single or st.pick(tensors)).recv_anysource(tensors, *args, **kwargs)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = super().recv_anysource(tensors, *args, **kwargs)
-        return self._fr_done(rid, work, tensors, False)
+        if rid >= 0:
+            st.done(rid, work, tensors, False)
+        return work
 
     # -- coalescing ------------------------------------------------------------------------
 
     def _start_coalescing(self, device: Any) -> None:
         """Ops issued until ``_end_coalescing`` share one collective_seq_id (as in NCCL's FR)."""
-        if self._fr.enabled:
-            self._fr_coll_seq += 1
-            self._fr_coalescing = True
+        st = self._frs
+        if st.fr.enabled:
+            st.coll_seq += 1
+            st.coalescing = True
         super()._start_coalescing(device)
 
     def _end_coalescing(self, device: Any) -> Any:
-        self._fr_coalescing = False
+        self._frs.coalescing = False
         return super()._end_coalescing(device)
-
-    def _fr_coll_nested(self, op: int, inputs: Any, outputs: Any) -> int:
-        return self._fr_coll(op, _flatten(inputs), _flatten(outputs))
 
 
 def _flatten(x: Any) -> Any:
