@@ -6,9 +6,13 @@ Two Gloo ranks on this machine. Each worker process creates two identical groups
 same ranks: one before ``frtools.recorder.enable()`` (plain) and one after (recorded), and
 times them in alternating blocks, so machine noise hits both alike. PyTorch's recorder is
 process-wide (``TORCH_FR_BUFFER_SIZE`` is read once), so the job runs twice: without and with
-``TORCH_FR_BUFFER_SIZE=2000``. Workloads: a 1-element ``all_reduce`` (the pure per-op cost)
-and a small DDP step (forward + backward, the reducer's all-reduces). Reported: medians over
-blocks, the difference to no recording in microseconds per op, and ratios.
+``TORCH_FR_BUFFER_SIZE=2000``. Workloads: a 1-element ``all_reduce`` (the whole op, network
+round trip included), the issuing call alone of 1-element async all-reduces (50 in flight,
+waited for outside the timed part: exactly what a recorder adds to the caller, without the
+round trip's noise), and a small DDP step (forward + backward, the reducer's all-reduces).
+Reported: medians over blocks, the difference to no recording in microseconds per op, and
+ratios. On a loaded machine trust the 'caller CPU' clock and the issue row; the whole-op
+rows carry several microseconds of noise.
 """
 
 from __future__ import annotations

@@ -433,6 +433,14 @@ def _first_tensor(x: Any) -> Any:
     return x if _is_tensor(x) else None
 
 
+_NO: Any = object()  # "argument not given" (None can be a real argument)
+
+
+def _args(lead: tuple, opts: Any, args: tuple) -> tuple:
+    """Positional arguments of a forwarded call, for the rare call forms (legacy overloads)."""
+    return (*lead, *args) if opts is _NO else (*lead, opts, *args)
+
+
 class _GroupState:
     """One recorded group's constants and counters, and its per-op record path.
 
@@ -614,255 +622,359 @@ class RecordingProcessGroup(ProcessGroup):
     # the C++ base through pybind11's trampoline, which holds the GIL for the whole op.) A
     # call form the backend binding does not accept (legacy overloads) raises TypeError before
     # anything is issued and takes the group's own path instead.
-    def allreduce(self, tensors, *args: Any, **kwargs: Any) -> Any:
+    def allreduce(self, tensors, opts: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.coll(0, tensors, tensors)
         try:
-            work = (st.single or st.pick(tensors)).allreduce(tensors, *args, **kwargs)
+            backend = st.single or st.pick(tensors)
+            if opts is _NO or args or kwargs:
+                work = backend.allreduce(*_args((tensors,), opts, args), **kwargs)
+            else:
+                work = backend.allreduce(tensors, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().allreduce(tensors, *args, **kwargs)
+            work = super().allreduce(*_args((tensors,), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, tensors)
         return work
 
-    def allreduce_coalesced(self, tensors, *args: Any, **kwargs: Any) -> Any:
+    def allreduce_coalesced(self, tensors, opts: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.coll(1, tensors, tensors)
         try:
-            work = (st.single or st.pick(tensors)).allreduce_coalesced(tensors, *args, **kwargs)
+            backend = st.single or st.pick(tensors)
+            if opts is _NO or args or kwargs:
+                work = backend.allreduce_coalesced(*_args((tensors,), opts, args), **kwargs)
+            else:
+                work = backend.allreduce_coalesced(tensors, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().allreduce_coalesced(tensors, *args, **kwargs)
+            work = super().allreduce_coalesced(*_args((tensors,), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, tensors)
         return work
 
-    def broadcast(self, tensors, *args: Any, **kwargs: Any) -> Any:
+    def broadcast(self, tensors, opts: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.coll(2, tensors, tensors)
         try:
-            work = (st.single or st.pick(tensors)).broadcast(tensors, *args, **kwargs)
+            backend = st.single or st.pick(tensors)
+            if opts is _NO or args or kwargs:
+                work = backend.broadcast(*_args((tensors,), opts, args), **kwargs)
+            else:
+                work = backend.broadcast(tensors, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().broadcast(tensors, *args, **kwargs)
+            work = super().broadcast(*_args((tensors,), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, tensors)
         return work
 
-    def reduce(self, tensors, *args: Any, **kwargs: Any) -> Any:
+    def reduce(self, tensors, opts: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.coll(3, tensors, tensors)
         try:
-            work = (st.single or st.pick(tensors)).reduce(tensors, *args, **kwargs)
+            backend = st.single or st.pick(tensors)
+            if opts is _NO or args or kwargs:
+                work = backend.reduce(*_args((tensors,), opts, args), **kwargs)
+            else:
+                work = backend.reduce(tensors, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().reduce(tensors, *args, **kwargs)
+            work = super().reduce(*_args((tensors,), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, tensors)
         return work
 
-    def allgather(self, output_lists, input_tensors, *args: Any, **kwargs: Any) -> Any:
+    def allgather(
+        self, output_lists, input_tensors, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
         st = self._frs
         rid = st.coll_nested(4, input_tensors, output_lists)
         try:
-            work = (st.single or st.pick(input_tensors)).allgather(
-                output_lists, input_tensors, *args, **kwargs
-            )
+            backend = st.single or st.pick(input_tensors)
+            if opts is _NO or args or kwargs:
+                work = backend.allgather(
+                    *_args((output_lists, input_tensors), opts, args), **kwargs
+                )
+            else:
+                work = backend.allgather(output_lists, input_tensors, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().allgather(output_lists, input_tensors, *args, **kwargs)
+            work = super().allgather(*_args((output_lists, input_tensors), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, input_tensors)
         return work
 
-    def all_gather_single(self, output, input, *args: Any, **kwargs: Any) -> Any:
+    def all_gather_single(self, output, input, opts: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.coll(5, input, output)
         try:
-            work = (st.single or st.pick(input))._allgather_base(output, input, *args, **kwargs)
+            backend = st.single or st.pick(input)
+            if opts is _NO or args or kwargs:
+                work = backend._allgather_base(*_args((output, input), opts, args), **kwargs)
+            else:
+                work = backend._allgather_base(output, input, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().all_gather_single(output, input, *args, **kwargs)
+            work = super().all_gather_single(*_args((output, input), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, input)
         return work
 
-    def _allgather_base(self, output, input, *args: Any, **kwargs: Any) -> Any:
+    def _allgather_base(self, output, input, opts: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.coll(5, input, output)
         try:
-            work = (st.single or st.pick(input))._allgather_base(output, input, *args, **kwargs)
+            backend = st.single or st.pick(input)
+            if opts is _NO or args or kwargs:
+                work = backend._allgather_base(*_args((output, input), opts, args), **kwargs)
+            else:
+                work = backend._allgather_base(output, input, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super()._allgather_base(output, input, *args, **kwargs)
+            work = super()._allgather_base(*_args((output, input), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, input)
         return work
 
-    def allgather_coalesced(self, output_lists, input_tensors, *args: Any, **kwargs: Any) -> Any:
+    def allgather_coalesced(
+        self, output_lists, input_tensors, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
         st = self._frs
         rid = st.coll_nested(6, input_tensors, output_lists)
         try:
-            work = (st.single or st.pick(input_tensors)).allgather_coalesced(
-                output_lists, input_tensors, *args, **kwargs
-            )
+            backend = st.single or st.pick(input_tensors)
+            if opts is _NO or args or kwargs:
+                work = backend.allgather_coalesced(
+                    *_args((output_lists, input_tensors), opts, args), **kwargs
+                )
+            else:
+                work = backend.allgather_coalesced(output_lists, input_tensors, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().allgather_coalesced(output_lists, input_tensors, *args, **kwargs)
+            work = super().allgather_coalesced(
+                *_args((output_lists, input_tensors), opts, args), **kwargs
+            )
         if rid >= 0:
             st.done(rid, work, input_tensors)
         return work
 
-    def all_gather_single_coalesced(self, outputs, inputs, *args: Any, **kwargs: Any) -> Any:
+    def all_gather_single_coalesced(
+        self, outputs, inputs, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
         st = self._frs
         rid = st.coll(7, inputs, outputs)
         try:
-            work = (st.single or st.pick(inputs)).allgather_into_tensor_coalesced(
-                outputs, inputs, *args, **kwargs
-            )
+            backend = st.single or st.pick(inputs)
+            if opts is _NO or args or kwargs:
+                work = backend.allgather_into_tensor_coalesced(
+                    *_args((outputs, inputs), opts, args), **kwargs
+                )
+            else:
+                work = backend.allgather_into_tensor_coalesced(outputs, inputs, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().all_gather_single_coalesced(outputs, inputs, *args, **kwargs)
+            work = super().all_gather_single_coalesced(
+                *_args((outputs, inputs), opts, args), **kwargs
+            )
         if rid >= 0:
             st.done(rid, work, inputs)
         return work
 
-    def gather(self, output_lists, input_tensors, *args: Any, **kwargs: Any) -> Any:
+    def gather(
+        self, output_lists, input_tensors, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
         st = self._frs
         rid = st.coll_nested(8, input_tensors, output_lists)
         try:
-            work = (st.single or st.pick(input_tensors)).gather(
-                output_lists, input_tensors, *args, **kwargs
-            )
+            backend = st.single or st.pick(input_tensors)
+            if opts is _NO or args or kwargs:
+                work = backend.gather(*_args((output_lists, input_tensors), opts, args), **kwargs)
+            else:
+                work = backend.gather(output_lists, input_tensors, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().gather(output_lists, input_tensors, *args, **kwargs)
+            work = super().gather(*_args((output_lists, input_tensors), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, input_tensors)
         return work
 
-    def scatter(self, output_tensors, input_lists, *args: Any, **kwargs: Any) -> Any:
+    def scatter(
+        self, output_tensors, input_lists, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
         st = self._frs
         rid = st.coll_nested(9, input_lists, output_tensors)
         try:
-            work = (st.single or st.pick(output_tensors)).scatter(
-                output_tensors, input_lists, *args, **kwargs
-            )
+            backend = st.single or st.pick(output_tensors)
+            if opts is _NO or args or kwargs:
+                work = backend.scatter(*_args((output_tensors, input_lists), opts, args), **kwargs)
+            else:
+                work = backend.scatter(output_tensors, input_lists, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().scatter(output_tensors, input_lists, *args, **kwargs)
+            work = super().scatter(*_args((output_tensors, input_lists), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, output_tensors)
         return work
 
-    def reduce_scatter(self, output_tensors, input_lists, *args: Any, **kwargs: Any) -> Any:
+    def reduce_scatter(
+        self, output_tensors, input_lists, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
         st = self._frs
         rid = st.coll_nested(10, input_lists, output_tensors)
         try:
-            work = (st.single or st.pick(output_tensors)).reduce_scatter(
-                output_tensors, input_lists, *args, **kwargs
-            )
+            backend = st.single or st.pick(output_tensors)
+            if opts is _NO or args or kwargs:
+                work = backend.reduce_scatter(
+                    *_args((output_tensors, input_lists), opts, args), **kwargs
+                )
+            else:
+                work = backend.reduce_scatter(output_tensors, input_lists, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().reduce_scatter(output_tensors, input_lists, *args, **kwargs)
+            work = super().reduce_scatter(
+                *_args((output_tensors, input_lists), opts, args), **kwargs
+            )
         if rid >= 0:
             st.done(rid, work, output_tensors)
         return work
 
-    def reduce_scatter_single(self, output, input, *args: Any, **kwargs: Any) -> Any:
+    def reduce_scatter_single(
+        self, output, input, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
         st = self._frs
         rid = st.coll(11, input, output)
         try:
-            work = (st.single or st.pick(input))._reduce_scatter_base(
-                output, input, *args, **kwargs
-            )
+            backend = st.single or st.pick(input)
+            if opts is _NO or args or kwargs:
+                work = backend._reduce_scatter_base(*_args((output, input), opts, args), **kwargs)
+            else:
+                work = backend._reduce_scatter_base(output, input, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().reduce_scatter_single(output, input, *args, **kwargs)
+            work = super().reduce_scatter_single(*_args((output, input), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, input)
         return work
 
-    def _reduce_scatter_base(self, output, input, *args: Any, **kwargs: Any) -> Any:
+    def _reduce_scatter_base(
+        self, output, input, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
         st = self._frs
         rid = st.coll(11, input, output)
         try:
-            work = (st.single or st.pick(input))._reduce_scatter_base(
-                output, input, *args, **kwargs
-            )
+            backend = st.single or st.pick(input)
+            if opts is _NO or args or kwargs:
+                work = backend._reduce_scatter_base(*_args((output, input), opts, args), **kwargs)
+            else:
+                work = backend._reduce_scatter_base(output, input, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super()._reduce_scatter_base(output, input, *args, **kwargs)
+            work = super()._reduce_scatter_base(*_args((output, input), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, input)
         return work
 
-    def reduce_scatter_single_coalesced(self, outputs, inputs, *args: Any, **kwargs: Any) -> Any:
+    def reduce_scatter_single_coalesced(
+        self, outputs, inputs, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
         st = self._frs
         rid = st.coll(12, inputs, outputs)
         try:
-            work = (st.single or st.pick(inputs)).reduce_scatter_tensor_coalesced(
-                outputs, inputs, *args, **kwargs
-            )
+            backend = st.single or st.pick(inputs)
+            if opts is _NO or args or kwargs:
+                work = backend.reduce_scatter_tensor_coalesced(
+                    *_args((outputs, inputs), opts, args), **kwargs
+                )
+            else:
+                work = backend.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().reduce_scatter_single_coalesced(outputs, inputs, *args, **kwargs)
+            work = super().reduce_scatter_single_coalesced(
+                *_args((outputs, inputs), opts, args), **kwargs
+            )
         if rid >= 0:
             st.done(rid, work, inputs)
         return work
 
-    def all_to_all_single(self, output, input, *args: Any, **kwargs: Any) -> Any:
+    def all_to_all_single(self, output, input, opts: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.coll(13, input, output)
         try:
-            work = (st.single or st.pick(input)).alltoall_base(output, input, *args, **kwargs)
+            backend = st.single or st.pick(input)
+            if opts is _NO or args or kwargs:
+                work = backend.alltoall_base(*_args((output, input), opts, args), **kwargs)
+            else:
+                work = backend.alltoall_base(output, input, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().all_to_all_single(output, input, *args, **kwargs)
+            work = super().all_to_all_single(*_args((output, input), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, input)
         return work
 
-    def alltoall(self, output_tensors, input_tensors, *args: Any, **kwargs: Any) -> Any:
+    def alltoall(
+        self, output_tensors, input_tensors, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
         st = self._frs
         rid = st.coll(14, input_tensors, output_tensors)
         try:
-            work = (st.single or st.pick(input_tensors)).alltoall(
-                output_tensors, input_tensors, *args, **kwargs
-            )
+            backend = st.single or st.pick(input_tensors)
+            if opts is _NO or args or kwargs:
+                work = backend.alltoall(
+                    *_args((output_tensors, input_tensors), opts, args), **kwargs
+                )
+            else:
+                work = backend.alltoall(output_tensors, input_tensors, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().alltoall(output_tensors, input_tensors, *args, **kwargs)
+            work = super().alltoall(*_args((output_tensors, input_tensors), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, input_tensors)
         return work
 
-    def barrier(self, *args: Any, **kwargs: Any) -> Any:
+    def barrier(self, opts: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.coll(15, (), ())
         try:
-            work = st.barrier_backend.barrier(*args, **kwargs)
+            backend = st.barrier_backend
+            if opts is _NO or args or kwargs:
+                work = backend.barrier(*_args((), opts, args), **kwargs)
+            else:
+                work = backend.barrier(opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().barrier(*args, **kwargs)
+            work = super().barrier(*_args((), opts, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, None)
         return work
 
     # -- point to point --------------------------------------------------------------------
 
-    def send(self, tensors: Any, dst: int, *args: Any, **kwargs: Any) -> Any:
+    def send(self, tensors: Any, dst: int, tag: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.p2p(16, tensors, dst)
         try:
-            work = (st.single or st.pick(tensors)).send(tensors, dst, *args, **kwargs)
+            backend = st.single or st.pick(tensors)
+            if tag is _NO or args or kwargs:
+                work = backend.send(*_args((tensors, dst), tag, args), **kwargs)
+            else:
+                work = backend.send(tensors, dst, tag)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().send(tensors, dst, *args, **kwargs)
+            work = super().send(*_args((tensors, dst), tag, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, tensors, False)
         return work
 
-    def recv(self, tensors: Any, src: int, *args: Any, **kwargs: Any) -> Any:
+    def recv(self, tensors: Any, src: int, tag: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.p2p(17, tensors, src)
         try:
-            work = (st.single or st.pick(tensors)).recv(tensors, src, *args, **kwargs)
+            backend = st.single or st.pick(tensors)
+            if tag is _NO or args or kwargs:
+                work = backend.recv(*_args((tensors, src), tag, args), **kwargs)
+            else:
+                work = backend.recv(tensors, src, tag)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().recv(tensors, src, *args, **kwargs)
+            work = super().recv(*_args((tensors, src), tag, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, tensors, False)
         return work
 
-    def recv_anysource(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    def recv_anysource(self, tensors: Any, tag: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.p2p(18, tensors, -1)
         try:
-            work = (st.single or st.pick(tensors)).recv_anysource(tensors, *args, **kwargs)
+            backend = st.single or st.pick(tensors)
+            if tag is _NO or args or kwargs:
+                work = backend.recv_anysource(*_args((tensors,), tag, args), **kwargs)
+            else:
+                work = backend.recv_anysource(tensors, tag)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = super().recv_anysource(tensors, *args, **kwargs)
+            work = super().recv_anysource(*_args((tensors,), tag, args), **kwargs)
         if rid >= 0:
             st.done(rid, work, tensors, False)
         return work
