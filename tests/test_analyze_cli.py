@@ -140,3 +140,28 @@ def test_analyze_runs_without_torch(dumps):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert p.returncode == 1, p.stderr
     assert json.loads(p.stdout)["verdict"]["kind"] == "missing"
+
+
+SAMPLES = Path(__file__).parent.parent / "sample_dumps"
+
+
+def test_report_shows_where_the_guilty_rank_stands_and_groups_all_stacks():
+    """A real Gloo hang whose ranks left faulthandler stacks: the terminal report shows the
+    guilty rank's main-thread frames (user code first) and marks its stack as an outlier;
+    the JSON carries the same under the schema's ``stacks``."""
+    terminal = analyze(str(SAMPLES / "missing-stacks"))
+    assert terminal.returncode == 1, terminal.stderr
+    text = terminal.stdout
+    stacks = text[text.index("Stacks") :]
+    assert "rank 1 main thread:" in stacks
+    assert "faulty_job.py:212 in stall" in stacks.splitlines()[2]
+    outliers = [line for line in stacks.splitlines() if "<- outlier" in line]
+    assert any(" 1  " in line and "in stall" in line for line in outliers), stacks
+
+    report = analyze(str(SAMPLES / "missing-stacks"), "--format", "json")
+    doc = json.loads(report.stdout)
+    jsonschema.Draft202012Validator(SCHEMA).validate(doc)
+    assert [g["rank"] for g in doc["stacks"]["guilty"]] == [1]
+    assert doc["stacks"]["guilty"][0]["user_frames"][0]["name"] == "stall"
+    stall_group = [g for g in doc["stacks"]["groups"] if g["ranks"] == [1]]
+    assert stall_group and stall_group[0]["outlier"] is True

@@ -21,15 +21,15 @@ inconsistent collectives that did not hang (``mismatch``), then ``straggler``, e
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
 from frtools.analyze.align import SIGNATURE_COLUMNS, Alignment, align
+from frtools.analyze.stacks import main_thread_call_site, stacks_summary
 from frtools.analyze.verdict import GuiltyRank, RankGroup, Verdict, collapse_ranks
-from frtools.trace import ProcessGroup, Trace, is_user_frame
+from frtools.trace import ProcessGroup, Trace
 
 # A guilty rank whose dump was written this much earlier than the others' is a stale
 # record of a process that was already gone.
@@ -97,6 +97,9 @@ def diagnose(trace: Trace, alignment: Alignment | None = None) -> Verdict:
         or ctx.healthy()
     )
     ctx.finish(verdict)
+    summary = stacks_summary(trace, verdict.guilty_ranks)
+    if summary.ranks_with_stacks:
+        verdict.stacks = summary
     return verdict
 
 
@@ -560,7 +563,7 @@ class _Context:
                 return mine["call_site"].iloc[0]
         info = self.trace.ranks.get(rank)
         if info is not None and info.stacks:
-            site = stack_call_site(info.stacks)
+            site = main_thread_call_site(info.stacks)
             if site:
                 return site
         mine = self.coll[self.coll["rank"] == rank]
@@ -1098,42 +1101,3 @@ def _sink_core(nodes: set[int], targets_of) -> set[int]:
         if leaves and len(comp) > 1:
             core |= comp
     return core or set(nodes)
-
-
-_STACK_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
-
-
-def stack_call_site(stacks: str) -> str | None:
-    """Top user frame of the main thread in a faulthandler dump (innermost first).
-
-    faulthandler lists the dumping thread first ("Current thread"); the main thread is the
-    one whose outermost frame is ``<module>``, else the first thread that is not current.
-    """
-    threads: list[tuple[bool, list[tuple[str, str, str]]]] = []
-    for line in stacks.splitlines():
-        if line.startswith(("Thread ", "Current thread ")):
-            threads.append((line.startswith("Current"), []))
-            continue
-        m = _STACK_FRAME.search(line)
-        if m:
-            if not threads:
-                threads.append((False, []))
-            threads[-1][1].append((m.group(1), m.group(2), m.group(3)))
-    threads = [t for t in threads if t[1]]
-    if not threads:
-        return None
-    # Threads started by `threading` end in _bootstrap; the main thread runs <module>.
-    main = [
-        t for t in threads if t[1][-1][2] != "_bootstrap" and any(f[2] == "<module>" for f in t[1])
-    ]
-    other = [t for t in threads if not t[0] and t[1][-1][2] != "_bootstrap"]
-    frames = (main or other or threads)[0][1]
-    for filename, line, func in frames:
-        if is_user_frame(filename) and not _is_stdlib(filename):
-            return f"{filename}:{line} in {func}"
-    filename, line, func = frames[0]
-    return f"{filename}:{line} in {func}"
-
-
-def _is_stdlib(filename: str) -> bool:
-    return "/lib/python3" in filename and "-packages/" not in filename

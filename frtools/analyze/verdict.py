@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from frtools import __version__
+from frtools.analyze.stacks import StacksSummary
 from frtools.trace import InputFile, ProcessGroup
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: optional top-level "stacks"
 
 KINDS = ("healthy", "missing", "dead", "mismatch", "order", "stuck", "straggler")
 
@@ -72,6 +73,8 @@ class Verdict:
     ranks_found: int = 0
     ranks_missing: list[int] = field(default_factory=list)
     inputs: list[InputFile] = field(default_factory=list)
+    # where the ranks' main threads stood (faulthandler stacks), when the inputs had them
+    stacks: StacksSummary | None = None
 
     @property
     def guilty_ranks(self) -> list[int]:
@@ -109,6 +112,7 @@ class Verdict:
                 "missing": list(self.ranks_missing),
             },
             "inputs": [i.to_dict() for i in self.inputs],
+            **({"stacks": self.stacks.to_dict()} if self.stacks is not None else {}),
         }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from frtools.analyze.reporters.terminal import STACK_KINDS
 from frtools.analyze.verdict import Verdict, collapse_ranks
 
 _ICON = {"healthy": "✅"}
@@ -54,6 +55,10 @@ def render(verdict: Verdict, verbose: bool = False) -> str:
                 f"| {_cell(g.input_dtypes)} | {_cell(g.state)} |"
             )
         out.append("")
+    if verdict.stacks is not None and (verdict.kind in STACK_KINDS or verbose):
+        lines = verdict.stacks.lines(max_frames=12 if verbose else 6)
+        if lines:
+            out += ["### Stacks", "", "```", *lines, "```", ""]
     if verbose and verdict.evidence:
         out += ["### Evidence", ""] + [f"- {_cell(e)}" for e in verdict.evidence] + [""]
     bad = [i for i in verdict.inputs if i.status != "ok"]

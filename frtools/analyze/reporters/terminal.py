@@ -11,6 +11,9 @@ from rich.text import Text
 
 from frtools.analyze.verdict import Verdict, collapse_ranks
 
+# verdicts where the guilty rank is somewhere in its own code: its stack says where
+STACK_KINDS = ("missing", "dead", "stuck")
+
 
 def renderable(verdict: Verdict, verbose: bool = False) -> Group:
     """The whole report as one rich renderable."""
@@ -66,6 +69,16 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
 
     if verdict.groups:
         parts.append(_groups_table(verdict, verbose))
+
+    if verdict.stacks is not None and (verdict.kind in STACK_KINDS or verbose):
+        lines = verdict.stacks.lines(max_frames=12 if verbose else 6)
+        if lines:
+            parts.append(Text("Stacks", style="bold"))
+            for line in lines:
+                style = "red" if line.startswith("rank ") else ""
+                if "<- outlier" in line:
+                    style = "red"
+                parts.append(Text(f"  {line}", style=style))
 
     if verbose and verdict.evidence:
         parts.append(Text("Evidence", style="bold"))
