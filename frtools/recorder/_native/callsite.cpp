@@ -12,6 +12,15 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <frameobject.h>
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+// CPython 3.11: read the interpreter's frame chain directly. PyEval_GetFrame /
+// PyFrame_GetBack would create a frame object for every frame of the chain that has none
+// (the op's own new frames, each call), which costs more than the rest of the walk.
+#define FRTOOLS_FRAME_CHAIN 1
+#define Py_BUILD_CORE 1
+#include <internal/pycore_frame.h>
+#undef Py_BUILD_CORE
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -45,6 +54,7 @@ inline uint64_t mix(uint64_t h, uint64_t x) {
   return h;
 }
 
+#ifndef FRTOOLS_FRAME_CHAIN
 int lasti_of(PyFrameObject* f) {
 #if PY_VERSION_HEX >= 0x030B0000
   return PyFrame_GetLasti(f);
@@ -52,6 +62,7 @@ int lasti_of(PyFrameObject* f) {
   return f->f_lasti;
 #endif
 }
+#endif
 
 bool is_skipped(StackCacheObject* self, PyCodeObject* code) {
   PyObject* fn = code->co_filename;
@@ -64,6 +75,28 @@ bool is_skipped(StackCacheObject* self, PyCodeObject* code) {
 uint64_t walk(StackCacheObject* self, Key* key, std::vector<PyObject*>* keep) {
   key->n = 0;
   uint64_t h = 1469598103934665603ULL;
+#ifdef FRTOOLS_FRAME_CHAIN
+  // the same frames PyEval_GetFrame / PyFrame_GetBack visit: incomplete ones skipped
+  _PyInterpreterFrame* f = PyThreadState_Get()->cframe->current_frame;
+  bool skip = true;
+  for (; f != nullptr && key->n < self->depth; f = f->previous) {
+    if (_PyFrame_IsIncomplete(f)) continue;
+    PyCodeObject* code = f->f_code;
+    if (skip && is_skipped(self, code)) continue;
+    skip = false;
+    uintptr_t c = reinterpret_cast<uintptr_t>(code);
+    uintptr_t l = static_cast<uintptr_t>(_PyInterpreterFrame_LASTI(f));
+    key->v[2 * key->n] = c;
+    key->v[2 * key->n + 1] = l;
+    key->n++;
+    h = mix(mix(h, c), l);
+    if (keep) {
+      Py_INCREF(code);
+      keep->push_back(reinterpret_cast<PyObject*>(code));
+    }
+  }
+  return mix(h, uint64_t(key->n));
+#else
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed
   Py_XINCREF(frame);
   bool skipping = true;
@@ -91,6 +124,7 @@ uint64_t walk(StackCacheObject* self, Key* key, std::vector<PyObject*>* keep) {
   }
   Py_XDECREF(frame);
   return mix(h, uint64_t(key->n));
+#endif
 }
 
 const Entry* find(StackCacheObject* self, uint64_t h, const Key& key) {
