@@ -45,9 +45,13 @@ How (checked on torch 2.13 with Gloo, 4 ranks; see tests/test_recorder_capture.p
   whose backend is neither gloo nor nccl (mpi, ucc, xccl, a third-party plugin) is left
   unwrapped and unrecorded, with one warning.
 
-Per op the Python part is thin: bump the group's counter, look the shapes/dtypes and the
-call stack up in small caches (interned once in the black box's string table), one
-``BlackBox.record()`` call, and completion tracking. CPU ops: the Work is queued and a poller
+Per op the Python part is thin (``_GroupState``, per-group constants in a slotted object):
+bump the group's counter, look the shapes/dtypes up in small dicts and the call stack in the
+native call-site cache (``frtools.recorder._callsite``: the frame chain walked in C, keyed by
+(code object, last instruction); a Python walk when it is not built), each text interned once
+in the black box's string table, one ``BlackBox.record()`` call, and completion tracking.
+The usual call form ``(tensors, opts)`` goes to the backend binding as is. Measured cost:
+``benchmarks/recorder_overhead.py``, docs/benchmarks.md "Recorder overhead". CPU ops: the Work is queued and a poller
 thread marks it completed once ``is_completed()`` and its future holds no error (a failed
 op — a dead peer — stays incomplete); a completed op also completes its group's older ones
 (some Gloo works never report completion). CUDA ops: a start and an end
@@ -60,9 +64,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import sys
 import threading
-import time
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -152,6 +156,8 @@ class Recorder:
         self._poll_lock = threading.Lock()
         self._poller: threading.Thread | None = None
         self._poll_s = poll_ms / 1000.0
+        self._stop = threading.Event()
+        self._pid = os.getpid()
 
     def fail(self, exc: BaseException) -> None:
         """Turn recording off for the rest of the process, saying so once."""
@@ -341,20 +347,34 @@ class Recorder:
 
     def _start_poller(self) -> None:
         def loop() -> None:
-            while self.enabled:
-                time.sleep(self._poll_s)
+            while self.enabled and not self._stop.wait(self._poll_s):
                 if self._pending:
                     with contextlib.suppress(Exception):
                         self.poll()
 
         self._poller = threading.Thread(target=loop, name="frtools-poller", daemon=True)
         self._poller.start()
-        atexit.register(self._final_poll)
+        _before_finalization(self._stop_poller)
 
-    def _final_poll(self) -> None:
-        """At exit, mark what finished since the poller's last pass (the job's last ops)."""
+    def _stop_poller(self) -> None:
+        """Stop and join the poller, then mark what finished since its last pass (the job's
+        last ops) and drop the queued works, all before the interpreter finalizes.
+
+        The poller must not outlive that point: a daemon thread still running Python then is
+        killed (``pthread_exit``) as soon as it takes the GIL back, and when that happens
+        inside a pybind11 destructor that released the GIL (the last reference to a Work or
+        a ProcessGroup, whose deallocs do) the forced unwind hits a ``noexcept`` frame and the
+        process aborts: "terminate called without an active exception", exit code -6.
+        """
+        if os.getpid() != self._pid:
+            return  # a forked child (multiprocessing runs this hook there): parent's works
+        self._stop.set()
+        poller = self._poller
+        if poller is not None and poller is not threading.current_thread():
+            poller.join(timeout=2.0)
         with contextlib.suppress(Exception):
             self.poll()
+        self._pending.clear()
 
     def _watch_cuda(self, rid: int, work: Any) -> None:
         start = torch.cuda.Event(enable_timing=True)
@@ -380,6 +400,20 @@ class Recorder:
 
 def _no_stack() -> int:
     return 0
+
+
+def _before_finalization(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at interpreter exit before it finalizes: in ``threading``'s shutdown hook
+    (the main thread, before non-daemon threads are joined and before ``atexit``), or, where
+    that private hook is missing, from ``atexit``."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(fn)
+            return
+        except RuntimeError:  # already shutting down
+            pass
+    atexit.register(fn)
 
 
 def _stack_cache() -> Any:
@@ -464,6 +498,7 @@ class _GroupState:
         "maybe_cuda",
         "sizes1",
         "dtypes1",
+        "order",
     )
 
     def __init__(self, recorder: Recorder, ops: list[int], ranks: list[int]) -> None:
@@ -483,6 +518,10 @@ class _GroupState:
         self.maybe_cuda = bool(torch.backends.cuda.is_built())
         self.sizes1 = recorder._sizes1
         self.dtypes1 = recorder._dtypes1
+        # the poller's key for this group's completion order: a token, not this object
+        # (which holds the real backends), so that queued works never hold the last
+        # reference to a process group's backends (their dealloc would run on the poller)
+        self.order = object()
 
     def coll(self, op: int, inputs: Any, outputs: Any) -> int:
         """Record one collective; returns the record id (-1: not recorded)."""
@@ -563,7 +602,7 @@ class _GroupState:
                 if t is not None and t.is_cuda:
                     fr._watch_cuda(rid, work)
                     return
-            fr._pending.append((rid, work, self if order else None))
+            fr._pending.append((rid, work, self.order if order else None))
             if fr._poller is None:
                 fr._start_poller()
         except Exception as exc:
