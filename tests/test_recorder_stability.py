@@ -25,7 +25,6 @@ from jobs import run_job
 import frtools
 
 DEMO_JOB = str(Path(frtools.__file__).resolve().parent / "demo_job.py")
-CAPTURE = Path(frtools.__file__).resolve().parent / "recorder" / "capture.py"
 
 _HAMMER = textwrap.dedent(
     """
@@ -96,17 +95,7 @@ def test_a_thousand_recorded_all_reduces_on_fresh_tensors_do_not_hang(tmp_path: 
     assert all("done" in r.stdout for r in result.ranks)
 
 
-def _poller_stopped_before_finalization() -> bool:
-    return "_stop_poller" in CAPTURE.read_text()
-
-
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    not _poller_stopped_before_finalization(),
-    reason="capture.py still lets its poller thread run into interpreter finalization "
-    "(/work/briefs/capture_fix.diff not applied)",
-    strict=True,
-)
 def test_no_recorder_python_thread_is_alive_when_the_interpreter_finalizes(
     tmp_path: Path,
 ) -> None:
