@@ -240,3 +240,28 @@ def test_synth_frtools_snapshots_are_read_and_diagnosed(tmp_path: Path):
     verdict = json.loads(frtools("analyze", str(out), "--format", "json").stdout)["verdict"]
     assert verdict["kind"] == "missing"
     assert [g["rank"] for g in verdict["guilty"]] == [6]
+
+
+@pytest.mark.timeout(60)
+def test_order_fault_that_cannot_deadlock_is_refused(tmp_path: Path):
+    # ranks 12 and 14 are the whole context-parallel group they swap their order with
+    proc = frtools(
+        "synth", "-o", str(tmp_path / "o"), "-n", "16", "--tp", "2", "--cp", "2", "--pp", "4",
+        "--fault", "order", "--fault-ranks", "12,14", "--buffer-size", "100",
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: order on ranks [12, 14] does not hang this job (the faulty ranks only wait "
+        "for each other); choose other ranks"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_every_hang_fault_leaves_a_call_incomplete(tmp_path: Path):
+    for i, fault in enumerate(["missing", "mismatch-op", "order", "stuck"]):
+        out = tmp_path / fault
+        synthesize(
+            out, 16, tp=2, cp=2, pp=4, fault=fault, n_faulty=2, seed=524357 + i, buffer_size=60
+        )
+        states = {e["state"] for f in out.glob("nccl_trace_rank_*") for e in load(f)["entries"]}
+        assert states & {"started", "scheduled"}, fault

@@ -172,10 +172,9 @@ def synth(
     from rich.console import Console
 
     console = Console(stderr=False, highlight=False)
-    err = Console(stderr=True, highlight=False)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not force:
-        err.print(f"[red]error:[/] {out}: directory is not empty (use --force to write into it)")
+        click.echo(f"error: {out}: directory is not empty (use --force to write into it)", err=True)
         sys.exit(2)
     shape = ModelShape(layers=layers, microbatches=microbatches, dp_coalesced=dp_coalesced)
     try:
@@ -201,10 +200,10 @@ def synth(
             format=fmt,
         )
     except (LayoutError, FaultError) as e:
-        err.print(f"[red]error:[/] {e}")
+        click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except OSError as e:
-        err.print(f"[red]error:[/] {e.filename or out}: {e.strerror or e}")
+        click.echo(f"error: {e.filename or out}: {e.strerror or e}", err=True)
         sys.exit(2)
     t = result.truth
     lay = t["layout"]

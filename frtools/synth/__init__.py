@@ -109,10 +109,23 @@ def synthesize(
     layout = Layout.from_sizes(world_size, tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)
     schedule = build_schedule(layout, shape)
     rng = np.random.default_rng(seed)
-    plan = plan_fault(
-        schedule, fault, fault_ranks, rng, n_faulty=n_faulty, straggler_ms=straggler_ms
-    )
-    outcome = simulate_hang(schedule, plan, rng)
+    # A placement can fail to hang the job (two ranks that swap their order in the same way
+    # and are the only members of the group they swap with agree with each other): draw
+    # again, or refuse the ranks the user gave. The first draw is kept whenever it hangs.
+    for _ in range(50):
+        plan = plan_fault(
+            schedule, fault, fault_ranks, rng, n_faulty=n_faulty, straggler_ms=straggler_ms
+        )
+        outcome = simulate_hang(schedule, plan, rng)
+        if not plan.hangs or bool((outcome.done < outcome.length).any()):
+            break
+        if fault_ranks:
+            raise FaultError(
+                f"{fault} on ranks {plan.ranks} does not hang this job (the faulty ranks only "
+                "wait for each other); choose other ranks"
+            )
+    else:
+        raise FaultError(f"could not place a {fault} fault that hangs this job")
     params = WriteParams(
         buffer_size=buffer_size,
         steps=steps,
