@@ -62,7 +62,6 @@ handed to ``BlackBox.watch_cuda``; the native watchdog polls them without the GI
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import sys
@@ -75,6 +74,8 @@ from typing import Any
 import torch
 import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import ProcessGroup
+
+from frtools.recorder.shutdown import before_finalization
 
 BACKEND_NAME = "frtools"
 _WRAPPABLE = ("gloo", "nccl")
@@ -354,7 +355,7 @@ class Recorder:
 
         self._poller = threading.Thread(target=loop, name="frtools-poller", daemon=True)
         self._poller.start()
-        _before_finalization(self._stop_poller)
+        before_finalization(self._stop_poller)
 
     def _stop_poller(self) -> None:
         """Stop and join the poller, then mark what finished since its last pass (the job's
@@ -400,20 +401,6 @@ class Recorder:
 
 def _no_stack() -> int:
     return 0
-
-
-def _before_finalization(fn: Callable[[], None]) -> None:
-    """Run ``fn`` at interpreter exit before it finalizes: in ``threading``'s shutdown hook
-    (the main thread, before non-daemon threads are joined and before ``atexit``), or, where
-    that private hook is missing, from ``atexit``."""
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        try:
-            register(fn)
-            return
-        except RuntimeError:  # already shutting down
-            pass
-    atexit.register(fn)
 
 
 def _stack_cache() -> Any:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from frtools.dump import protocol
+from frtools.recorder.shutdown import before_finalization
 
 DEFAULT_POLL_S = 0.5
 # how long the rank that saw the stall waits for the others before writing the manifest
@@ -139,10 +140,16 @@ class JobWideWatcher:
         if self.world_size:
             self.store.set(protocol.world_size_key(p), str(self.world_size))
         self._thread.start()
+        before_finalization(lambda: self.stop(join_s=2.0))
         return self
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 0.0) -> None:
+        """Stop polling; with ``join_s``, wait that long for the thread to end (at exit:
+        see ``frtools.recorder.shutdown``)."""
         self._stop.set()
+        thread = self._thread
+        if join_s > 0 and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(join_s)
 
     def _run(self) -> None:
         failures = 0
