@@ -388,6 +388,19 @@ def test_ops_issued_moments_before_a_live_dump_are_in_flight_not_hung():
     assert diagnose(trace).kind == "healthy"
 
 
+def test_fresh_ops_are_a_hang_when_their_peers_process_is_gone():
+    # The same fresh dump, but `frtools dump` found rank 7's process gone: it can never
+    # join, so the others' young all_reduce is a hang and rank 7 is blamed.
+    trace = simulate(JOB, training(JOB, 2, stop_at(7, 1, index=3)))
+    last = max(trace.entries.column("time_created_ns").to_pylist())
+    for info in trace.ranks.values():
+        info.dump_time_ns = last + 1_000_000
+    trace.ranks[7].alive = False
+    v = diagnose(trace)
+    assert v.kind in ("dead", "missing")
+    assert v.guilty_ranks == [7]
+
+
 def test_two_stragglers_in_one_pair_do_not_hide_each_other():
     v = diagnose(simulate(JOB, training(JOB, 4), delay_ms={4: 30, 5: 30}))
     assert v.kind == "straggler"

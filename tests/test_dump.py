@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from jobs import free_port, rank_env, stop
 
+from frtools.analyze.diagnose import IN_FLIGHT_NS
 from frtools.analyze.readers import load_trace
 from frtools.analyze.readers.side_files import apply_side_files
 from frtools.analyze.stacks import stacks_summary
@@ -132,6 +133,9 @@ def gil_job(tmp_path_factory):
     args = ["--torch-socket-dir", str(socks)]
     job = launch(tmp, "gil", dict.fromkeys(range(WORLD), shm), env, args)
     try:
+        # an op younger than the analyzer's in-flight window is not yet a hang: dump when the
+        # victims' all-reduce is older than that, as an on-call engineer would
+        time.sleep(max(0.0, job.hung_at + IN_FLIGHT_NS / 1e9 + 1 - time.time()))
         t = time.monotonic()
         job.results["dump"] = frtools("dump", "--dir", str(shm), "-o", str(tmp / "out"))
         job.results["dump_s"] = time.monotonic() - t

@@ -168,6 +168,8 @@ class _Context:
             for r, i in self.trace.ranks.items()
             if i.dump_time_ns and not i.stalled  # the recorder's watchdog saw a stall: not fresh
         }
+        if any(i.alive is False for i in self.trace.ranks.values()):
+            dump_ns = {}  # a member's process is gone: nothing it owes can still arrive
         if dump_ns and len(out):
             # An op issued moments before its rank's dump is in flight, not hung.
             age = out["rank"].map(dump_ns) - out["time_created_ns"]
