@@ -47,6 +47,7 @@ _THREADS_AT_EXIT = textwrap.dedent(
     """
     import atexit
     import threading
+    import time
     import torch
     import torch.distributed as dist
     import frtools.recorder as recorder
@@ -64,6 +65,7 @@ _THREADS_AT_EXIT = textwrap.dedent(
     for _ in range(5):
         dist.all_reduce(torch.ones(4))
     dist.barrier()
+    time.sleep(1.0)  # long enough for the job-wide watcher (when on) to be running
     dist.destroy_process_group()
     """
 )
@@ -96,12 +98,14 @@ def test_a_thousand_recorded_all_reduces_on_fresh_tensors_do_not_hang(tmp_path: 
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("jobwide", ["0", "1"], ids=["poller", "poller+jobwide-watcher"])
 def test_no_recorder_python_thread_is_alive_when_the_interpreter_finalizes(
-    tmp_path: Path,
+    tmp_path: Path, jobwide: str
 ) -> None:
     script = tmp_path / "threads_at_exit.py"
     script.write_text(_THREADS_AT_EXIT)
-    result = run_job(script, world_size=1, env=_recorder_env(tmp_path, "threads"), timeout=40)
+    env = {**_recorder_env(tmp_path, "threads"), "FRTOOLS_JOBWIDE": jobwide}
+    result = run_job(script, world_size=1, env=env, timeout=40)
     _assert_clean(result, "one recorded rank")
     assert "recorder threads at exit: []" in result.ranks[0].stdout, result.output()
 
