@@ -165,3 +165,27 @@ def test_report_shows_where_the_guilty_rank_stands_and_groups_all_stacks():
     assert doc["stacks"]["guilty"][0]["user_frames"][0]["name"] == "stall"
     stall_group = [g for g in doc["stacks"]["groups"] if g["ranks"] == [1]]
     assert stall_group and stall_group[0]["outlier"] is True
+
+
+def test_world_size_reveals_a_dead_highest_rank(tmp_path):
+    """Gloo dumps do not state the world size: with the highest rank's dump lost, the
+    survivors look like a whole job. ``--world-size`` names the lost rank as dead."""
+    src = SAMPLES / "missing"  # rank 1 hung in compute; 0, 2, 3 wait in the world all_reduce
+    # keep the three waiting ranks as ranks 0-2 of the world group; the hung one is lost
+    for new, old in ((0, 0), (1, 3), (2, 2)):
+        (tmp_path / f"rank_{new}.pkl").write_bytes((src / f"rank_{old}.pkl").read_bytes())
+
+    blind = json.loads(analyze(str(tmp_path), "--format", "json").stdout)
+    assert blind["ranks"]["expected"] == 3
+
+    told = analyze(str(tmp_path), "--format", "json", "--world-size", "4")
+    assert told.returncode == 1, told.stderr
+    doc = json.loads(told.stdout)
+    assert doc["verdict"]["kind"] == "dead"
+    assert [g["rank"] for g in doc["verdict"]["guilty"]] == [3]
+    assert doc["verdict"]["waiting"] == [0, 1, 2]
+    assert doc["ranks"]["missing"] == [3]
+
+    too_small = analyze(str(tmp_path), "--world-size", "2")
+    assert too_small.returncode == 2
+    assert too_small.stderr.count("\n") == 1 and "rank 2" in too_small.stderr

@@ -62,13 +62,27 @@ def _fail(message: str) -> None:
     default=None,
     help="Processes reading dump files (default: automatic).",
 )
-def analyze(path: Path, fmt: str, output: Path | None, verbose: bool, workers: int | None) -> None:
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The job's number of ranks, when the dumps cannot say it (Gloo): a rank that left "
+    "no dump is then seen even if it is the highest.",
+)
+def analyze(
+    path: Path,
+    fmt: str,
+    output: Path | None,
+    verbose: bool,
+    workers: int | None,
+    world_size: int | None,
+) -> None:
     """Find the hung collective and the guilty rank in the dumps under PATH.
 
     Exit code 0: healthy; 1: a problem was found; 2: unusable input or usage error.
     """
     try:
-        code = _run(path, fmt, output, verbose, workers)
+        code = _run(path, fmt, output, verbose, workers, world_size)
     except SystemExit:
         raise
     except BrokenPipeError:  # `frtools analyze DIR | head`: the reader left, not an error
@@ -85,13 +99,23 @@ def analyze(path: Path, fmt: str, output: Path | None, verbose: bool, workers: i
     sys.exit(code)
 
 
-def _run(path: Path, fmt: str, output: Path | None, verbose: bool, workers: int | None) -> int:
+def _run(
+    path: Path,
+    fmt: str,
+    output: Path | None,
+    verbose: bool,
+    workers: int | None,
+    world_size: int | None = None,
+) -> int:
     from frtools.analyze.diagnose import diagnose
     from frtools.analyze.readers import UnusableInput, load_trace
 
     try:
         trace = load_trace(
-            path, workers=workers, progress=sys.stderr.isatty() and fmt == "terminal"
+            path,
+            workers=workers,
+            progress=sys.stderr.isatty() and fmt == "terminal",
+            world_size=world_size,
         )
     except UnusableInput as e:
         _fail(f"error: {str(e).splitlines()[0] if str(e) else 'unusable input'}")

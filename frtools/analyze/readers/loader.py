@@ -249,13 +249,19 @@ def _map_peers(table: pa.Table, groups: dict[str, ProcessGroup], names: set[str]
 
 
 def load_trace(
-    path: str | os.PathLike[str], *, workers: int | None = None, progress: bool = False
+    path: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    progress: bool = False,
+    world_size: int | None = None,
 ) -> Trace:
     """Read every dump under ``path`` (a directory, searched recursively, or one file).
 
     ``workers``: processes reading files in parallel; ``None`` picks min(cpus, 8) when
-    there are more than 64 files, else reads in-process. Raises ``UnusableInput`` only
-    when nothing usable was found.
+    there are more than 64 files, else reads in-process. ``world_size``: the job's size when
+    the caller knows it (Gloo dumps do not say it, so a lost highest rank is otherwise
+    invisible); it wins over what the files suggest. Raises ``UnusableInput`` when nothing
+    usable was found, or a dump's rank does not fit ``world_size``.
     """
     root = Path(path)
     if not root.exists():
@@ -307,18 +313,25 @@ def load_trace(
                 )
 
     unusable = {i.rank for i in inputs if i.status == "error" and i.rank is not None}
-    world_size, certain = _world_size(dumps, groups, unusable)
+    guessed_world_size, certain = _world_size(dumps, groups, unusable)
     trace = Trace(
         entries=entries,
         ranks={d.rank_info.rank: d.rank_info for d in dumps},
         process_groups=groups,
         inputs=inputs,
-        world_size=world_size if certain else None,
+        world_size=guessed_world_size if certain else None,
     )
     # manifest.json (job's world size, which processes were gone, hosts) and rank_<R>.stacks
     apply_side_files(trace, root)
-    if trace.world_size is None:
+    if world_size is not None:
+        beyond = [r for r in trace.ranks if r >= world_size]
+        if beyond:
+            raise UnusableInput(
+                f"world size {world_size}, but {root} holds a dump of rank {max(beyond)}"
+            )
         trace.world_size = world_size
+    if trace.world_size is None:
+        trace.world_size = world_size if world_size is not None else guessed_world_size
     world_size = trace.world_size
 
     # the default group holds every rank: files that say "all ranks" (big frtools
