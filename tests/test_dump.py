@@ -160,7 +160,10 @@ def killed_job(tmp_path_factory):
     job = launch(tmp, "kill", dict.fromkeys(range(WORLD), shm), {"FRTOOLS_STALL_SECONDS": "0"})
     try:
         t = time.monotonic()
-        job.results["dump"] = frtools("dump", "hang", "--dir", str(shm), "-o", str(tmp / "out"))
+        # answers are waited for at most 4 s, so the whole command fits the 5 s promise
+        job.results["dump"] = frtools(
+            "dump", "hang", "--dir", str(shm), "--timeout", "4", "-o", str(tmp / "out")
+        )
         job.results["dump_s"] = time.monotonic() - t
     finally:
         finish(job)
@@ -207,9 +210,12 @@ def test_dump_of_a_killed_rank_names_it_gone_and_keeps_its_black_box(killed_job)
     assert killed_job.results["dump_s"] < 5
     out = killed_job.tmp / "out"
     m = manifest(out)
-    assert m["ranks_gone"] == [2]
-    assert m["ranks_answered"] == [0, 1, 3]
-    assert (out / "rank_2.frt").exists()
+    # Gloo may take the killed rank's peers down with it (their collective fails on the
+    # reset connection): the killed rank is gone, every other rank answered or is gone too
+    assert 2 in m["ranks_gone"]
+    assert 2 not in m["ranks_answered"]
+    assert sorted(m["ranks_gone"] + m["ranks_answered"]) == [0, 1, 2, 3]
+    assert all((out / f"rank_{r}.frt").exists() for r in range(4))
     assert "process gone" in res.stdout
 
 

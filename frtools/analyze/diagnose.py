@@ -507,7 +507,7 @@ class _Context:
         self._fill_point(verdict, point)
         verdict.headline = self._headline_root(kind, guilty, point, waiting_list)
         conf = {"dead": 0.9, "mismatch": 0.9, "missing": 0.85}[kind]
-        if kind == "dead" and all(reasons[g.rank][0] == "absent" for g in guilty):
+        if kind == "dead" and all(reasons.get(g.rank, ("",))[0] == "absent" for g in guilty):
             conf = 0.9
         if len(kinds) > 1:
             conf -= 0.1
