@@ -189,3 +189,22 @@ def test_world_size_reveals_a_dead_highest_rank(tmp_path):
     too_small = analyze(str(tmp_path), "--world-size", "2")
     assert too_small.returncode == 2
     assert too_small.stderr.count("\n") == 1 and "rank 2" in too_small.stderr
+
+
+def test_a_peer_that_lags_in_noticing_a_finished_collective_is_not_blamed(tmp_path):
+    """Real Gloo race: rank 2 died; survivor rank 1 dumped a moment before Gloo's callback
+    marked its finished data-parallel all_reduce retired, while its peer rank 3 shows it
+    done. Rank 1 only lags in noticing: the verdict still blames rank 2 alone."""
+    import pickle
+
+    for f in (SAMPLES / "dead").glob("rank_*.pkl"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    dump = pickle.loads((tmp_path / "rank_1.pkl").read_bytes())  # our own sample file
+    last_dp = [e for e in dump["entries"] if e["process_group"][0] == "4"][-1]
+    last_dp["retired"] = False
+    (tmp_path / "rank_1.pkl").write_bytes(pickle.dumps(dump))
+
+    doc = json.loads(analyze(str(tmp_path), "--format", "json").stdout)
+    assert doc["verdict"]["kind"] == "dead"
+    assert [g["rank"] for g in doc["verdict"]["guilty"]] == [2]
+    assert doc["verdict"]["waiting"] == [0, 1, 3]

@@ -156,7 +156,8 @@ class _Context:
             lambda s: bool(s.notna().any())
         )
         ops["rank_has_info"] = ops["rank"].map(info).astype(bool)
-        with_info = ops[ops["rank_has_info"] & (ops["completed"] == False)]  # noqa: E712
+        pending = (ops["completed"] == False) & ~self._completed_by_a_peer(ops)  # noqa: E712
+        with_info = ops[ops["rank_has_info"] & pending]
         oldest = with_info.sort_values(["time_created_ns", "record_id"]).drop_duplicates("rank")
         no_info = ops[~ops["rank_has_info"]]
         latest = no_info.sort_values(["time_created_ns", "record_id"]).drop_duplicates(
@@ -176,6 +177,29 @@ class _Context:
             out = out[~(age.notna() & (age < IN_FLIGHT_NS))]
         self.blocked_known = set(int(r) for r in out.loc[out["rank_has_info"], "rank"])
         return out
+
+    def _completed_by_a_peer(self, ops: pd.DataFrame) -> pd.Series:
+        """Collectives that another member of a fully recorded group completed.
+
+        A collective completes nowhere before every member entered it, so a member still
+        showing it pending only lags in noticing (Gloo marks completion from a callback just
+        after ``wait()`` returns) and is not blocked there. Groups with a member that left no
+        record are left alone: Gloo also marks an op that failed on a dead peer completed.
+        """
+        lagging = pd.Series(False, index=ops.index)
+        coll = (ops["kind"] == "coll").to_numpy()
+        if not coll.any():
+            return lagging
+        whole = {str(n) for n, ranks in self.al.members.items() if not set(ranks) & self.absent}
+        names = ops["pg_name"].astype(str)
+        finished = ops["completed"].eq(True).fillna(False).to_numpy(dtype=bool)
+        done = ops[coll & finished & names.isin(whole).to_numpy()]
+        if not len(done):
+            return lagging
+        done_keys = set(zip(done["pg_name"].astype(str), done["seq"].astype("int64"), strict=True))
+        keys = zip(names, ops["seq"].astype("int64"), strict=True)
+        hit = [bool(c) and k in done_keys for c, k in zip(coll, keys, strict=True)]
+        return pd.Series(hit, index=ops.index)
 
     def _member_state(self, m: int, pg_name: str, seq: int, time_ns: int | None = None) -> str:
         if m in self.absent:
