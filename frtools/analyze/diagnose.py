@@ -193,13 +193,13 @@ class _Context:
         whole = {str(n) for n, ranks in self.al.members.items() if not set(ranks) & self.absent}
         names = ops["pg_name"].astype(str)
         finished = ops["completed"].eq(True).fillna(False).to_numpy(dtype=bool)
-        done = ops[coll & finished & names.isin(whole).to_numpy()]
+        keys = pd.DataFrame({"pg_name": names.to_numpy(), "seq": ops["seq"].to_numpy("int64")})
+        done = keys[coll & finished & names.isin(whole).to_numpy()].drop_duplicates()
         if not len(done):
             return lagging
-        done_keys = set(zip(done["pg_name"].astype(str), done["seq"].astype("int64"), strict=True))
-        keys = zip(names, ops["seq"].astype("int64"), strict=True)
-        hit = [bool(c) and k in done_keys for c, k in zip(coll, keys, strict=True)]
-        return pd.Series(hit, index=ops.index)
+        # a left merge keeps the left rows' order: one flag per op, no per-row Python
+        hit = keys.merge(done.assign(_done=True), how="left", on=["pg_name", "seq"])["_done"]
+        return pd.Series(coll & hit.eq(True).to_numpy(dtype=bool), index=ops.index)
 
     def _member_state(self, m: int, pg_name: str, seq: int, time_ns: int | None = None) -> str:
         if m in self.absent:

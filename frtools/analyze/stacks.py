@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from frtools.analyze.verdict import collapse_ranks
 from frtools.trace import Trace, is_user_frame
 
 _THREAD_RE = re.compile(
@@ -288,7 +289,7 @@ class StacksSummary:
             out.append(f"stacks of {self.ranks_with_stacks} rank(s), grouped:")
             for g in self.groups:
                 mark = "  <- outlier" if g.outlier else ""
-                out.append(f"  {g.count:>4} rank(s) {_collapse(g.ranks):<12} {g.top}{mark}")
+                out.append(f"  {g.count:>4} rank(s) {collapse_ranks(g.ranks):<12} {g.top}{mark}")
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -297,20 +298,6 @@ class StacksSummary:
             "groups": [g.to_dict() for g in self.groups],
             "ranks_with_stacks": self.ranks_with_stacks,
         }
-
-
-def _collapse(ranks: Sequence[int]) -> str:
-    values = sorted(set(ranks))
-    parts: list[str] = []
-    start = prev = values[0] if values else 0
-    for r in values[1:] + [None]:  # type: ignore[list-item]
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ",".join(parts) if values else "-"
 
 
 def stacks_summary(trace: Trace, guilty_ranks: Iterable[int] = ()) -> StacksSummary:

@@ -8,11 +8,13 @@ field changes meaning or disappears (adding an optional field is a minor bump).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from frtools import __version__
-from frtools.analyze.stacks import StacksSummary
 from frtools.trace import InputFile, ProcessGroup
+
+if TYPE_CHECKING:  # stacks.py renders rank lists with collapse_ranks below
+    from frtools.analyze.stacks import StacksSummary
 
 SCHEMA_VERSION = "1.1"  # 1.1: optional top-level "stacks"
 
