@@ -39,35 +39,39 @@ import pyarrow as pa
 
 STATES = ("scheduled", "started", "completed")
 
+# Every string column is dictionary-encoded: a job repeats a few dozen group names, ops,
+# shapes and stacks millions of times. As plain strings the entries cost ~360 bytes each
+# (16,384 ranks x 2,000 entries would be 12 GB; stacks alone ~1 KB each); as dictionaries
+# the repeated text is stored once per file and each entry holds int32 codes.
+_DICT = pa.dictionary(pa.int32(), pa.string())
+
 ENTRY_SCHEMA = pa.schema(
     [
         pa.field("rank", pa.int32(), nullable=False),
         pa.field("record_id", pa.int64()),
-        pa.field("pg_name", pa.string()),
-        pa.field("pg_desc", pa.string()),
+        pa.field("pg_name", _DICT),
+        pa.field("pg_desc", _DICT),
         pa.field("collective_seq_id", pa.int64()),
         pa.field("p2p_seq_id", pa.int64()),
         pa.field("is_p2p", pa.bool_()),
-        pa.field("op", pa.string()),
-        pa.field("profiling_name", pa.string()),
+        pa.field("op", _DICT),
+        pa.field("profiling_name", _DICT),
         pa.field("peer", pa.int32()),
-        pa.field("input_sizes", pa.string()),
-        pa.field("output_sizes", pa.string()),
-        pa.field("input_dtypes", pa.string()),
-        pa.field("output_dtypes", pa.string()),
-        pa.field("state", pa.string()),
+        pa.field("input_sizes", _DICT),
+        pa.field("output_sizes", _DICT),
+        pa.field("input_dtypes", _DICT),
+        pa.field("output_dtypes", _DICT),
+        pa.field("state", _DICT),
         pa.field("time_created_ns", pa.int64()),
         pa.field("time_started_ns", pa.int64()),
         pa.field("time_completed_ns", pa.int64()),
         pa.field("duration_ms", pa.float64()),
         pa.field("retired", pa.bool_()),
         pa.field("timeout_ms", pa.int64()),
-        pa.field("thread_id", pa.string()),
-        pa.field("thread_name", pa.string()),
-        pa.field("call_site", pa.string()),
-        # dictionary-encoded: a job repeats a few dozen stacks millions of times
-        # (4,096 ranks x 2,000 entries x ~1 KB of frames would be 8 GB as plain strings)
-        pa.field("stack", pa.dictionary(pa.int32(), pa.string())),
+        pa.field("thread_id", _DICT),
+        pa.field("thread_name", _DICT),
+        pa.field("call_site", _DICT),
+        pa.field("stack", _DICT),
     ]
 )
 ENTRY_COLUMNS = tuple(ENTRY_SCHEMA.names)
@@ -261,4 +265,5 @@ def concat_entries(tables: Sequence[pa.Table]) -> pa.Table:
     tables = [t for t in tables if t.num_rows]
     if not tables:
         return empty_entries()
-    return pa.concat_tables([t.cast(ENTRY_SCHEMA) for t in tables])
+    # one dictionary per column across all ranks' chunks: group-bys and joins need it
+    return pa.concat_tables([t.cast(ENTRY_SCHEMA) for t in tables]).unify_dictionaries()

@@ -30,7 +30,7 @@ FORMAT = "frtools"
 # default groups of jobs larger than this are passed as "all ranks" (RankDump.default_pg_all)
 ALL_RANKS_ABOVE = 1024
 
-_STATES = pa.array([None, "scheduled", "started", "completed"], type=pa.string())
+_STATES = pa.array(["", "scheduled", "started", "completed"], type=pa.string())
 
 
 def sniff(path: Path, head: bytes) -> bool:
@@ -145,8 +145,14 @@ def _all_ranks(world: int) -> tuple[int, ...]:
 
 
 def _take(dictionary: pa.Array, indices: np.ndarray, valid: np.ndarray | None = None) -> pa.Array:
+    """A dictionary column: the entries keep int32 codes into the few distinct values
+    (a null value in the dictionary becomes a null code: Arrow cannot unify the former)."""
+    if dictionary.null_count:
+        null_code = np.asarray(dictionary.is_null())[indices]
+        valid = ~null_code if valid is None else valid & ~null_code
+        dictionary = dictionary.fill_null("")
     idx = pa.array(indices.astype(np.int32, copy=False), mask=None if valid is None else ~valid)
-    return dictionary.take(idx)
+    return pa.DictionaryArray.from_arrays(idx, dictionary)
 
 
 def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> pa.Table:
@@ -205,7 +211,7 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
         "output_sizes": column("output_sizes", text_dict, none_is_null=False),
         "input_dtypes": column("input_dtypes", text_dict, none_is_null=False),
         "output_dtypes": column("output_dtypes", text_dict, none_is_null=False),
-        "state": _take(_STATES, state),
+        "state": _take(_STATES, state, state > 0),
         "time_created_ns": pa.array(c["time_created_ns"]),
         "time_started_ns": pa.array(started, mask=started == 0),
         "time_completed_ns": pa.array(completed, mask=completed == 0),
