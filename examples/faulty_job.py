@@ -22,7 +22,7 @@ Faults (``--fault``, injected on rank ``--rank`` at step ``--fault-step``):
 * ``compute`` rank R hangs in compute (``time.sleep``) before the world loss all_reduce
   (``--fault-at forward``: before the step's first TP collective, so that its TP peer waits
   for it, its DP peer too, and the other DP group waits for the TP peer: a chain of victims).
-* ``exit``    rank R calls ``os._exit(1)`` at the same places (no dump).
+* ``exit``    rank R dies at the same places (no dump; peers block: ``die_keeping_sockets``).
 * ``order``   rank R issues the world loss all_reduce before the DP gradient all_reduce,
   its peers the other way round: a cross-group deadlock between R and its DP peer.
 * ``size``    rank R passes a larger buffer to the world broadcast. Gloo completes it
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1000 * args.hang_seconds)  # "stuck in compute"
         if fault == "exit":
             print(f"rank {rank}: exiting mid-training (injected)", file=sys.stderr)
-            os._exit(EXIT_DIED)
+            die_keeping_sockets(linger_s=max(60.0, 10 * args.hang_seconds))  # the pg timeout
 
     torch.manual_seed(rank)
     weights = torch.randn(GRAD_SHARD * dp_size)
@@ -277,6 +277,42 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
     sys.stderr.flush()
     os._exit(EXIT_OK)
+
+
+def die_keeping_sockets(linger_s: float) -> None:
+    """The ``exit`` fault: end this rank's process (status 1, no dump) the way a dead GPU
+    rank looks to its NCCL peers, who are not told: they block in their next collective
+    with it until a timeout, and their dumps show that collective pending.
+
+    A plain ``os._exit`` is not that on Gloo: the kernel closes the rank's TCP connections,
+    Gloo fails the survivors' pending op at once, and sometimes marks it completed/retired
+    on every survivor (pg_status too), so the dumps show no pending op at all and a dead
+    rank is indistinguishable from one that left after the job (a flaky verdict). So a
+    forked child inherits every socket (Gloo pairs, the TCPStore) and idles, reading
+    nothing, while this process exits: the survivors block deterministically until their
+    watchdogs dump. The child gives its stdio up (so that a launcher reading this rank's
+    pipes sees them close with the rank) and ends after ``linger_s`` (the collective
+    timeout, when the survivors' Gloo would give up anyway), or earlier when the
+    launcher kills the job's process groups (``tests/jobs.py`` does). Never returns.
+
+    (Defined after ``main`` and importing locally: line numbers above stay put, the
+    committed ``sample_dumps/missing-stacks`` stacks name ``faulty_job.py:212``.)"""
+    import warnings
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with warnings.catch_warnings():  # 3.12+: fork() of a multi-threaded process
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: only this thread exists; touch no lock, no torch
+        try:
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            time.sleep(linger_s)
+        finally:
+            os._exit(0)
+    os._exit(EXIT_DIED)
 
 
 if __name__ == "__main__":
