@@ -140,22 +140,33 @@ class _Context:
     # ----- the wait-for graph ---------------------------------------------------------
 
     def _blocked_ops(self) -> pd.DataFrame:
+        """Per rank, where it is blocked: its oldest pending op where its record says which
+        ops completed, else its latest op. Only those few rows leave the big frames."""
         cols = ["rank", "pg_name", "kind", "seq", "time_created_ns", "record_id", "completed"]
-        parts = []
-        if len(self.coll):
-            c = self.coll.assign(kind="coll")
-            parts.append(c[cols])
         p2p = self.al.p2p
-        if len(p2p):
-            p = p2p.assign(kind="p2p", seq=p2p.index.to_numpy())  # seq := row in al.p2p
-            parts.append(p[cols])
-        if not parts:
-            return pd.DataFrame(columns=cols)
-        ops = pd.concat(parts, ignore_index=True)
-        info = ops.groupby("rank", observed=True)["completed"].apply(
-            lambda s: bool(s.notna().any())
-        )
-        ops["rank_has_info"] = ops["rank"].map(info).astype(bool)
+        frames = [("coll", self.coll)] + ([("p2p", p2p)] if len(p2p) else [])
+        info: set[int] = set()
+        for _, f in frames:
+            info |= _ranks_where(f, f["completed"].notna())
+        parts = []
+        for kind, f in frames:
+            rank = f["rank"].to_numpy()
+            has_info = np.isin(rank, np.fromiter(info, dtype=np.int64, count=len(info)))
+            pending = f["completed"].eq(False).fillna(False).to_numpy(dtype=bool)
+            # ranks without completion info: only their latest op matters
+            latest = np.zeros(len(f), dtype=bool)
+            if not has_info.all():
+                no_info = f[~has_info]
+                order = no_info.sort_values(["time_created_ns", "record_id"])
+                latest[f.index.get_indexer(order.drop_duplicates("rank", keep="last").index)] = True
+            small = f[(has_info & pending) | latest]
+            part = small.assign(kind=kind, rank_has_info=has_info[(has_info & pending) | latest])
+            if kind == "p2p":
+                part = part.assign(seq=small.index.to_numpy())  # seq := row in al.p2p
+            parts.append(part[cols + ["rank_has_info"]])
+        ops = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=cols)
+        if not len(ops):
+            return ops.assign(rank_has_info=pd.Series(dtype=bool))
         pending = (ops["completed"] == False) & ~self._completed_by_a_peer(ops)  # noqa: E712
         with_info = ops[ops["rank_has_info"] & pending]
         oldest = with_info.sort_values(["time_created_ns", "record_id"]).drop_duplicates("rank")
@@ -179,7 +190,8 @@ class _Context:
         return out
 
     def _completed_by_a_peer(self, ops: pd.DataFrame) -> pd.Series:
-        """Collectives that another member of a fully recorded group completed.
+        """Which of ``ops`` (pending ones) are collectives that another member of a fully
+        recorded group completed.
 
         A collective completes nowhere before every member entered it, so a member still
         showing it pending only lags in noticing (Gloo marks completion from a callback just
@@ -191,10 +203,22 @@ class _Context:
         if not coll.any():
             return lagging
         whole = {str(n) for n, ranks in self.al.members.items() if not set(ranks) & self.absent}
-        names = ops["pg_name"].astype(str)
-        finished = ops["completed"].eq(True).fillna(False).to_numpy(dtype=bool)
-        keys = pd.DataFrame({"pg_name": names.to_numpy(), "seq": ops["seq"].to_numpy("int64")})
-        done = keys[coll & finished & names.isin(whole).to_numpy()].drop_duplicates()
+        keys = pd.DataFrame(
+            {
+                "pg_name": ops["pg_name"].astype(str).to_numpy(),
+                "seq": ops["seq"].to_numpy("int64"),
+            }
+        )
+        asked = keys[coll & keys["pg_name"].isin(whole).to_numpy()].drop_duplicates()
+        if not len(asked):
+            return lagging
+        # the completed rows at those (group, seq): filter the big frame by seq first
+        c = self.coll
+        near = c[c["seq"].isin(asked["seq"].unique()) & c["completed"].eq(True).fillna(False)]
+        near = pd.DataFrame(
+            {"pg_name": near["pg_name"].astype(str).to_numpy(), "seq": near["seq"].to_numpy()}
+        )
+        done = near.merge(asked, on=["pg_name", "seq"]).drop_duplicates()
         if not len(done):
             return lagging
         # a left merge keeps the left rows' order: one flag per op, no per-row Python
@@ -1062,6 +1086,10 @@ class _Context:
                 "older ops were dropped; ops before their oldest entry are not judged."
             )
         verdict.confidence = float(min(1.0, max(0.05, verdict.confidence)))
+
+
+def _ranks_where(frame: pd.DataFrame, mask: pd.Series) -> set[int]:
+    return set(np.unique(frame["rank"].to_numpy()[mask.to_numpy(dtype=bool)]).tolist())
 
 
 def _kind_rank(kind: str) -> int:
