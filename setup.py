@@ -22,5 +22,14 @@ setup(
             extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wall"],
             optional=True,
         ),
+        # Flight Recorder pickles parsed into columns without the GIL (optional: without it
+        # the reader uses its restricted Python unpickler)
+        Extension(
+            "frtools.analyze.readers._frpickle",
+            sources=["frtools/analyze/readers/_native/frpickle.cpp"],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wall"],
+            optional=True,
+        ),
     ],
 )

@@ -12,11 +12,13 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -196,6 +198,19 @@ class _Stacks:
         return i
 
 
+@dataclass
+class _TopLevel:
+    """What a dump's top level says (everything but the entries' columns)."""
+
+    dump: Mapping[str, Any]
+    rank: int
+    host: str | None
+    version: str
+    groups: dict[str, ProcessGroup]
+    default_pg_all: bool
+    notes: list[str]
+
+
 def normalize(dump: Any, path: Path, fmt: str) -> RankDump:
     """Turn one parsed FR dump into a ``RankDump``; raise ``DumpError`` when it is not one."""
     if not isinstance(dump, Mapping):
@@ -215,6 +230,33 @@ def normalize(dump: Any, path: Path, fmt: str) -> RankDump:
         raise DumpError(f"not a Flight Recorder dump: no 'entries' key (keys: {keys or 'none'})")
     if not isinstance(raw_entries, list):
         raise DumpError(f"'entries' is {type(raw_entries).__name__}, not a list")
+    top = _top_level(dump, path, notes)
+    cols, pg_id_to_name, pg_descs, unmapped, bad = _columns(raw_entries, top.groups)
+    if bad:
+        notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
+    cols["rank"] = [top.rank] * len(cols["op"])
+    table = _table(cols, notes)
+    return _rank_dump(top, table, pg_id_to_name, pg_descs, unmapped, bad, path, fmt)
+
+
+def normalize_native(
+    top_dump: Mapping[str, Any], native: Mapping[str, Any], path: Path, fmt: str
+) -> RankDump:
+    """``normalize`` for a dump the native parser (``_frpickle.parse``) already turned into
+    columns: the same ``RankDump``, built with numpy over the few distinct values instead
+    of a Python loop over every entry."""
+    notes: list[str] = []
+    top = _top_level(top_dump, path, notes)
+    cols, pg_id_to_name, pg_descs, unmapped, bad = _native_columns(native, top.groups)
+    if bad:
+        notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
+    cols["rank"] = pa.array(np.full(native["n"], top.rank, dtype=np.int32))
+    table = _table(cols, notes)
+    return _rank_dump(top, table, pg_id_to_name, pg_descs, unmapped, bad, path, fmt)
+
+
+def _top_level(dump: Mapping[str, Any], path: Path, notes: list[str]) -> _TopLevel:
+    """Version, rank, host and the process groups of ``pg_config``."""
     version = str(dump.get("version", "")) or "unversioned"
 
     # rank: from content where the dump has it (some builds write "rank"), else the name
@@ -252,14 +294,20 @@ def normalize(dump: Any, path: Path, fmt: str) -> RankDump:
                 default_pg_all = default_pg_all or desc == "default_pg" or name == "0"
                 ranks = ()
             groups[name] = ProcessGroup(name=name, desc=desc, ranks=ranks or ())
+    return _TopLevel(dump, rank, host, version, groups, default_pg_all, notes)
 
-    cols, pg_id_to_name, pg_descs, unmapped, bad = _columns(raw_entries, groups)
-    if bad:
-        notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
-    n = len(cols["op"])
-    cols["rank"] = [rank] * n
-    table = _table(cols, notes)
 
+def _rank_dump(
+    top: _TopLevel,
+    table: pa.Table,
+    pg_id_to_name: dict[str, str],
+    pg_descs: dict[str, str],
+    unmapped: set[str],
+    bad: int,
+    path: Path,
+    fmt: str,
+) -> RankDump:
+    groups, notes, dump = top.groups, top.notes, top.dump
     for name, desc in pg_descs.items():
         g = groups.get(name)
         if g is None:
@@ -276,11 +324,11 @@ def normalize(dump: Any, path: Path, fmt: str) -> RankDump:
     newest = pc.max(table.column("time_created_ns")).as_py()
     comm = dump.get("comm_lib_version", dump.get("nccl_version"))
     info = RankInfo(
-        rank=rank,
+        rank=top.rank,
         source=str(path),
         format=fmt,
-        version=version,
-        host=host,
+        version=top.version,
+        host=top.host,
         pid=_as_int(dump.get("pid")),
         comm_lib_version=str(comm) if comm not in (None, "") else None,
         pg_status=pg_status,
@@ -294,7 +342,7 @@ def normalize(dump: Any, path: Path, fmt: str) -> RankDump:
         bad_entries=bad,
         notes=notes,
         max_time_created_ns=newest,
-        default_pg_all=default_pg_all,
+        default_pg_all=top.default_pg_all,
     )
 
 
@@ -306,7 +354,7 @@ def _table(cols: dict[str, list[Any]], notes: list[str]) -> pa.Table:
     for fld in ENTRY_SCHEMA:
         values = cols.get(fld.name)
         if isinstance(values, pa.Array):
-            arrays.append(values)
+            arrays.append(values if values.type == fld.type else values.cast(fld.type))
             continue
         if values is None:
             arrays.append(pa.nulls(n, type=fld.type))
@@ -434,12 +482,7 @@ def _columns(
                 pg_id_to_name.setdefault(str(pg_id), hit[0])
         pg_names.append(hit[0])
         pg_desc_col.append(hit[1])
-    pg_descs: dict[str, str] = {}
-    for name, desc in pg_cache.values():
-        if desc and not pg_descs.get(name):
-            pg_descs[name] = desc
-        else:
-            pg_descs.setdefault(name, desc)
+    pg_descs = _pg_descs(pg_cache.values())
 
     # op name and group-local peer from profiling_name ("nccl:send 0->1")
     op_cache: dict[str, tuple[str, int | None]] = {}
@@ -546,3 +589,196 @@ def _op_of(profiling_name: str) -> tuple[str, int | None]:
         if m:
             return op, int(m.group(2))
     return op, None
+
+
+def _pg_descs(hits: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Group name -> description, the first non-empty one a file gives."""
+    pg_descs: dict[str, str] = {}
+    for name, desc in hits:
+        if desc and not pg_descs.get(name):
+            pg_descs[name] = desc
+        else:
+            pg_descs.setdefault(name, desc)
+    return pg_descs
+
+
+# --- columns from the native parser ------------------------------------------------------
+#
+# ``_frpickle.parse`` hands back, per entry key, either a numeric buffer or dictionary codes
+# (int32, -1 for None) over the distinct values; the functions below apply ``_columns``'s
+# rules to each distinct value once and spread the results with numpy.
+
+
+def _dictionary(codes: np.ndarray, values: Sequence[Any], null_value: Any = None) -> pa.Array:
+    """Dictionary array of ``values[code]`` (code -1: ``null_value``); equal values share
+    one slot and None values are nulls, as ``pa.array(strings, type=dictionary)`` gives."""
+    uniq: dict[str, int] = {}
+    remap = np.empty(len(values) + 1, dtype=np.int32)
+    for i, v in enumerate(values):
+        remap[i] = -1 if v is None else uniq.setdefault(v, len(uniq))
+    remap[-1] = -1 if null_value is None else uniq.setdefault(null_value, len(uniq))
+    idx = remap[codes]
+    mask = idx < 0
+    indices = pa.array(idx, mask=mask) if mask.any() else pa.array(idx)
+    return pa.DictionaryArray.from_arrays(indices, pa.array(list(uniq), type=pa.string()))
+
+
+def _numbers(native: Mapping[str, Any], key: str, n: int, type_: pa.DataType) -> pa.Array | None:
+    got = native.get(key)
+    if got is None:
+        return None
+    values, bitmap, nulls = got
+    validity = None if bitmap is None else pa.py_buffer(bitmap)
+    return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(values)], null_count=nulls)
+
+
+def _ints_or_zero(native: Mapping[str, Any], key: str, n: int) -> np.ndarray:
+    """``v or 0`` for every entry (the native parser stores 0 for None)."""
+    got = native.get(key)
+    return np.zeros(n, dtype=np.int64) if got is None else np.frombuffer(got[0], dtype=np.int64)
+
+
+def _zero_is_null(native: Mapping[str, Any], key: str) -> pa.Array | None:
+    """``v or None`` for every entry: JSON writes 0 for "not yet discovered"."""
+    got = native.get(key)
+    if got is None:
+        return None
+    values = np.frombuffer(got[0], dtype=np.int64)
+    mask = values == 0
+    return pa.array(values, mask=mask) if mask.any() else pa.array(values)
+
+
+def _codes(native: Mapping[str, Any], key: str) -> tuple[np.ndarray, list[Any]]:
+    codes, values = native[key]
+    return np.frombuffer(codes, dtype=np.int32), values
+
+
+def _native_columns(
+    native: Mapping[str, Any], groups: dict[str, ProcessGroup]
+) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str], int]:
+    """What ``_columns`` returns, from ``_frpickle.parse``'s columns."""
+    n: int = native["n"]
+    first_keys = native["first_keys"]
+
+    # process group: the distinct (process_group, pg_id) pairs, in order of appearance
+    pg_codes, pairs = _codes(native, "process_group")
+    pg_cache: dict[Any, tuple[str, str]] = {}
+    pg_id_to_name: dict[str, str] = {}
+    pg_hits = []
+    for pg, pg_id in pairs:
+        key = (tuple(pg) if isinstance(pg, list) else pg, pg_id)
+        hit = pg_cache.get(key)
+        if hit is None:
+            hit = _pg_of(pg, pg_id)
+            pg_cache[key] = hit
+            if pg_id is not None:
+                pg_id_to_name.setdefault(str(pg_id), hit[0])
+        pg_hits.append(hit)
+    pg_descs = _pg_descs(pg_cache.values())
+
+    pn_codes, pnames = _codes(native, "profiling_name")
+    op_hits = [_op_of(pn) for pn in pnames]
+    ops = [hit[0] for hit in op_hits]
+    p2p_op = np.array([op in _P2P_OPS for op in ops], dtype=bool)[pn_codes]
+    flags = native.get("is_p2p")
+    if flags is None:
+        is_p2p = p2p_op
+    else:
+        flag = np.frombuffer(flags, dtype=np.int8)
+        is_p2p = np.where(flag == 2, p2p_op, flag == 1)
+
+    old_seq = n > 0 and "seq_id" in first_keys and "collective_seq_id" not in first_keys
+    if not old_seq:
+        coll_seq = _ints_or_zero(native, "collective_seq_id", n)
+        p2p_seq = _ints_or_zero(native, "p2p_seq_id", n)
+    else:  # before 2.0 one counter ("seq_id") counted every op of the group
+        seq = _ints_or_zero(native, "seq_id", n)
+        coll_seq = np.where(is_p2p, 0, seq)
+        p2p_seq = np.where(is_p2p, seq, 0)
+
+    peers, unmapped = _native_peers(pg_codes, pg_hits, pn_codes, op_hits, groups, n)
+
+    frame_codes, frame_lists = _codes(native, "frames")
+    interned = _Stacks()
+    stack_of = [interned.intern(f) for f in frame_lists]
+    stack_ids = np.array([-1 if i is None else i for i in stack_of] + [-1], dtype=np.int32)
+    stack_ids = stack_ids[frame_codes]
+    mask = stack_ids < 0
+    stacks = pa.DictionaryArray.from_arrays(
+        pa.array(stack_ids, mask=mask) if mask.any() else pa.array(stack_ids),
+        pa.array(interned.texts, type=pa.string()),
+    )
+
+    state_codes, states = _codes(native, "state")
+    state_text = [v if v.__class__ is str else str(v or "scheduled") for v in states]
+    retired = native.get("retired")
+    if retired is not None:
+        flag = np.frombuffer(retired, dtype=np.int8)
+        retired = pa.array(flag == 1, mask=flag == 2)
+    cols: dict[str, Any] = {
+        "record_id": _numbers(native, "record_id", n, pa.int64()),
+        "pg_name": _dictionary(pg_codes, [hit[0] for hit in pg_hits]),
+        "pg_desc": _dictionary(pg_codes, [hit[1] for hit in pg_hits]),
+        "collective_seq_id": pa.array(coll_seq),
+        "p2p_seq_id": pa.array(p2p_seq),
+        "is_p2p": pa.array(is_p2p),
+        "op": _dictionary(pn_codes, ops),
+        "profiling_name": _dictionary(pn_codes, pnames),
+        "peer": peers,
+        "state": _dictionary(state_codes, state_text, null_value="scheduled"),
+        "time_created_ns": _numbers(native, "time_created_ns", n, pa.int64()),
+        "time_started_ns": _zero_is_null(native, "time_discovered_started_ns"),
+        "time_completed_ns": _zero_is_null(native, "time_discovered_completed_ns"),
+        "duration_ms": _numbers(native, "duration_ms", n, pa.float64()),
+        "retired": retired,
+        "timeout_ms": _numbers(native, "timeout_ms", n, pa.int64()),
+        "call_site": _dictionary(stack_ids, interned.sites),
+        "stack": stacks,
+    }
+    for key in ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes"):
+        cols[key] = _dictionary(*_codes(native, key))
+    for key in ("thread_id", "thread_name"):
+        codes, values = _codes(native, key)
+        cols[key] = _dictionary(codes, [str(v) for v in values])
+    return cols, pg_id_to_name, pg_descs, unmapped, native["bad"]
+
+
+def _native_peers(
+    pg_codes: np.ndarray,
+    pg_hits: list[tuple[str, str]],
+    pn_codes: np.ndarray,
+    op_hits: list[tuple[str, int | None]],
+    groups: dict[str, ProcessGroup],
+    n: int,
+) -> tuple[Any, set[str]]:
+    """Global P2P peers, mapped once per distinct (group, local peer) pair."""
+    unmapped: set[str] = set()
+    has_local = np.array([hit[1] is not None for hit in op_hits] + [False], dtype=bool)
+    rows = np.flatnonzero(has_local[pn_codes])
+    if not len(rows):
+        return None, unmapped
+    width = len(op_hits)
+    pairs, inverse = np.unique(
+        pg_codes[rows].astype(np.int64) * width + pn_codes[rows], return_inverse=True
+    )
+    mapped: list[int | None] = []
+    for pair in pairs.tolist():
+        name = pg_hits[pair // width][0]
+        local = op_hits[pair % width][1]
+        g = groups.get(name)
+        if g is not None and g.ranks:
+            mapped.append(g.ranks[local] if 0 <= local < len(g.ranks) else None)
+        else:
+            mapped.append(local)
+            unmapped.add(name)
+    if not all(v is None or -(2**31) <= v < 2**31 for v in mapped):
+        # out of int32: a plain list, cleaned (and noted) by _table as the Python path does
+        peers: list[int | None] = [None] * n
+        for row, i in zip(rows.tolist(), inverse.tolist(), strict=True):
+            peers[row] = mapped[i]
+        return peers, unmapped
+    values = np.zeros(n, dtype=np.int32)
+    mask = np.ones(n, dtype=bool)
+    values[rows] = np.array([0 if v is None else v for v in mapped], dtype=np.int32)[inverse]
+    mask[rows] = np.array([v is None for v in mapped], dtype=bool)[inverse]
+    return pa.array(values, mask=mask), unmapped

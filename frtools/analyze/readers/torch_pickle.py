@@ -1,16 +1,29 @@
 """PyTorch Flight Recorder pickles (``_dump_nccl_trace`` / ``_dump_fr_trace`` output, the
 files ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` / ``TORCH_FR_DUMP_TEMP_FILE`` name), any version,
-plain or gzip'd."""
+plain or gzip'd.
+
+Where the optional native module ``_frpickle`` is built, a dump is parsed in C++ straight
+into columns with the GIL released (so the loader's threads read files in parallel); a
+pickle it does not fully understand — anything but plain data of the expected shape — goes
+the Python way, through the restricted unpickler, which owns every error message.
+``FRTOOLS_NATIVE_PICKLE=0`` turns the native parser off.
+"""
 
 from __future__ import annotations
 
 import gc
+import os
 import pickle
 from pathlib import Path
 
 from .base import DumpError, RankDump, read_bytes
 from .safe_pickle import RefusedPickle, loads_data
-from .torch_fr import normalize
+from .torch_fr import normalize, normalize_native
+
+try:
+    from . import _frpickle
+except ImportError:  # not built (no compiler at install): the Python path reads everything
+    _frpickle = None
 
 FORMAT = "torch-pickle"
 
@@ -27,8 +40,32 @@ def sniff(path: Path, head: bytes) -> bool:
     return path.name.lower().endswith(_PICKLE_NAMES)
 
 
+def native_available() -> bool:
+    """The native parser is built and not turned off with ``FRTOOLS_NATIVE_PICKLE=0``."""
+    return _frpickle is not None and os.environ.get("FRTOOLS_NATIVE_PICKLE", "1") != "0"
+
+
 def read(path: Path) -> RankDump:
     data = read_bytes(path)
+    if native_available():
+        dump = read_native(data, path)
+        if dump is not None:
+            return dump
+    return read_python(data, path)
+
+
+def read_native(data: bytes, path: Path) -> RankDump | None:
+    """The dump via the native parser, or None when the parser leaves it to Python.
+    Thread-safe; the parse runs without the GIL."""
+    parsed = _frpickle.parse(data) if _frpickle is not None else None
+    if parsed is None:
+        return None
+    top, columns = parsed
+    return normalize_native(top, columns, path, FORMAT)
+
+
+def read_python(data: bytes, path: Path) -> RankDump:
+    """The dump via the restricted Python unpickler (every error message comes from here)."""
     # a dump is ~20 small containers per entry: the cyclic GC would rescan them all many
     # times while they are built (2-3x the load time), and none of them form cycles
     gc_was_enabled = gc.isenabled()
