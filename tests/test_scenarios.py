@@ -142,6 +142,9 @@ def test_rank_that_skipped_a_collective_is_blamed(generated: Path) -> None:
 def test_rank_that_exited_is_blamed_as_dead(generated: Path) -> None:
     report = check_case(generated, "dead")
     assert report["ranks"]["missing"] == [2]
+    # Its sockets stay open (as a dead NCCL rank's peers are not told): every survivor is
+    # recorded blocked in the collective, none had it failed and retired by Gloo.
+    assert report["verdict"]["waiting"] == [0, 1, 3]
 
 
 @pytest.mark.slow
