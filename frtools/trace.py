@@ -266,4 +266,5 @@ def concat_entries(tables: Sequence[pa.Table]) -> pa.Table:
     if not tables:
         return empty_entries()
     # one dictionary per column across all ranks' chunks: group-bys and joins need it
-    return pa.concat_tables([t.cast(ENTRY_SCHEMA) for t in tables]).unify_dictionaries()
+    tables = [t if t.schema.equals(ENTRY_SCHEMA) else t.cast(ENTRY_SCHEMA) for t in tables]
+    return pa.concat_tables(tables).unify_dictionaries()
