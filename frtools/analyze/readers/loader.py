@@ -189,12 +189,18 @@ def _merge_groups(dumps: Sequence[RankDump], entries: pa.Table) -> dict[str, Pro
     where none does, from which ranks recorded ops on the group (``inferred``)."""
     descs: dict[str, Counter] = defaultdict(Counter)
     listed: dict[str, Counter] = defaultdict(Counter)
+    # one tuple object per distinct member list, counted by id: 16,384 files each listing
+    # a 2,048-rank group would otherwise hash and compare 33 M ints over and over
+    canonical: dict[tuple[int, ...], tuple[int, ...]] = {}
+    by_id: dict[int, tuple[int, ...]] = {}
     for d in dumps:
         for name, g in d.process_groups.items():
             if g.desc:
                 descs[name][g.desc] += 1
             if g.ranks:
-                listed[name][g.ranks] += 1
+                g.ranks = canonical.setdefault(g.ranks, g.ranks)
+                by_id[id(g.ranks)] = g.ranks
+                listed[name][id(g.ranks)] += 1
     names = set(descs) | set(listed)
     for d in dumps:
         names.update(d.process_groups)
@@ -217,8 +223,8 @@ def _merge_groups(dumps: Sequence[RankDump], entries: pa.Table) -> dict[str, Pro
             ranked = sorted(descs[name].items(), key=lambda kv: (kv[0] == "undefined", -kv[1]))
             desc = ranked[0][0]
         if listed[name]:
-            ranks, _ = listed[name].most_common(1)[0]
-            groups[name] = ProcessGroup(name, desc, tuple(ranks), inferred=False)
+            ranks_id, _ = listed[name].most_common(1)[0]
+            groups[name] = ProcessGroup(name, desc, by_id[ranks_id], inferred=False)
         else:
             members = tuple(sorted(set(recorded.get(name, ()))))
             groups[name] = ProcessGroup(name, desc, members, inferred=True)
@@ -305,7 +311,7 @@ def load_trace(
     for d in dumps:
         for name, g in d.process_groups.items():
             merged = groups.get(name)
-            if g.ranks and merged is not None and merged.ranks != g.ranks:
+            if g.ranks and merged is not None and merged.ranks is not g.ranks:
                 _add_reason(
                     kept_inputs[d.rank_info.rank],
                     f"lists process group {name} as {list(g.ranks)}; other files as "
