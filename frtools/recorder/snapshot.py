@@ -334,9 +334,17 @@ def _valid_slots(raw: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
         & (rid % capacity == index)
     )
     torn = int(np.count_nonzero(written & ~ok))
-    slots = raw[ok]
-    order = np.argsort(slots["record_id"], kind="stable")
-    return slots[order], torn
+    slots = raw if ok.all() else raw[ok]
+    rid = slots["record_id"]
+    if len(rid) > 1:
+        # a ring is oldest-first from the slot after the newest: one rotation, no sort
+        start = int(np.argmin(rid))
+        if start:
+            slots = np.concatenate([slots[start:], slots[:start]])
+            rid = slots["record_id"]
+        if not (rid[1:] > rid[:-1]).all():
+            slots = slots[np.argsort(rid, kind="stable")]
+    return slots, torn
 
 
 def _parse(buf: bytes | memoryview, size: int, path: str | None) -> Snapshot:
