@@ -10,6 +10,7 @@ Python objects outlive the call.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -34,6 +35,7 @@ from frtools.trace import (
 from .base import DumpError, RankDump, rank_from_filename
 
 _P2P_OPS = {"send", "recv"}
+_DICT = pa.dictionary(pa.int32(), pa.string())
 _SEND = re.compile(r"^\s*(-?\d+)\s*->\s*(-?\d+)\s*$")
 _RECV = re.compile(r"^\s*(-?\d+)\s*<-\s*(-?\d+)\s*$")
 _STATUS_KEYS = ("last_enqueued_collective", "last_started_collective", "last_completed_collective")
@@ -44,6 +46,19 @@ def parse_ranks(value: Any) -> tuple[int, ...] | str | None:
 
     Parsed as JSON or a Python literal, never evaluated.
     """
+    if isinstance(value, str):
+        # every rank's dump repeats the same member lists (1,024 ranks each for the
+        # default group of a 1,024-rank job): parse each distinct text once
+        return _parse_ranks_text(value)
+    return _parse_ranks(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_ranks_text(value: str) -> tuple[int, ...] | str | None:
+    return _parse_ranks(value)
+
+
+def _parse_ranks(value: Any) -> tuple[int, ...] | str | None:
     if isinstance(value, (list, tuple)):
         seq = value
     elif isinstance(value, str):
@@ -157,6 +172,9 @@ def _pg_status(raw: Any, pg_id_to_name: Mapping[str, str]) -> tuple[dict[str, di
 
 
 _FRAME_KEY = itemgetter("filename", "line", "name")
+# (filename, line, name) per frame -> (call site, stack text), process-wide
+_STACK_TEXTS: dict[tuple, tuple[str | None, str]] = {}
+_STACK_TEXTS_MAX = 100_000
 
 
 class _Stacks:
@@ -189,12 +207,27 @@ class _Stacks:
                 key = tuple((f.get("filename"), f.get("line"), f.get("name")) for f in frames)
             except AttributeError:
                 return None
-        i = self.index.get(key)
+        try:
+            i = self.index.get(key)
+        except TypeError:  # a frame field that is a list or dict: no stack to show
+            return None
         if i is None:
             i = len(self.texts)
             self.index[key] = i
-            self.sites.append(call_site(frames))
-            self.texts.append("\n".join(format_frame(f) for f in frames))
+            # frames of plain str / int fields are their key: their texts are shared by
+            # every file of the job (a 1,024-rank job has a few dozen distinct stacks)
+            plain = all(
+                f.__class__ is str and n.__class__ is int and m.__class__ is str for f, n, m in key
+            )
+            texts = _STACK_TEXTS.get(key) if plain else None
+            if texts is None:
+                texts = (call_site(frames), "\n".join(format_frame(f) for f in frames))
+                if plain:
+                    if len(_STACK_TEXTS) >= _STACK_TEXTS_MAX:
+                        _STACK_TEXTS.clear()
+                    _STACK_TEXTS[key] = texts
+            self.sites.append(texts[0])
+            self.texts.append(texts[1])
         return i
 
 
@@ -613,14 +646,32 @@ def _dictionary(codes: np.ndarray, values: Sequence[Any], null_value: Any = None
     """Dictionary array of ``values[code]`` (code -1: ``null_value``); equal values share
     one slot and None values are nulls, as ``pa.array(strings, type=dictionary)`` gives."""
     uniq: dict[str, int] = {}
+    if null_value is None and None not in values:
+        uniq = dict.fromkeys(values)
+        if len(uniq) == len(values):  # already distinct: the codes are the indices
+            return _dictionary_array(codes, values)
+        uniq = {}
     remap = np.empty(len(values) + 1, dtype=np.int32)
     for i, v in enumerate(values):
         remap[i] = -1 if v is None else uniq.setdefault(v, len(uniq))
     remap[-1] = -1 if null_value is None else uniq.setdefault(null_value, len(uniq))
-    idx = remap[codes]
-    mask = idx < 0
-    indices = pa.array(idx, mask=mask) if mask.any() else pa.array(idx)
-    return pa.DictionaryArray.from_arrays(indices, pa.array(list(uniq), type=pa.string()))
+    return _dictionary_array(remap[codes], list(uniq))
+
+
+def _dictionary_array(indices: np.ndarray, values: Sequence[str | None]) -> pa.Array:
+    """int32 ``indices`` (-1: null) into distinct ``values``, without copying the indices."""
+    nulls = indices < 0
+    null_count = int(np.count_nonzero(nulls))
+    validity = None
+    if null_count:
+        validity = pa.py_buffer(np.packbits(~nulls, bitorder="little"))
+    return pa.DictionaryArray.from_buffers(
+        _DICT,
+        len(indices),
+        [validity, pa.py_buffer(indices)],
+        pa.array(values, type=pa.string()),
+        null_count=null_count,
+    )
 
 
 def _numbers(native: Mapping[str, Any], key: str, n: int, type_: pa.DataType) -> pa.Array | None:
@@ -703,11 +754,7 @@ def _native_columns(
     stack_of = [interned.intern(f) for f in frame_lists]
     stack_ids = np.array([-1 if i is None else i for i in stack_of] + [-1], dtype=np.int32)
     stack_ids = stack_ids[frame_codes]
-    mask = stack_ids < 0
-    stacks = pa.DictionaryArray.from_arrays(
-        pa.array(stack_ids, mask=mask) if mask.any() else pa.array(stack_ids),
-        pa.array(interned.texts, type=pa.string()),
-    )
+    stacks = _dictionary_array(stack_ids, interned.texts)
 
     state_codes, states = _codes(native, "state")
     state_text = [v if v.__class__ is str else str(v or "scheduled") for v in states]

@@ -25,6 +25,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <array>
 #include <utility>
 #include <vector>
 
@@ -95,10 +96,44 @@ bool valid_utf8(const uint8_t* s, size_t n) {
 // ---------------------------------------------------------------------------------------
 // The restricted pickle VM (protocols 0-5, plain data only)
 
+// The VM's buffers, kept per thread between calls: fresh multi-megabyte vectors for every
+// file cost more in page faults and malloc than the parse itself.
+struct Scratch {
+  std::vector<Node> nodes;
+  std::vector<std::vector<uint32_t>> conts;  // items of lists / tuples, k,v pairs of dicts
+  std::vector<uint32_t> stack, memo;
+  std::vector<size_t> marks;
+  bool busy = false;
+
+  void reset() {
+    constexpr size_t kKeep = 1 << 20;  // a hostile or huge input does not pin its memory
+    if (nodes.capacity() > kKeep * 4) std::vector<Node>().swap(nodes);
+    if (conts.size() > kKeep) std::vector<std::vector<uint32_t>>().swap(conts);
+    for (auto& c : conts)
+      if (c.capacity() > kKeep / 16) std::vector<uint32_t>().swap(c);
+    if (memo.capacity() > kKeep * 4) std::vector<uint32_t>().swap(memo);
+    if (stack.capacity() > kKeep) std::vector<uint32_t>().swap(stack);
+    nodes.clear();
+    stack.clear();
+    memo.clear();
+    marks.clear();
+  }
+};
+
+thread_local Scratch thread_scratch;
+
 class Parser {
  public:
-  Parser(const uint8_t* data, size_t size) : data_(data), p_(data), end_(data + size) {
-    nodes.reserve(size / 4 + 16);
+  Parser(const uint8_t* data, size_t size, Scratch& scratch)
+      : data_(data),
+        nodes(scratch.nodes),
+        conts(scratch.conts),
+        p_(data),
+        end_(data + size),
+        stack_(scratch.stack),
+        marks_(scratch.marks),
+        memo_(scratch.memo) {
+    scratch.reset();
     nodes.push_back({K_NONE, true, 0, 0});
     nodes.push_back({K_BOOL, true, 0, 1});
     nodes.push_back({K_BOOL, true, 0, 0});
@@ -108,8 +143,9 @@ class Parser {
   bool run();
 
   const uint8_t* data_;
-  std::vector<Node> nodes;
-  std::vector<std::vector<uint32_t>> conts;  // items of lists / tuples, k,v pairs of dicts
+  std::vector<Node>& nodes;
+  std::vector<std::vector<uint32_t>>& conts;  // only the first nconts are this pickle's
+  size_t nconts = 0;
   uint32_t root = kNone;
 
   std::string_view str(uint32_t n) const {
@@ -121,21 +157,28 @@ class Parser {
  private:
   const uint8_t* p_;
   const uint8_t* end_;
-  std::vector<uint32_t> stack_;
-  std::vector<size_t> marks_;
-  std::vector<uint32_t> memo_;
+  const uint8_t* frame_end_ = nullptr;  // end of the current FRAME (protocol 4+)
+  std::vector<uint32_t>& stack_;
+  std::vector<size_t>& marks_;
+  std::vector<uint32_t>& memo_;
   size_t memo_len_ = 0;
 
+  // Bytes readable before the end of the data or of the current frame. CPython's
+  // unpickler (reading a file) drops the rest of a frame when a read crosses its end, so
+  // a pickle whose reads cross a frame boundary (never one a pickler wrote) is Python's.
   size_t remaining() const { return static_cast<size_t>(end_ - p_); }
+  size_t readable() const {
+    return p_ < frame_end_ ? static_cast<size_t>(frame_end_ - p_) : remaining();
+  }
   size_t fence() const { return marks_.empty() ? 0 : marks_.back(); }
   bool take(size_t n, const uint8_t** out) {
-    if (remaining() < n) return false;
+    if (readable() < n) return false;
     *out = p_;
     p_ += n;
     return true;
   }
   bool line(std::string_view* out) {  // protocol-0 argument, without its '\n'
-    const void* nl = std::memchr(p_, '\n', remaining());
+    const void* nl = std::memchr(p_, '\n', readable());
     if (!nl) return false;
     const uint8_t* e = static_cast<const uint8_t*>(nl);
     *out = {reinterpret_cast<const char*>(p_), static_cast<size_t>(e - p_)};
@@ -146,11 +189,15 @@ class Parser {
     nodes.push_back({k, k != K_LIST && k != K_DICT, len, payload});
     return static_cast<uint32_t>(nodes.size() - 1);
   }
-  uint32_t add_container(Kind k, std::vector<uint32_t>&& items) {
-    conts.push_back(std::move(items));
-    uint32_t n = add(k, conts.size() - 1);
+  // A new container holding stack[from:] (which is popped).
+  uint32_t add_container(Kind k, size_t from) {
+    if (nconts == conts.size()) conts.emplace_back();
+    std::vector<uint32_t>& items = conts[nconts];
+    items.assign(stack_.begin() + from, stack_.end());
+    stack_.resize(from);
+    uint32_t n = add(k, nconts++);
     if (k == K_TUPLE)
-      for (uint32_t i : conts.back())
+      for (uint32_t i : items)
         if (!nodes[i].hashable) nodes[n].hashable = false;
     return n;
   }
@@ -179,23 +226,21 @@ class Parser {
   bool push_from_mark(Kind k) {
     size_t mark;
     if (!pop_mark(&mark)) return false;
-    std::vector<uint32_t> items(stack_.begin() + mark, stack_.end());
-    stack_.resize(mark);
-    if (k == K_DICT && !check_pairs(items)) return false;
-    stack_.push_back(add_container(k, std::move(items)));
+    if (k == K_DICT && !check_pairs(mark)) return false;
+    uint32_t n = add_container(k, mark);
+    stack_.push_back(n);
     return true;
   }
   bool push_tuple(size_t n) {
     if (stack_.size() < fence() + n) return false;
-    std::vector<uint32_t> items(stack_.end() - n, stack_.end());
-    stack_.resize(stack_.size() - n);
-    stack_.push_back(add_container(K_TUPLE, std::move(items)));
+    uint32_t t = add_container(K_TUPLE, stack_.size() - n);
+    stack_.push_back(t);
     return true;
   }
-  bool check_pairs(const std::vector<uint32_t>& kv) const {
-    if (kv.size() % 2) return false;
-    for (size_t i = 0; i < kv.size(); i += 2)
-      if (!nodes[kv[i]].hashable) return false;
+  bool check_pairs(size_t from) const {  // stack[from:] as dict keys and values
+    if ((stack_.size() - from) % 2) return false;
+    for (size_t i = from; i < stack_.size(); i += 2)
+      if (!nodes[stack_[i]].hashable) return false;
     return true;
   }
   // APPEND / APPENDS / SETITEM / SETITEMS: items stack[x:] go into the container stack[x-1]
@@ -203,10 +248,9 @@ class Parser {
     if (x == 0 || x > stack_.size() || x - 1 < fence()) return false;
     uint32_t target = stack_[x - 1];
     if (nodes[target].kind != want) return false;
-    std::vector<uint32_t> items(stack_.begin() + x, stack_.end());
-    if (want == K_DICT && !check_pairs(items)) return false;
+    if (want == K_DICT && !check_pairs(x)) return false;
     auto& dst = conts[nodes[target].payload];
-    dst.insert(dst.end(), items.begin(), items.end());
+    dst.insert(dst.end(), stack_.begin() + x, stack_.end());
     stack_.resize(x);
     return true;
   }
@@ -240,8 +284,9 @@ bool Parser::run() {
       case 0x80:  // PROTO
         if (!take(1, &a) || a[0] > 5) return false;
         break;
-      case 0x95:  // FRAME
-        if (!take(8, &a) || le_uint(a, 8) > remaining()) return false;
+      case 0x95:  // FRAME: only where the previous frame ended, as a pickler writes them
+        if (!take(8, &a) || p_ < frame_end_ || le_uint(a, 8) > remaining()) return false;
+        frame_end_ = p_ + le_uint(a, 8);
         break;
       case '.':  // STOP
         if (stack_.size() <= fence()) return false;
@@ -345,14 +390,12 @@ bool Parser::run() {
         if (!take(8, &a) || !push_str(le_uint(a, 8), false)) return false;
         break;
       case '}':  // EMPTY_DICT
-        stack_.push_back(add_container(K_DICT, {}));
-        break;
       case ']':  // EMPTY_LIST
-        stack_.push_back(add_container(K_LIST, {}));
+      case ')': {  // EMPTY_TUPLE
+        uint32_t n = add_container(op == '}' ? K_DICT : op == ']' ? K_LIST : K_TUPLE, stack_.size());
+        stack_.push_back(n);
         break;
-      case ')':  // EMPTY_TUPLE
-        stack_.push_back(add_container(K_TUPLE, {}));
-        break;
+      }
       case 'd':  // DICT
         if (!push_from_mark(K_DICT)) return false;
         break;
@@ -473,10 +516,19 @@ struct DictColumn {
   std::vector<std::string> texts;  // or the computed text per code
   std::unordered_map<uint64_t, int32_t> by_node;
   std::unordered_map<std::string, int32_t> by_key;
+  struct Recent {
+    uint64_t node = UINT64_MAX;
+    int32_t code = -1;
+  };
+  std::array<Recent, 64> recent;  // in front of by_node: most lookups are repeats
 
-  int32_t by_identity(uint64_t node) const {
+  int32_t by_identity(uint64_t node) {
+    Recent& r = recent[(node ^ (node >> 29)) & 63];
+    if (r.node == node) return r.code;
     auto it = by_node.find(node);
-    return it == by_node.end() ? -1 : it->second;
+    if (it == by_node.end()) return -1;
+    r = {node, it->second};
+    return it->second;
   }
   int32_t add(uint64_t node, std::string&& key) {
     auto [it, fresh] = by_key.emplace(std::move(key), static_cast<int32_t>(reps.size()));
@@ -1040,10 +1092,15 @@ PyObject* parse(PyObject*, PyObject* arg) {
   Parser* ps = nullptr;
   Extractor* ex = nullptr;
   bool ok = false;
+  // re-entered on this thread (a finalizer run by the GC while results are built): the
+  // thread's buffers are in use, so this call gets its own
+  Scratch own;
+  Scratch& scratch = thread_scratch.busy ? own : thread_scratch;
+  scratch.busy = true;
   Py_BEGIN_ALLOW_THREADS
   try {
     if (size < UINT32_MAX / 2) {  // node indexes are 32-bit
-      ps = new Parser(data, size);
+      ps = new Parser(data, size, scratch);
       if (ps->run()) {
         ex = new Extractor(*ps);
         ok = ex->run();
@@ -1064,6 +1121,7 @@ PyObject* parse(PyObject*, PyObject* arg) {
   }
   delete ex;
   delete ps;
+  scratch.busy = false;
   PyBuffer_Release(&view);
   if (!result) {
     PyErr_Clear();  // an odd value (cycle, unhashable, too deep): Python's path decides
