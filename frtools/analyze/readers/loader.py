@@ -9,9 +9,12 @@ becomes that file's ``InputFile`` reason; only "nothing usable at all" raises.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import shutil
 import sys
+import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -148,6 +151,7 @@ def _read_all(files: Sequence[Path], workers: int | None, progress: bool) -> lis
     workers = max(1, min(workers, len(files) or 1))
     bar, advance = _progress_bar(len(files)) if progress else (None, lambda: None)
     results: list[FileResult] = []
+    spool = _spool_dir() if workers > 1 else None
     try:
         if workers > 1:
             chunk = max(1, min(32, len(files) // (workers * 8) or 1))
@@ -157,7 +161,16 @@ def _read_all(files: Sequence[Path], workers: int | None, progress: bool) -> lis
                     pool.submit(int).result()
                     if bar is not None:
                         bar.start()
-                    for r in pool.map(read_file, [str(f) for f in files], chunksize=chunk):
+                    jobs = [(str(f), spool) for f in files]
+                    for r, table_path in pool.map(_read_to_spool, jobs, chunksize=chunk):
+                        if table_path is not None and r.dump is not None:
+                            try:
+                                r.dump.entries = _unspool(table_path)
+                            except (OSError, pa.ArrowException) as e:
+                                r = FileResult(
+                                    InputFile(r.input.path, "error", f"cannot read: {e}"),
+                                    mtime=r.mtime,
+                                )
                         results.append(r)
                         advance()
             except (BrokenProcessPool, OSError):
@@ -170,7 +183,49 @@ def _read_all(files: Sequence[Path], workers: int | None, progress: bool) -> lis
     finally:
         if bar is not None:
             bar.stop()
+        if spool is not None:
+            shutil.rmtree(spool, ignore_errors=True)
     return results
+
+
+def _spool_dir() -> str | None:
+    """Where worker processes hand their tables over: shared memory where there is some
+    (the parent maps each file, no copy), else the temp dir; None: pickle them instead."""
+    for base in ("/dev/shm", None):
+        if base is not None and not os.access(base, os.W_OK):
+            continue
+        try:
+            return tempfile.mkdtemp(prefix="frtools-read-", dir=base)
+        except OSError:
+            continue
+    return None
+
+
+def _read_to_spool(job: tuple[str, str | None]) -> tuple[FileResult, str | None]:
+    """In a worker: read one file and write its entries as an Arrow IPC file, so that the
+    parent maps them instead of unpickling a copy (pickling the tables through the pool's
+    pipe cost more than reading the files on two cores)."""
+    path, spool = job
+    result = read_file(path)
+    if spool is None or result.dump is None:
+        return result, None
+    fd, table_path = tempfile.mkstemp(suffix=".arrow", dir=spool)
+    try:
+        with os.fdopen(fd, "wb") as f, pa.ipc.new_file(f, result.dump.entries.schema) as w:
+            w.write_table(result.dump.entries)
+    except OSError:  # shared memory full: hand this table over the pipe
+        with contextlib.suppress(OSError):
+            os.unlink(table_path)
+        return result, None
+    result.dump.entries = None  # type: ignore[assignment]
+    return result, table_path
+
+
+def _unspool(table_path: str) -> pa.Table:
+    with pa.memory_map(table_path) as source:
+        table = pa.ipc.open_file(source).read_all()
+    os.unlink(table_path)  # the mapping keeps the pages until the table is gone
+    return table
 
 
 def _newest_first(results: Iterable[FileResult]) -> list[FileResult]:
