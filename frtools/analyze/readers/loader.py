@@ -239,7 +239,7 @@ def _newest_first(results: Iterable[FileResult]) -> list[FileResult]:
     return sorted(results, key=key, reverse=True)
 
 
-def _merge_groups(dumps: Sequence[RankDump], entries: pa.Table) -> dict[str, ProcessGroup]:
+def _merge_groups(dumps: Sequence[RankDump]) -> dict[str, ProcessGroup]:
     """Membership from the files that list it (the most common list where they disagree);
     where none does, from which ranks recorded ops on the group (``inferred``)."""
     descs: dict[str, Counter] = defaultdict(Counter)
@@ -260,13 +260,15 @@ def _merge_groups(dumps: Sequence[RankDump], entries: pa.Table) -> dict[str, Pro
     for d in dumps:
         names.update(d.process_groups)
 
+    # who recorded ops on a group: needed only for groups no file lists (Gloo), and found
+    # per file (one rank each) rather than by grouping millions of entries
     recorded: dict[str, list[int]] = {}
-    if entries.num_rows:
-        pairs = entries.select(["pg_name", "rank"]).group_by(["pg_name", "rank"]).aggregate([])
-        for name, rank in zip(
-            pairs.column("pg_name").to_pylist(), pairs.column("rank").to_pylist(), strict=True
-        ):
-            recorded.setdefault(name, []).append(rank)
+    unlisted = {n for n in names if not listed[n]}
+    if unlisted:
+        for d in dumps:
+            used = d.entries.column("pg_name").unique().to_pylist()
+            for name in unlisted.intersection(n for n in used if n is not None):
+                recorded.setdefault(name, []).append(d.rank_info.rank)
 
     groups: dict[str, ProcessGroup] = {}
     for name in sorted(names, key=_pg_sort_key):
@@ -362,7 +364,7 @@ def load_trace(
 
     dumps = [chosen[r] for r in sorted(chosen)]
     entries = concat_entries([d.entries for d in dumps])
-    groups = _merge_groups(dumps, entries)
+    groups = _merge_groups(dumps)
     for d in dumps:
         for name, g in d.process_groups.items():
             merged = groups.get(name)
