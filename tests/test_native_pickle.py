@@ -219,6 +219,36 @@ _LEFT_TO_PYTHON = {"sizes and dtypes Python cleans", "unexpected int column type
 
 
 @pytest.mark.timeout(30)
+def test_empty_all_malformed_and_shared_entry_lists_read_natively(tmp_path: Path) -> None:
+    path = tmp_path / "rank_0.pkl"
+    empty, old_empty = fr_dump("2.10", n=0), fr_dump("1.0", n=0)
+    malformed = fr_dump("2.10", n=0)
+    malformed["entries"] = [1, "x", None]
+    shared = fr_dump("2.10", n=3)
+    shared["extra"] = shared["entries"]  # the top level refers to the entries list again
+    p2p_by_name = fr_dump("2.10", n=4)  # no is_p2p anywhere: the op name says it
+    for e in p2p_by_name["entries"]:
+        del e["is_p2p"]
+    p2p_by_name["entries"][1]["profiling_name"] = "nccl:recv 0<-1"
+    old_p2p = fr_dump("1.0", n=4)  # one seq_id for both kinds
+    old_p2p["entries"][1]["profiling_name"] = "nccl:send 0->1"
+    rows = {}
+    for name, dump in [
+        ("empty", empty),
+        ("old_empty", old_empty),
+        ("malformed", malformed),
+        ("shared", shared),
+        ("p2p_by_name", p2p_by_name),
+        ("old_p2p", old_p2p),
+    ]:
+        rows[name] = assert_same(pickle.dumps(dump, protocol=2), path, native_required=True)
+    assert rows["malformed"].bad_entries == 3
+    assert rows["malformed"].notes == ["3 malformed entries skipped"]
+    assert rows["p2p_by_name"].entries.column("is_p2p").to_pylist() == [False, True, False, False]
+    assert rows["old_p2p"].entries.column("p2p_seq_id").to_pylist() == [0, 2, 0, 0]
+
+
+@pytest.mark.timeout(30)
 def test_memo_shared_values_are_read_once_and_alike(tmp_path: Path) -> None:
     """One frames list / shape list shared by every entry (as the synth's pickler and
     PyTorch's memo write them) gives one dictionary value."""

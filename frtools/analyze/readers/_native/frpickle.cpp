@@ -106,7 +106,7 @@ struct Scratch {
   bool busy = false;
 
   void reset() {
-    constexpr size_t kKeep = 1 << 20;  // a hostile or huge input does not pin its memory
+    constexpr size_t kKeep = 1 << 18;  // a hostile or huge input does not pin its memory
     if (nodes.capacity() > kKeep * 4) std::vector<Node>().swap(nodes);
     if (conts.size() > kKeep) std::vector<std::vector<uint32_t>>().swap(conts);
     for (auto& c : conts)
