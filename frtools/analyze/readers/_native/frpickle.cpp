@@ -37,9 +37,11 @@ namespace {
 enum Kind : uint8_t { K_NONE, K_BOOL, K_INT, K_FLOAT, K_STR, K_LIST, K_TUPLE, K_DICT };
 
 struct Node {
+  Node(Kind k, bool h, uint32_t n, uint64_t p) : kind(k), hashable(h), len(n), payload(p) {}
   Kind kind;
-  bool hashable;     // a valid dict key (Python would raise TypeError otherwise)
-  uint32_t len;      // K_STR: byte length
+  bool hashable;       // a valid dict key (Python would raise TypeError otherwise)
+  bool shared = true;  // may be referenced more than once (memo, DUP, singletons)
+  uint32_t len;        // K_STR: byte length
   uint64_t payload;  // K_BOOL/K_INT: value; K_FLOAT: bits; K_STR: offset; containers: index
 };
 
@@ -134,9 +136,9 @@ class Parser {
         marks_(scratch.marks),
         memo_(scratch.memo) {
     scratch.reset();
-    nodes.push_back({K_NONE, true, 0, 0});
-    nodes.push_back({K_BOOL, true, 0, 1});
-    nodes.push_back({K_BOOL, true, 0, 0});
+    nodes.emplace_back(K_NONE, true, 0, 0);
+    nodes.emplace_back(K_BOOL, true, 0, 1);
+    nodes.emplace_back(K_BOOL, true, 0, 0);
   }
 
   // Runs to STOP; false when the pickle is not plain data or not consistent.
@@ -162,6 +164,7 @@ class Parser {
   std::vector<size_t>& marks_;
   std::vector<uint32_t>& memo_;
   size_t memo_len_ = 0;
+  std::array<uint32_t, 1024> small_ints_{};  // value -> node (0: none yet)
 
   // Bytes readable before the end of the data or of the current frame. CPython's
   // unpickler (reading a file) drops the rest of a frame when a read crosses its end, so
@@ -186,7 +189,9 @@ class Parser {
     return true;
   }
   uint32_t add(Kind k, uint64_t payload, uint32_t len = 0) {
-    nodes.push_back({k, k != K_LIST && k != K_DICT, len, payload});
+    // built in place: a temporary written field by field and copied as 16 bytes stalls
+    nodes.emplace_back(k, k != K_LIST && k != K_DICT, len, payload);
+    nodes.back().shared = false;  // until the memo or DUP refers to it again
     return static_cast<uint32_t>(nodes.size() - 1);
   }
   // A new container holding stack[from:] (which is popped).
@@ -201,7 +206,18 @@ class Parser {
         if (!nodes[i].hashable) nodes[n].hashable = false;
     return n;
   }
+  // Small ints are one node each (ints are immutable): a value shared by identity is
+  // found by identity later (a pg_id that every entry repeats).
   bool push_int(int64_t v) {
+    if (v >= 0 && v < static_cast<int64_t>(small_ints_.size())) {
+      uint32_t& n = small_ints_[static_cast<size_t>(v)];
+      if (n == 0) {
+        n = add(K_INT, static_cast<uint64_t>(v));
+        nodes[n].shared = true;
+      }
+      stack_.push_back(n);
+      return true;
+    }
     stack_.push_back(add(K_INT, static_cast<uint64_t>(v)));
     return true;
   }
@@ -260,6 +276,7 @@ class Parser {
     if (idx >= memo_.size()) memo_.resize(idx + 1, kAbsent);
     if (memo_[idx] == kAbsent) ++memo_len_;
     memo_[idx] = stack_.back();
+    nodes[stack_.back()].shared = true;
     return true;
   }
   bool get(uint64_t idx) {
@@ -311,6 +328,7 @@ bool Parser::run() {
       }
       case '2':  // DUP
         if (stack_.size() <= fence()) return false;
+        nodes[stack_.back()].shared = true;
         stack_.push_back(stack_.back());
         break;
       case 'N':
@@ -522,7 +540,8 @@ struct DictColumn {
   };
   std::array<Recent, 64> recent;  // in front of by_node: most lookups are repeats
 
-  int32_t by_identity(uint64_t node) {
+  int32_t by_identity(uint64_t node, bool shared) {
+    if (!shared) return -1;  // seen once only: by content
     Recent& r = recent[(node ^ (node >> 29)) & 63];
     if (r.node == node) return r.code;
     auto it = by_node.find(node);
@@ -530,16 +549,16 @@ struct DictColumn {
     r = {node, it->second};
     return it->second;
   }
-  int32_t add(uint64_t node, std::string&& key) {
+  int32_t add(uint64_t node, bool shared, std::string&& key) {
     auto [it, fresh] = by_key.emplace(std::move(key), static_cast<int32_t>(reps.size()));
     if (fresh) reps.push_back(node);
-    by_node.emplace(node, it->second);
+    if (shared) by_node.emplace(node, it->second);
     return it->second;
   }
-  int32_t add_text(uint64_t node, std::string&& text) {
+  int32_t add_text(uint64_t node, bool shared, std::string&& text) {
     auto [it, fresh] = by_key.emplace(text, static_cast<int32_t>(texts.size()));
     if (fresh) texts.push_back(std::move(text));
-    by_node.emplace(node, it->second);
+    if (shared) by_node.emplace(node, it->second);
     return it->second;
   }
 };
@@ -750,14 +769,15 @@ bool Extractor::push_any(Key k, uint32_t v) {
     c.codes.push_back(-1);
     return true;
   }
-  int32_t code = c.by_identity(v);
+  bool shared = node(v).shared;
+  int32_t code = c.by_identity(v, shared);
   if (code < 0) {
     buf_.clear();
     if (!scalar_key(v, &buf_)) {
       buf_ = "N";
       buf_.append(reinterpret_cast<const char*>(&v), 4);
     }
-    code = c.add(v, std::move(buf_));
+    code = c.add(v, shared, std::move(buf_));
   }
   c.codes.push_back(code);
   return true;
@@ -768,7 +788,8 @@ bool Extractor::push_any(Key k, uint32_t v) {
 bool Extractor::push_pg(uint32_t pg, uint32_t pg_id) {
   DictColumn& c = dicts[PROCESS_GROUP];
   uint64_t pair = (static_cast<uint64_t>(pg) << 32) | pg_id;
-  int32_t code = c.by_identity(pair);
+  bool shared = node(pg).shared && node(pg_id).shared;
+  int32_t code = c.by_identity(pair, shared);
   if (code < 0) {
     auto plain = [&](uint32_t x) {
       Kind k = node(x).kind;
@@ -789,7 +810,7 @@ bool Extractor::push_pg(uint32_t pg, uint32_t pg_id) {
     } else {
       return false;
     }
-    code = c.add(pair, std::move(buf_));
+    code = c.add(pair, shared, std::move(buf_));
   }
   c.codes.push_back(code);
   return true;
@@ -803,7 +824,8 @@ bool Extractor::push_frames(uint32_t v) {
     c.codes.push_back(-1);
     return true;
   }
-  int32_t code = c.by_identity(v);
+  bool shared = node(v).shared;
+  int32_t code = c.by_identity(v, shared);
   if (code < 0) {
     buf_.clear();
     bool flat = true;
@@ -824,7 +846,7 @@ bool Extractor::push_frames(uint32_t v) {
       buf_ = "N";
       buf_.append(reinterpret_cast<const char*>(&v), 4);
     }
-    code = c.add(v, std::move(buf_));
+    code = c.add(v, shared, std::move(buf_));
   }
   c.codes.push_back(code);
   return true;
@@ -879,11 +901,12 @@ bool Extractor::dtypes_text(uint32_t v, std::string* out) {
 
 bool Extractor::push_sizes(Key k, uint32_t v) {
   DictColumn& c = dicts[k];
-  int32_t code = c.by_identity(v);
+  bool shared = node(v).shared;
+  int32_t code = c.by_identity(v, shared);
   if (code < 0) {
     std::string text;
     if (!sizes_text(v, &text)) return false;
-    code = c.add_text(v, std::move(text));
+    code = c.add_text(v, shared, std::move(text));
   }
   c.codes.push_back(code);
   return true;
@@ -891,11 +914,12 @@ bool Extractor::push_sizes(Key k, uint32_t v) {
 
 bool Extractor::push_dtypes(Key k, uint32_t v) {
   DictColumn& c = dicts[k];
-  int32_t code = c.by_identity(v);
+  bool shared = node(v).shared;
+  int32_t code = c.by_identity(v, shared);
   if (code < 0) {
     std::string text;
     if (!dtypes_text(v, &text)) return false;
-    code = c.add_text(v, std::move(text));
+    code = c.add_text(v, shared, std::move(text));
   }
   c.codes.push_back(code);
   return true;
