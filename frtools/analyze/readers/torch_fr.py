@@ -669,9 +669,24 @@ def _dictionary_array(indices: np.ndarray, values: Sequence[str | None]) -> pa.A
         _DICT,
         len(indices),
         [validity, pa.py_buffer(indices)],
-        pa.array(values, type=pa.string()),
+        _string_array(values),
         null_count=null_count,
     )
+
+
+# distinct values -> their Arrow array: the ranks of a job repeat the same few lists
+_STRING_ARRAYS: dict[tuple[str | None, ...], pa.Array] = {}
+
+
+def _string_array(values: Sequence[str | None]) -> pa.Array:
+    key = tuple(values)
+    got = _STRING_ARRAYS.get(key)
+    if got is None:
+        got = pa.array(values, type=pa.string())
+        if len(_STRING_ARRAYS) >= 4096:
+            _STRING_ARRAYS.clear()
+        _STRING_ARRAYS[key] = got
+    return got
 
 
 def _numbers(native: Mapping[str, Any], key: str, n: int, type_: pa.DataType) -> pa.Array | None:
