@@ -272,7 +272,9 @@ class Parser {
   }
   bool put(uint64_t idx) {
     if (stack_.size() <= fence()) return false;
-    if (idx > static_cast<uint64_t>(end_ - data_)) return false;  // bounded memo
+    // a pickler numbers its memo from 0, one PUT at a time: an index beyond the bytes read
+    // so far is no pickler's, and the memo stays smaller than the input
+    if (idx >= static_cast<uint64_t>(p_ - data_)) return false;
     if (idx >= memo_.size()) memo_.resize(idx + 1, kAbsent);
     if (memo_[idx] == kAbsent) ++memo_len_;
     memo_[idx] = stack_.back();
