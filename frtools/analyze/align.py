@@ -117,6 +117,8 @@ def _entries_frame(trace: Trace) -> pd.DataFrame:
             data[name] = _ints(col, 0)
         elif name == "record_id":
             data[name] = _ints(col, -1)
+        elif name == "retired":  # masked bool: 2 bytes a row, not an object pointer
+            data[name] = pd.array(col.to_pandas(), dtype="boolean")
         else:
             data[name] = col.to_pandas()
     df = pd.DataFrame(data, copy=False)
@@ -284,23 +286,23 @@ def align(trace: Trace) -> Alignment:
 
     ps = _pg_status_frame(trace)
 
-    coll = df[~df["is_p2p"] & (df["collective_seq_id"] > 0)]
+    is_coll = ~df["is_p2p"] & (df["collective_seq_id"] > 0)
+    # all collectives (the usual case at scale): share the columns, copy none
+    coll = df.copy(deep=False) if is_coll.all() else df[is_coll]
     coll = _collapse_coalesced(coll).rename(columns={"collective_seq_id": "seq"})
     coll["informative"] = coll["rank"].map(state_informative).fillna(False).astype(bool)
     if len(ps) and bool((~coll["informative"] & coll["retired"].isna()).any()):
         coll = coll.merge(ps, on=["rank", "pg_name"], how="left")
+        coll["completed"] = _completion(coll, use_pg_status=True)
+        coll = coll.drop(columns=["ps_enqueued", "ps_completed"])
     else:  # every entry says itself whether it completed: pg_status is not needed per entry
-        coll["ps_enqueued"] = _null_ints(len(coll))
-        coll["ps_completed"] = _null_ints(len(coll))
-    coll["completed"] = _completion(coll, use_pg_status=True)
+        coll["completed"] = _completion(coll, use_pg_status=False)
     coll["sig"] = _signature_ids(coll)
-    coll = coll.drop(columns=["ps_enqueued", "ps_completed"])
 
     status = _status(coll, ps)
 
     p2p = df[df["is_p2p"]].copy()
     p2p["informative"] = p2p["rank"].map(state_informative).fillna(False).astype(bool)
-    p2p["ps_completed"] = _null_ints(len(p2p))
     p2p["completed"] = _completion(p2p, use_pg_status=False)
     p2p = _pair_p2p(p2p, trace)
 
@@ -339,10 +341,6 @@ def _signature_ids(coll: pd.DataFrame) -> np.ndarray:
         key += (codes + 1) * radix
         radix *= n
     return pd.factorize(key)[0].astype(np.int64)
-
-
-def _null_ints(n: int) -> pd.arrays.IntegerArray:
-    return pd.arrays.IntegerArray(np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool))
 
 
 def _completion(df: pd.DataFrame, use_pg_status: bool) -> pd.Series:

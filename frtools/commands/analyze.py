@@ -108,8 +108,10 @@ def _run(
     world_size: int | None = None,
 ) -> int:
     from frtools.analyze.diagnose import diagnose
+    from frtools.analyze.memory import keep_freed_memory
     from frtools.analyze.readers import UnusableInput, load_trace
 
+    keep_freed_memory()
     try:
         trace = load_trace(
             path,
