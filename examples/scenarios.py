@@ -114,6 +114,19 @@ SCENARIOS: tuple[Scenario, ...] = (
         "states no world size, so a missing highest rank is invisible)",
     ),
     Scenario(
+        "dead-partner",
+        "exit",
+        2,
+        ("dead",),
+        (2,),
+        None,  # the group shows as [3]: Gloo dumps do not list members (checked in the test)
+        "rank 2 exits (no dump, sockets kept open) at the start of step 2's forward; its "
+        "tensor-parallel partner rank 3 blocks in the TP all_reduce and rank 1 waits for "
+        "rank 3. No Gloo dump lists group members, so TP group [2, 3] looks like [3] and the "
+        "op looks stuck on its only member; the absent rank is named dead (60%)",
+        fault_at="forward",
+    ),
+    Scenario(
         "order",
         "order",
         1,

@@ -149,6 +149,19 @@ def test_rank_that_exited_is_blamed_as_dead(generated: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TEST_TIMEOUT)
+def test_dead_rank_is_named_when_its_partner_waits_in_a_group_no_dump_lists(
+    generated: Path,
+) -> None:
+    report = check_case(generated, "dead-partner")
+    verdict = report["verdict"]
+    assert verdict["process_group"]["desc"] == "tensor_parallel"
+    assert verdict["process_group"]["inferred"] is True
+    assert 3 in verdict["waiting"]
+    assert report["ranks"]["missing"] == [2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT)
 def test_rank_issuing_groups_in_another_order_is_blamed_for_the_deadlock(
     generated: Path,
 ) -> None:

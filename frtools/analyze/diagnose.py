@@ -465,6 +465,11 @@ class _Context:
         }
         if roots and stuck_roots == roots:
             stuck = {self.blocked_at[r]: self.points[self.blocked_at[r]] for r in roots}
+            unlisted = [p for p in stuck.values() if self._members_unlisted(p.pg_name)]
+            if self.absent and unlisted:
+                verdict = self._absent_member_verdict(min(unlisted, key=lambda p: p.time_ns))
+                verdict.waiting = sorted(set(verdict.waiting) | waiting)
+                return verdict
             # Other ops wedged the same way (real states), even if nobody waits on them yet.
             for key, p in self.points.items():
                 if key not in stuck and self._stuck_point(p):
@@ -844,7 +849,53 @@ class _Context:
         stuck_points = [p for p in self.points.values() if self._stuck_point(p)]
         if not stuck_points:
             return None
+        if self.absent:
+            unlisted = [p for p in stuck_points if self._members_unlisted(p.pg_name)]
+            if unlisted:
+                return self._absent_member_verdict(min(unlisted, key=lambda p: p.time_ns))
         return self._stuck_verdict(stuck_points, set())
+
+    def _members_unlisted(self, pg_name: str) -> bool:
+        """No file lists this group's members (Gloo): they were inferred from who recorded
+        on it, so a rank that left no record can be a member nobody saw."""
+        pg = self.trace.process_groups.get(pg_name)
+        return pg is None or pg.inferred
+
+    def _absent_member_verdict(self, point: Point) -> Verdict:
+        """An op "every member" issued and none completed, on a group whose membership was
+        inferred, while some ranks left no record: the likelier story is a dead member
+        (its partner waits for it, e.g. a tensor-parallel pair) than a stuck op."""
+        absent = sorted(self.absent)
+        where = self._point_name(point)
+        guilty = []
+        for r in absent:
+            g = self._identity(r)
+            g.reason = (
+                f"no usable dump; ranks {collapse_ranks(point.blockers)} wait in {where}, whose "
+                "members the dumps do not list"
+            )
+            guilty.append(g)
+        verdict = Verdict(
+            kind="dead",
+            headline="",
+            confidence=0.6,
+            guilty=guilty,
+            waiting=sorted(point.blockers),
+        )
+        self._fill_point(verdict, point)
+        verdict.headline = (
+            f"No dump from rank(s) {collapse_ranks(absent)}; rank(s) "
+            f"{collapse_ranks(point.blockers)} wait in {where}, a group whose members the "
+            "dumps do not list: the missing rank(s) are its likely absent member(s)"
+        )
+        verdict.evidence = [
+            f"Ranks {collapse_ranks(point.blockers)} issued {where} and it never completed; "
+            f"the group's membership ({collapse_ranks(sorted(point.issued))}) is inferred from "
+            "the files present.",
+            "Run with --world-size or a frtools dump manifest, or record group membership "
+            "(frtools recorder, NCCL dumps), to name the member for certain.",
+        ]
+        return verdict
 
     def _stuck_verdict(self, stuck_points: list[Point], waiting: set[int]) -> Verdict:
         """Blame, per stuck op, the members that never started it while others did (a wedged
