@@ -130,6 +130,17 @@ def make_dumps(
     return out
 
 
+def _verdict_right(verdict_path: Path, truth_path: Path) -> bool:
+    """Fast and right: the verdict's kind and guilty ranks are the injected fault's."""
+    try:
+        verdict = json.loads(verdict_path.read_text())["verdict"]
+        truth = json.loads(truth_path.read_text())
+    except (OSError, ValueError, KeyError):
+        return False
+    guilty = sorted(g["rank"] for g in verdict["guilty"])
+    return verdict["kind"] == truth["kind"] and guilty == sorted(truth["guilty"])
+
+
 def _median(runs: list[Run], attr: str) -> float:
     return statistics.median(getattr(r, attr) for r in runs)
 
@@ -148,9 +159,13 @@ def bench(args: argparse.Namespace) -> list[dict]:
     for n, fmt in sizes:
         where = Path(args.snapshot_dir) if fmt == "frtools" else root
         d = make_dumps(where, n, args.entries, fmt, args.tp, args.pp)
+        verdict_path = root / f"verdict-{fmt}-{n}.json"
+        verdict_path.unlink(missing_ok=True)
         fr_argv = [sys.executable, "-m", "frtools", "analyze", str(d), "--format", "json"]
+        fr_argv += ["-o", str(verdict_path)]
         fr = [measure(fr_argv, args.limit) for _ in range(args.runs)]
         bad = [r for r in fr if r.returncode not in (0, 1)]
+        right = _verdict_right(verdict_path, d / "truth.json")
         torch_runs: list[Run] = []
         if not args.no_torch and fmt == "torch":
             tt_argv = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(d)]
@@ -169,6 +184,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
             "frtools_max_rss_mb": _median(fr, "max_rss_mb"),
             "frtools_tree_rss_mb": _median(fr, "tree_rss_mb"),
             "frtools_failed": len(bad),
+            "verdict_right": right,
             "torch_s": _median(torch_runs, "wall_s") if torch_runs else None,
             "torch_cpu_s": _median(torch_runs, "cpu_s") if torch_runs else None,
             "torch_rc": [r.returncode for r in torch_runs],
@@ -195,7 +211,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
             f"{row['frtools_max_rss_mb']:.0f} MB max process / {row['frtools_tree_rss_mb']:.0f} MB tree; "
             f"torchfrtrace {row['torch_time']} (CPU {row['torch_cpu_s'] or 0:.1f} s, "
             f"rc {row['torch_rc']}); speedup {row['speedup']} wall, {row['cpu_speedup']} CPU"
-            + (f"; {len(bad)} frtools runs FAILED" if bad else ""),
+            + (f"; {len(bad)} frtools runs FAILED" if bad else "")
+            + ("" if right else "; frtools' verdict is WRONG (see truth.json)"),
             flush=True,
         )
         if not args.keep:
@@ -205,14 +222,15 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| ranks | dumps | entries/rank | frtools analyze: wall (CPU) | frtools peak RSS: largest process / tree | torchfrtrace: wall (CPU) | torchfrtrace peak RSS | speedup: wall (CPU) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| ranks | dumps | entries/rank | frtools analyze: wall (CPU) | verdict | frtools peak RSS: largest process / tree | torchfrtrace: wall (CPU) | torchfrtrace peak RSS | speedup: wall (CPU) |",
+        "|---:|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         trss = f"{r['torch_max_rss_mb']:.0f} MB" if r["torch_max_rss_mb"] else "-"
         lines.append(
             f"| {r['ranks']:,} | {r['format']} | {r['entries_per_rank']:,} "
             f"| {r['frtools_time']} ({r['frtools_cpu_s']:.0f} s), {r['frtools_runs']} runs "
+            f"| {'right' if r['verdict_right'] else 'WRONG'} "
             f"| {r['frtools_max_rss_mb']:.0f} MB / {r['frtools_tree_rss_mb']:.0f} MB "
             f"| {r['torch_time']} ({r['torch_cpu_s'] or 0:.0f} s), {r['torch_runs']} runs | {trss} "
             f"| {r['speedup']} ({r['cpu_speedup']}) |"
