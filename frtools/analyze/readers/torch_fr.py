@@ -547,17 +547,10 @@ def _columns(
     peers: list[int | None] = local_peers
     unmapped: set[str] = set()
     if any(p is not None for p in local_peers):
-        peers = []
-        for local, name in zip(local_peers, pg_names, strict=True):
-            if local is None:
-                peers.append(None)
-                continue
-            g = groups.get(name)
-            if g is not None and g.ranks:
-                peers.append(g.ranks[local] if 0 <= local < len(g.ranks) else None)
-            else:
-                peers.append(local)
-                unmapped.add(name)
+        peers = [
+            None if local is None else _global_peer(groups, name, local, unmapped)
+            for local, name in zip(local_peers, pg_names, strict=True)
+        ]
 
     interned = _Stacks()
     stack_ids = [interned.intern(f) for f in col("frames")]
@@ -600,6 +593,19 @@ def _columns(
         "stack": stacks,
     }
     return cols, pg_id_to_name, pg_descs, unmapped, bad
+
+
+def _global_peer(
+    groups: Mapping[str, ProcessGroup], name: str, local: int, unmapped: set[str]
+) -> int | None:
+    """A group-local P2P peer as a global rank; left local (and the group noted in
+    ``unmapped``, for the loader to map once membership is merged) where this file does
+    not list the group's members."""
+    g = groups.get(name)
+    if g is not None and g.ranks:
+        return g.ranks[local] if 0 <= local < len(g.ranks) else None
+    unmapped.add(name)
+    return local
 
 
 def _pg_of(pg: Any, pg_id: Any) -> tuple[str, str]:
@@ -826,13 +832,7 @@ def _native_peers(
     mapped: list[int | None] = []
     for pair in pairs.tolist():
         name = pg_hits[pair // width][0]
-        local = op_hits[pair % width][1]
-        g = groups.get(name)
-        if g is not None and g.ranks:
-            mapped.append(g.ranks[local] if 0 <= local < len(g.ranks) else None)
-        else:
-            mapped.append(local)
-            unmapped.add(name)
+        mapped.append(_global_peer(groups, name, op_hits[pair % width][1], unmapped))
     if not all(v is None or -(2**31) <= v < 2**31 for v in mapped):
         # out of int32: a plain list, cleaned (and noted) by _table as the Python path does
         peers: list[int | None] = [None] * n

@@ -596,8 +596,8 @@ class Extractor {
   bool push_any(Key k, uint32_t v);
   bool push_pg(uint32_t pg, uint32_t pg_id);
   bool push_frames(uint32_t v);
-  bool push_sizes(Key k, uint32_t v);
-  bool push_dtypes(Key k, uint32_t v);
+  // a value whose canonical text (sizes "[[4,2]]", dtypes "Float,Half") is its dictionary key
+  bool push_text(Key k, uint32_t v, bool (Extractor::*text_of)(uint32_t, std::string*));
   bool sizes_text(uint32_t v, std::string* out);
   bool dtypes_text(uint32_t v, std::string* out);
 };
@@ -746,9 +746,10 @@ bool Extractor::entry(const uint32_t* slot) {
   return push_pg(val(PROCESS_GROUP), val(PG_ID)) && push_any(PROFILING_NAME, val(PROFILING_NAME)) &&
          push_any(STATE, val(STATE)) && push_any(THREAD_ID, val(THREAD_ID)) &&
          push_any(THREAD_NAME, val(THREAD_NAME)) && push_frames(val(FRAMES)) &&
-         push_sizes(INPUT_SIZES, val(INPUT_SIZES)) && push_sizes(OUTPUT_SIZES, val(OUTPUT_SIZES)) &&
-         push_dtypes(INPUT_DTYPES, val(INPUT_DTYPES)) &&
-         push_dtypes(OUTPUT_DTYPES, val(OUTPUT_DTYPES));
+         push_text(INPUT_SIZES, val(INPUT_SIZES), &Extractor::sizes_text) &&
+         push_text(OUTPUT_SIZES, val(OUTPUT_SIZES), &Extractor::sizes_text) &&
+         push_text(INPUT_DTYPES, val(INPUT_DTYPES), &Extractor::dtypes_text) &&
+         push_text(OUTPUT_DTYPES, val(OUTPUT_DTYPES), &Extractor::dtypes_text);
 }
 
 bool Extractor::push_int(Key k, uint32_t v) {
@@ -901,26 +902,14 @@ bool Extractor::dtypes_text(uint32_t v, std::string* out) {
   return true;
 }
 
-bool Extractor::push_sizes(Key k, uint32_t v) {
+bool Extractor::push_text(Key k, uint32_t v,
+                          bool (Extractor::*text_of)(uint32_t, std::string*)) {
   DictColumn& c = dicts[k];
   bool shared = node(v).shared;
   int32_t code = c.by_identity(v, shared);
   if (code < 0) {
     std::string text;
-    if (!sizes_text(v, &text)) return false;
-    code = c.add_text(v, shared, std::move(text));
-  }
-  c.codes.push_back(code);
-  return true;
-}
-
-bool Extractor::push_dtypes(Key k, uint32_t v) {
-  DictColumn& c = dicts[k];
-  bool shared = node(v).shared;
-  int32_t code = c.by_identity(v, shared);
-  if (code < 0) {
-    std::string text;
-    if (!dtypes_text(v, &text)) return false;
+    if (!(this->*text_of)(v, &text)) return false;
     code = c.add_text(v, shared, std::move(text));
   }
   c.codes.push_back(code);
