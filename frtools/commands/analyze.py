@@ -107,9 +107,11 @@ def _run(
     workers: int | None,
     world_size: int | None = None,
 ) -> int:
-    from frtools.analyze.diagnose import diagnose
     from frtools.analyze.memory import keep_freed_memory
     from frtools.analyze.readers import UnusableInput, load_trace
+
+    def import_diagnosis() -> None:  # pandas & co: 0.5 s, while the readers work
+        import frtools.analyze.diagnose  # noqa: F401
 
     keep_freed_memory()
     try:
@@ -118,10 +120,13 @@ def _run(
             workers=workers,
             progress=sys.stderr.isatty() and fmt == "terminal",
             world_size=world_size,
+            meanwhile=import_diagnosis,
         )
     except UnusableInput as e:
         _fail(f"error: {str(e).splitlines()[0] if str(e) else 'unusable input'}")
         return 2
+    from frtools.analyze.diagnose import diagnose
+
     verdict = diagnose(trace)
 
     if fmt == "json":

@@ -145,7 +145,12 @@ def _progress_bar(total: int) -> tuple[Any, Callable[[], None]]:
     return bar, lambda: bar.advance(task)
 
 
-def _read_all(files: Sequence[Path], workers: int | None, progress: bool) -> list[FileResult]:
+def _read_all(
+    files: Sequence[Path],
+    workers: int | None,
+    progress: bool,
+    meanwhile: Callable[[], None] | None = None,
+) -> list[FileResult]:
     if workers is None:
         workers = min(os.cpu_count() or 1, MAX_WORKERS) if len(files) > PARALLEL_MIN_FILES else 1
     workers = max(1, min(workers, len(files) or 1))
@@ -162,7 +167,11 @@ def _read_all(files: Sequence[Path], workers: int | None, progress: bool) -> lis
                     if bar is not None:
                         bar.start()
                     jobs = [(str(f), spool) for f in files]
-                    for r, table_path in pool.map(_read_to_spool, jobs, chunksize=chunk):
+                    done = pool.map(_read_to_spool, jobs, chunksize=chunk)
+                    if meanwhile is not None:
+                        meanwhile()  # the workers read on; their results wait in the queue
+                        meanwhile = None
+                    for r, table_path in done:
                         if table_path is not None and r.dump is not None:
                             try:
                                 r.dump.entries = _unspool(table_path)
@@ -177,6 +186,8 @@ def _read_all(files: Sequence[Path], workers: int | None, progress: bool) -> lis
                 pass  # a worker died (out of memory, killed) or none could start: finish here
         if bar is not None:
             bar.start()
+        if meanwhile is not None:
+            meanwhile()
         for f in files[len(results) :]:
             results.append(read_file(f))
             advance()
@@ -317,13 +328,16 @@ def load_trace(
     workers: int | None = None,
     progress: bool = False,
     world_size: int | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> Trace:
     """Read every dump under ``path`` (a directory, searched recursively, or one file).
 
     ``workers``: processes reading files in parallel; ``None`` picks min(cpus, 8) when
     there are more than 64 files, else reads in-process. ``world_size``: the job's size when
     the caller knows it (Gloo dumps do not say it, so a lost highest rank is otherwise
-    invisible); it wins over what the files suggest. Raises ``UnusableInput`` when nothing
+    invisible); it wins over what the files suggest. ``meanwhile``: called once in this
+    process while worker processes read (the caller's own start-up, e.g. imports, then
+    costs no wall time). Raises ``UnusableInput`` when nothing
     usable was found, or a dump's rank does not fit ``world_size``.
     """
     root = Path(path)
@@ -332,7 +346,7 @@ def load_trace(
     files = _files_under(root)
     if not files:
         raise UnusableInput(f"{root}: no files to read (empty directory)")
-    results = _read_all(files, workers, progress)
+    results = _read_all(files, workers, progress, meanwhile)
 
     inputs: list[InputFile] = [r.input for r in results]
     by_rank: dict[int, list[FileResult]] = defaultdict(list)
