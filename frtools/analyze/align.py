@@ -118,21 +118,38 @@ def _entries_frame(trace: Trace) -> pd.DataFrame:
         elif name == "record_id":
             data[name] = _ints(col, -1)
         elif name == "retired":  # masked bool: 2 bytes a row, not an object pointer
-            data[name] = pd.array(col.to_pandas(), dtype="boolean")
+            data[name] = pd.arrays.BooleanArray(
+                _bools(col), col.is_null().to_numpy(zero_copy_only=False)
+            )
+        elif name == "is_p2p":
+            data[name] = _bools(col)
+        elif name == "time_created_ns" and col.null_count == 0:
+            data[name] = _ints(col, 0)
+        elif name == "rank":
+            data[name] = col.to_numpy()
         else:
             data[name] = col.to_pandas()
     df = pd.DataFrame(data, copy=False)
-    df["is_p2p"] = df["is_p2p"].fillna(False).astype(bool) | df["op"].isin(_P2P_OPS)
-    if df["time_created_ns"].isna().any():
+    p2p_ops = [c for c in _P2P_OPS if c in df["op"].cat.categories]
+    if p2p_ops:
+        df["is_p2p"] = df["is_p2p"] | df["op"].isin(p2p_ops)
+    if df["time_created_ns"].dtype != np.int64:
         # Unknown times sort by record order within the rank.
         df["time_created_ns"] = df["time_created_ns"].fillna(df["record_id"]).astype(np.int64)
-    else:
-        df["time_created_ns"] = df["time_created_ns"].astype(np.int64)
     return df
 
 
 def _ints(col: pa.ChunkedArray, null: int) -> np.ndarray:
-    return col.fill_null(null).to_numpy().astype(np.int64, copy=False)
+    """int64 numpy, nulls as ``null`` (one copy: the concatenation of the ranks' chunks)."""
+    if col.null_count:
+        col = col.fill_null(null)
+    return col.to_numpy().astype(np.int64, copy=False)
+
+
+def _bools(col: pa.ChunkedArray) -> np.ndarray:
+    if col.null_count:
+        col = col.fill_null(False)
+    return col.to_numpy(zero_copy_only=False).astype(bool, copy=False)
 
 
 def _categorical(col: pa.ChunkedArray, null_as: str | None) -> pd.Categorical:
@@ -150,14 +167,13 @@ def _categorical(col: pa.ChunkedArray, null_as: str | None) -> pd.Categorical:
         cat = col.to_pandas().astype("category")
         cat = cat.cat.add_categories([""]) if "" not in cat.cat.categories else cat
         return cat.fillna(null_as).array if null_as is not None else cat.array
-    codes = pa.chunked_array([c.indices for c in chunks], type=pa.int32()).to_numpy()
     if "" not in categories:
         categories = categories.append(pd.Index([""], dtype=object))
-    if null_as is not None:
-        codes = np.where(np.isnan(codes), categories.get_loc(null_as), codes)
-    else:
-        codes = np.where(np.isnan(codes), -1, codes)
-    return pd.Categorical.from_codes(codes.astype(np.int32), dtype=pd.CategoricalDtype(categories))
+    indices = pa.chunked_array([c.indices for c in chunks], type=pa.int32())
+    if indices.null_count:
+        indices = indices.fill_null(-1 if null_as is None else categories.get_loc(null_as))
+    codes = indices.to_numpy()
+    return pd.Categorical.from_codes(codes, dtype=pd.CategoricalDtype(categories))
 
 
 def group_members(trace: Trace, seen: pd.DataFrame | None = None) -> dict[str, tuple[int, ...]]:
@@ -281,8 +297,12 @@ def align(trace: Trace) -> Alignment:
     members = group_members(trace, df[["rank", "pg_name"]])
 
     # A rank whose states ever leave "scheduled" has informative states (NCCL, frtools).
-    informative = df["state"].isin(("completed", "started")).groupby(df["rank"]).any()
-    state_informative = {int(k): bool(v) for k, v in informative.items()}
+    moved = df["state"].isin(
+        [s for s in ("completed", "started") if s in df["state"].cat.categories]
+    )
+    slot, ranks = _rank_slots(df["rank"].to_numpy())
+    per_rank = np.bincount(slot, weights=moved.to_numpy(), minlength=len(ranks)) > 0
+    state_informative = {r: bool(per_rank[i]) for i, r in enumerate(ranks.tolist()) if r >= 0}
 
     ps = _pg_status_frame(trace)
 
@@ -290,7 +310,7 @@ def align(trace: Trace) -> Alignment:
     # all collectives (the usual case at scale): share the columns, copy none
     coll = df.copy(deep=False) if is_coll.all() else df[is_coll]
     coll = _collapse_coalesced(coll).rename(columns={"collective_seq_id": "seq"})
-    coll["informative"] = coll["rank"].map(state_informative).fillna(False).astype(bool)
+    coll["informative"] = per_rank[_rank_slots(coll["rank"].to_numpy(), ranks)[0]]
     if len(ps) and bool((~coll["informative"] & coll["retired"].isna()).any()):
         coll = coll.merge(ps, on=["rank", "pg_name"], how="left")
         coll["completed"] = _completion(coll, use_pg_status=True)
@@ -302,7 +322,7 @@ def align(trace: Trace) -> Alignment:
     status = _status(coll, ps)
 
     p2p = df[df["is_p2p"]].copy()
-    p2p["informative"] = p2p["rank"].map(state_informative).fillna(False).astype(bool)
+    p2p["informative"] = per_rank[_rank_slots(p2p["rank"].to_numpy(), ranks)[0]]
     p2p["completed"] = _completion(p2p, use_pg_status=False)
     p2p = _pair_p2p(p2p, trace)
 
@@ -316,6 +336,28 @@ def align(trace: Trace) -> Alignment:
     )
 
 
+def _rank_slots(rank: np.ndarray, ranks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Each entry's index into the sorted distinct ranks (given, or found here): a dense
+    lookup table where ranks are 0..N as usual, a binary search only where they are not."""
+    rank = rank.astype(np.int64, copy=False)
+    if not len(rank):
+        return np.zeros(0, dtype=np.int64), (ranks if ranks is not None else rank)
+    top, low = int(rank.max()), int(rank.min())
+    dense = low >= 0 and top < 4 * len(rank) + 1024
+    if ranks is None:
+        if dense:
+            seen = np.zeros(top + 1, dtype=bool)
+            seen[rank] = True
+            ranks = np.flatnonzero(seen)
+        else:
+            ranks = np.unique(rank)
+    if dense and (not len(ranks) or ranks[-1] >= top):
+        pos = np.zeros(int(ranks[-1]) + 1 if len(ranks) else 1, dtype=np.int64)
+        pos[ranks] = np.arange(len(ranks))
+        return pos[rank], ranks
+    return np.searchsorted(ranks, rank), ranks
+
+
 def _codes(values: pd.Series) -> tuple[np.ndarray, pd.Index]:
     """int64 codes (-1 for missing) and the distinct values of a column."""
     if isinstance(values.dtype, pd.CategoricalDtype):
@@ -325,9 +367,8 @@ def _codes(values: pd.Series) -> tuple[np.ndarray, pd.Index]:
 
 
 def _signature_ids(coll: pd.DataFrame) -> np.ndarray:
-    """One int per distinct (op, sizes, dtypes), numbered by first appearance: the
-    categorical codes packed into one int64 and factorized (a 5-column group-by costs
-    several times more on millions of units)."""
+    """One int per distinct (op, sizes, dtypes): the categorical codes packed into one
+    int64 (a 5-column group-by costs several times more on millions of units)."""
     if not len(coll):
         return np.zeros(0, dtype=np.int64)
     key = np.zeros(len(coll), dtype=np.int64)
@@ -340,7 +381,7 @@ def _signature_ids(coll: pd.DataFrame) -> np.ndarray:
             return ids.to_numpy(dtype=np.int64)
         key += (codes + 1) * radix
         radix *= n
-    return pd.factorize(key)[0].astype(np.int64)
+    return key  # equal iff the signatures are: numbering them costs a 30 M-entry hash table
 
 
 def _completion(df: pd.DataFrame, use_pg_status: bool) -> pd.Series:
