@@ -553,6 +553,25 @@ def test_worker_processes_give_the_same_trace(tmp_path: Path) -> None:
     assert [i.to_dict() for i in parallel.inputs] == [i.to_dict() for i in serial.inputs]
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_that_cannot_spool_its_table_hands_it_over_by_pipe(tmp_path: Path) -> None:
+    from frtools.analyze.readers.loader import _read_to_spool
+
+    path = tmp_path / "rank_0.pkl"
+    write_pickle(path, fr_dump("2.10", n=5, world=2))
+    serial = load_trace(tmp_path, workers=1)
+    # a spool directory that cannot take the file (full or gone): the table stays in-band
+    result, table_path = _read_to_spool((str(path), str(tmp_path / "gone")))
+    assert table_path is None
+    assert result.dump is not None and result.dump.entries.equals(serial.entries)
+    # and one that can: the file is written, the in-band table dropped
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    result, table_path = _read_to_spool((str(path), str(spool)))
+    assert table_path is not None and Path(table_path).parent == spool
+    assert result.dump is not None and result.dump.entries is None
+
+
 @pytest.mark.timeout(30)
 def test_analyzer_side_imports_without_torch(tmp_path: Path) -> None:
     import subprocess

@@ -220,13 +220,15 @@ def _read_to_spool(job: tuple[str, str | None]) -> tuple[FileResult, str | None]
     result = read_file(path)
     if spool is None or result.dump is None:
         return result, None
-    fd, table_path = tempfile.mkstemp(suffix=".arrow", dir=spool)
+    table_path = None
     try:
+        fd, table_path = tempfile.mkstemp(suffix=".arrow", dir=spool)
         with os.fdopen(fd, "wb") as f, pa.ipc.new_file(f, result.dump.entries.schema) as w:
             w.write_table(result.dump.entries)
-    except OSError:  # shared memory full: hand this table over the pipe
-        with contextlib.suppress(OSError):
-            os.unlink(table_path)
+    except OSError:  # shared memory full (a container's 64 MB): this table goes by the pipe
+        if table_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(table_path)
         return result, None
     result.dump.entries = None  # type: ignore[assignment]
     return result, table_path
