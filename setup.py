@@ -1,35 +1,34 @@
-"""Build the recorder's native black box (optional: without a compiler frtools still installs,
-and the recorder warns once and leaves training unrecorded)."""
+"""Build frtools' native parts. Each is optional: without a C++17 compiler frtools still
+installs, the recorder warns once and leaves training unrecorded, and the analyzer reads
+PyTorch pickles in Python."""
 
 from setuptools import Extension, setup
 
+
+def native(name: str, source: str, **options: list[str]) -> Extension:
+    return Extension(
+        name,
+        sources=[source],
+        language="c++",
+        extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wall"],
+        optional=True,
+        **options,
+    )
+
+
 setup(
     ext_modules=[
-        Extension(
+        # the recorder's black box: mmap'd ring buffer, GIL-free watchdog
+        native(
             "frtools.recorder._blackbox",
-            sources=["frtools/recorder/_native/blackbox.cpp"],
-            language="c++",
-            extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wall"],
+            "frtools/recorder/_native/blackbox.cpp",
             extra_link_args=["-pthread"],
             libraries=["dl"],
-            optional=True,
         ),
-        # call-stack ids cached in C (optional: without it the recorder walks stacks in Python)
-        Extension(
-            "frtools.recorder._callsite",
-            sources=["frtools/recorder/_native/callsite.cpp"],
-            language="c++",
-            extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wall"],
-            optional=True,
-        ),
-        # Flight Recorder pickles parsed into columns without the GIL (optional: without it
-        # the reader uses its restricted Python unpickler)
-        Extension(
-            "frtools.analyze.readers._frpickle",
-            sources=["frtools/analyze/readers/_native/frpickle.cpp"],
-            language="c++",
-            extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wall"],
-            optional=True,
-        ),
+        # call-stack ids cached in C (without it the recorder walks stacks in Python)
+        native("frtools.recorder._callsite", "frtools/recorder/_native/callsite.cpp"),
+        # Flight Recorder pickles parsed into columns without the GIL (without it the reader
+        # uses its restricted Python unpickler)
+        native("frtools.analyze.readers._frpickle", "frtools/analyze/readers/_native/frpickle.cpp"),
     ],
 )
