@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import pickle
 import sys
 import textwrap
@@ -551,6 +552,26 @@ def test_worker_processes_give_the_same_trace(tmp_path: Path) -> None:
     parallel = load_trace(tmp_path, workers=2, progress=True)
     assert parallel.entries.equals(serial.entries)
     assert [i.to_dict() for i in parallel.inputs] == [i.to_dict() for i in serial.inputs]
+
+
+@pytest.mark.timeout(60)
+def test_the_spool_of_a_killed_analysis_is_removed_by_the_next(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from frtools.analyze.readers import loader
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = tmp_path / f"frtools-read-{int(gone.stdout)}-abc"
+    stale.mkdir()
+    (stale / "t.arrow").write_bytes(b"x" * 100)
+    mine = tmp_path / f"frtools-read-{os.getpid()}-def"
+    mine.mkdir()
+    loader._remove_stale_spools(str(tmp_path))
+    assert not stale.exists()  # its process is gone: removed
+    assert mine.exists()  # a live analysis keeps its spool
 
 
 @pytest.mark.timeout(60)

@@ -199,17 +199,38 @@ def _read_all(
     return results
 
 
+_SPOOL_PREFIX = "frtools-read-"
+
+
 def _spool_dir() -> str | None:
     """Where worker processes hand their tables over: shared memory where there is some
-    (the parent maps each file, no copy), else the temp dir; None: pickle them instead."""
+    (the parent maps each file, no copy), else the temp dir; None: pickle them instead.
+
+    The directory is named after this process, so that the spool of an analysis that was
+    killed (its files would hold shared memory until reboot) is removed by the next one."""
     for base in ("/dev/shm", None):
         if base is not None and not os.access(base, os.W_OK):
             continue
+        _remove_stale_spools(base or tempfile.gettempdir())
         try:
-            return tempfile.mkdtemp(prefix="frtools-read-", dir=base)
+            return tempfile.mkdtemp(prefix=f"{_SPOOL_PREFIX}{os.getpid()}-", dir=base)
         except OSError:
             continue
     return None
+
+
+def _remove_stale_spools(base: str) -> None:
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            pid = entry.name[len(_SPOOL_PREFIX) :].split("-", 1)[0]
+            if not entry.name.startswith(_SPOOL_PREFIX) or not pid.isdigit():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:  # its analysis is gone
+                shutil.rmtree(entry.path, ignore_errors=True)
+            except OSError:
+                pass  # alive (another user's): leave it
 
 
 def _read_to_spool(job: tuple[str, str | None]) -> tuple[FileResult, str | None]:
