@@ -3,8 +3,9 @@ files ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` / ``TORCH_FR_DUMP_TEMP_FILE`` name), a
 plain or gzip'd.
 
 Where the optional native module ``_frpickle`` is built, a dump is parsed in C++ straight
-into columns with the GIL released (so the loader's threads read files in parallel); a
-pickle it does not fully understand — anything but plain data of the expected shape — goes
+into columns with the GIL released (thread-safe; the loader reads in worker processes,
+since turning the result into Arrow arrays still needs the GIL); a pickle it does not fully
+understand — anything but plain data of the expected shape — goes
 the Python way, through the restricted unpickler, which owns every error message.
 ``FRTOOLS_NATIVE_PICKLE=0`` turns the native parser off.
 """
