@@ -17,7 +17,7 @@ import pytest
 from jobs import start_ranks, stop, wait_ranks
 
 from frtools.analyze.readers.loader import load_trace
-from frtools.recorder.snapshot import read_header, read_snapshot
+from frtools.recorder.snapshot import SnapshotError, read_header, read_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train_ddp.py")
@@ -171,6 +171,15 @@ def test_dead_rank_is_blamed_by_analyze(dead_rank_runs: dict, kind: str) -> None
     assert guilty_ranks(report) == [FAULT_RANK], report.get("verdict")
 
 
+def _stalled(path: Path) -> bool:
+    """The rank's watchdog flagged a stall; False while its file is still being created
+    (it exists, sized, before the black box writes its header)."""
+    try:
+        return bool(read_header(path)["stalled"])
+    except (OSError, SnapshotError):
+        return False
+
+
 @pytest.fixture(scope="session")
 def gil_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Rank 2 holds the GIL forever; looked at while it is still alive."""
@@ -183,11 +192,7 @@ def gil_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         deadline = time.monotonic() + 90
         # wait until the others are blocked on the hog for a while (their watchdogs stall)
         while time.monotonic() < deadline:
-            if all(
-                (base / "gil" / f"rank_{r}.frt").exists()
-                and read_header(base / "gil" / f"rank_{r}.frt")["stalled"]
-                for r in (0, 1, 3)
-            ):
+            if all(_stalled(base / "gil" / f"rank_{r}.frt") for r in (0, 1, 3)):
                 break
             time.sleep(0.5)
         time.sleep(4)  # ops in flight for under 5 s are not called hung by the analyzer
