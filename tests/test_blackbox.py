@@ -247,8 +247,9 @@ def test_dump_request_is_answered_with_every_threads_stack(tmp_path, mode):
         seq = request_dump(path)
         assert seq == 1
         t0 = time.monotonic()
-        assert wait_for(lambda: dump_acknowledged(path, seq), timeout=2)
-        assert time.monotonic() - t0 < 2
+        # answered within a few watchdog polls (ms); 5 s leaves room for a loaded CI box
+        assert wait_for(lambda: dump_acknowledged(path, seq), timeout=5)
+        assert time.monotonic() - t0 < 5
         assert read_header(path)["dump_ack_status"] == 1
         text = stacks.read_text()
         assert "helper_thread_waiting" in text

@@ -353,7 +353,7 @@ def _huge_lengths() -> dict[str, bytes]:
 def test_bad_lengths_and_opcodes_are_left_to_python(case: str) -> None:
     start = time.monotonic()
     assert _frpickle.parse(_huge_lengths()[case]) is None
-    assert time.monotonic() - start < 1  # no allocation sized by a hostile length
+    assert time.monotonic() - start < 5  # no allocation sized by a hostile length
 
 
 @pytest.mark.timeout(60)
