@@ -184,12 +184,12 @@ def group_members(trace: Trace, seen: pd.DataFrame | None = None) -> dict[str, t
         used = np.unique(codes)
         listed = {n for n, pg in trace.process_groups.items() if pg.ranks}
         # who recorded on a group matters only where no file lists its members
-        unknown = [c for c in used.tolist() if c >= 0 and str(names[c]) not in listed]
+        unknown = {c for c in used.tolist() if c >= 0 and str(names[c]) not in listed}
         for c in used.tolist():
             if c >= 0 and c not in unknown:
                 members[str(names[c])] = set()
         if unknown:
-            sub = seen[np.isin(codes, unknown)]
+            sub = seen[np.isin(codes, sorted(unknown))]
             for pg_name, ranks in (
                 sub.groupby("pg_name", sort=False, observed=True)["rank"].unique().items()
             ):
@@ -253,7 +253,8 @@ def _duplicated_units(coll: pd.DataFrame) -> np.ndarray:
     if not (np.diff(np.sort(key)) == 0).any():
         return np.zeros(len(key), dtype=bool)
     order = np.argsort(key, kind="stable")
-    same = key[order][1:] == key[order][:-1]
+    ordered = key[order]
+    same = ordered[1:] == ordered[:-1]
     dup = np.zeros(len(key), dtype=bool)
     dup[order] = np.r_[same, False] | np.r_[False, same]
     return dup
