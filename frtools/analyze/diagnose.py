@@ -159,8 +159,9 @@ class _Context:
                 no_info = f[~has_info]
                 order = no_info.sort_values(["time_created_ns", "record_id"])
                 latest[f.index.get_indexer(order.drop_duplicates("rank", keep="last").index)] = True
-            small = f[(has_info & pending) | latest]
-            part = small.assign(kind=kind, rank_has_info=has_info[(has_info & pending) | latest])
+            keep = (has_info & pending) | latest
+            small = f[keep]
+            part = small.assign(kind=kind, rank_has_info=has_info[keep])
             if kind == "p2p":
                 part = part.assign(seq=small.index.to_numpy())  # seq := row in al.p2p
             parts.append(part[cols + ["rank_has_info"]])
