@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from frtools.analyze.align import align
-from frtools.trace import ProcessGroup, RankInfo, Trace, entries_table
+from frtools.model.trace import ProcessGroup, RankInfo, Trace, entries_table
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from jobs import start_ranks, stop, wait_ranks
 
-from frtools.recorder.blackbox import load_native
-from frtools.recorder.snapshot import (
+from frtools.formats.blackbox import (
     STRING_FULL,
     dump_acknowledged,
     read_header,
     read_snapshot,
     request_dump,
 )
+from frtools.recorder.native import load_native
 
 native = load_native()
 IDENTITY = {"job_id": "t", "rank": 0, "world_size": 4, "host": "h", "backend": "gloo"}
@@ -205,7 +205,7 @@ DUMP_SCRIPT = textwrap.dedent(
     """
     import ctypes, json, signal, sys, threading, time
     from frtools.recorder._blackbox import BlackBox
-    from frtools.recorder.blackbox import register_stack_signal
+    from frtools.recorder.native import register_stack_signal
     path, stacks, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     out = open(stacks, "a")
     register_stack_signal(signal.SIGUSR2, out)
@@ -402,7 +402,7 @@ def test_missing_native_module_is_reported_and_snapshots_still_read(tmp_path):
         import sys
         sys.modules["torch"] = None  # the analyzer runs without torch
         sys.modules["frtools.recorder._blackbox"] = None  # and without a compiler
-        from frtools.recorder.blackbox import NativeUnavailable, load_native
+        from frtools.recorder.native import NativeUnavailable, load_native
         try:
             load_native()
         except NativeUnavailable as e:
@@ -422,7 +422,7 @@ CHAIN_SCRIPT = textwrap.dedent(
     """
     import json, signal, sys, time
     from frtools.recorder._blackbox import BlackBox
-    from frtools.recorder.blackbox import register_stack_signal
+    from frtools.recorder.native import register_stack_signal
     path, stacks = sys.argv[1], sys.argv[2]
     seen = []
     signal.signal(signal.SIGUSR2, lambda *_: seen.append(1))  # the user's own handler

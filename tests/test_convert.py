@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from frtools.recorder.blackbox import load_native
+from frtools.recorder.native import load_native
 
 WORLD = 4
 STACK = "/work/user/train.py:42 in step\n/work/user/train.py:90 in main"

@@ -10,7 +10,7 @@ import pytest
 from trace_builder import STOP, Job, Op, dp, megatron8, simulate, step_program, tp, training
 
 from frtools.analyze.diagnose import diagnose
-from frtools.trace import ProcessGroup, RankInfo, Trace, entries_table
+from frtools.model.trace import ProcessGroup, RankInfo, Trace, entries_table
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""``frtools dump`` on real hung 4-rank Gloo jobs (``frtools.demo_job``): per host, job-wide
+"""``frtools dump`` on real hung 4-rank Gloo jobs (``frtools.commands.demo_job``): per host, job-wide
 through the job's TCPStore, PyTorch-FR-only, and the stall hand-off with nobody dumping.
 
 Three jobs, each started once per session: rank 2 stuck in compute (run as two launcher
@@ -54,7 +54,7 @@ def launch(tmp: Path, fault: str, dirs: dict[int, Path], env: dict[str, str], ar
         extra = {"FRTOOLS_DIR": str(dirs[rank]), "FRTOOLS_JOB_ID": JOB_ID, **env}
         job.procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "frtools.demo_job", "--fault", fault,
+                [sys.executable, "-m", "frtools.commands.demo_job", "--fault", fault,
                  "--fault-rank", str(GUILTY), "--marker-dir", str(tmp / "markers"), *args],
                 env=rank_env(rank, WORLD, job.port, extra),
                 stdout=subprocess.DEVNULL,

@@ -17,7 +17,7 @@ import pytest
 from jobs import start_ranks, stop, wait_ranks
 
 from frtools.analyze.readers.loader import load_trace
-from frtools.recorder.snapshot import SnapshotError, read_header, read_snapshot
+from frtools.formats.blackbox import SnapshotError, read_header, read_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train_ddp.py")
@@ -247,7 +247,7 @@ def test_unwritable_dir_warns_once_and_the_job_completes(tmp_path: Path) -> None
 
 
 def _fake_cuda_box(path: Path, end_done: bool) -> None:
-    from frtools.recorder.blackbox import load_native
+    from frtools.recorder.native import load_native
 
     identity = {"job_id": "gpu", "rank": 0, "world_size": 1, "device": "cuda:0"}
     box = load_native().BlackBox(str(path), 16, 1 << 16, json.dumps(identity))

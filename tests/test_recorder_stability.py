@@ -24,7 +24,7 @@ from jobs import run_job
 
 import frtools
 
-DEMO_JOB = str(Path(frtools.__file__).resolve().parent / "demo_job.py")
+DEMO_JOB = str(Path(frtools.__file__).resolve().parent / "commands" / "demo_job.py")
 
 _HAMMER = textwrap.dedent(
     """

@@ -11,8 +11,9 @@ from trace_builder import STOP, Op, megatron8, simulate, training
 
 from frtools.analyze.diagnose import diagnose
 from frtools.analyze.reporters import json_report, markdown, terminal
-from frtools.analyze.verdict import Verdict, collapse_ranks
-from frtools.trace import InputFile
+from frtools.analyze.verdict import Verdict
+from frtools.model.ranks import format_ranks
+from frtools.model.trace import InputFile
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,9 +65,9 @@ def verdicts() -> dict[str, Verdict]:
 
 
 def test_collapsed_rank_ranges():
-    assert collapse_ranks([0, 1, 2, 3, 5]) == "0-3,5"
-    assert collapse_ranks([7]) == "7"
-    assert collapse_ranks([]) == "-"
+    assert format_ranks([0, 1, 2, 3, 5]) == "0-3,5"
+    assert format_ranks([7]) == "7"
+    assert format_ranks([]) == "-"
 
 
 @pytest.mark.parametrize(
@@ -140,6 +141,6 @@ def test_markdown_summary_has_headline_table_and_inputs(verdicts):
 
 def test_long_rank_lists_are_cut_to_fit():
     ranks = list(range(0, 2000, 3))
-    text = collapse_ranks(ranks, 40)
+    text = format_ranks(ranks, 40)
     assert len(text) <= 40 + 20
     assert text.endswith(f"… ({len(ranks)} ranks)")

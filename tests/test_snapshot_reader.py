@@ -19,14 +19,14 @@ from jobs import start_ranks, stop
 from frtools.analyze.readers import frtools_snapshot as reader
 from frtools.analyze.readers import load_trace
 from frtools.analyze.readers.base import DumpError
-from frtools.recorder.blackbox import load_native
-from frtools.recorder.snapshot import (
+from frtools.formats.blackbox import (
     SLOT_DTYPE,
     SnapshotError,
     copy_consistent,
     read_header,
     read_snapshot,
 )
+from frtools.recorder.native import load_native
 
 native = load_native()
 WORLD = 4

@@ -19,7 +19,7 @@ from frtools.analyze.stacks import (
     stacks_summary,
     user_frames_first,
 )
-from frtools.trace import RankInfo, Trace, empty_entries
+from frtools.model.trace import RankInfo, Trace, empty_entries
 
 TORCH = "/usr/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 

@@ -225,7 +225,7 @@ def test_export_of_a_missing_directory_is_a_one_line_error(tmp_path: Path):
 
 @pytest.mark.timeout(120)
 def test_synth_frtools_snapshots_are_read_and_diagnosed(tmp_path: Path):
-    from frtools.recorder.snapshot import read_snapshot
+    from frtools.formats.blackbox import read_snapshot
 
     out = tmp_path / "frt"
     proc = frtools(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from frtools.trace import ProcessGroup, RankInfo, Trace, entries_table
+from frtools.model.trace import ProcessGroup, RankInfo, Trace, entries_table
 
 MS = 1_000_000
 

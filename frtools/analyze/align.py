@@ -34,7 +34,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from frtools.trace import ProcessGroup, Trace
+from frtools.model.ops import P2P_OPS
+from frtools.model.trace import ProcessGroup, Trace
 
 SIGNATURE_COLUMNS = ("op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes")
 _LOAD_COLUMNS = (
@@ -55,7 +56,6 @@ _LOAD_COLUMNS = (
     "retired",
     "call_site",
 )
-_P2P_OPS = {"send", "recv", "isend", "irecv", "sendrecv"}
 
 
 @dataclass
@@ -130,7 +130,7 @@ def _entries_frame(trace: Trace) -> pd.DataFrame:
         else:
             data[name] = col.to_pandas()
     df = pd.DataFrame(data, copy=False)
-    p2p_ops = [c for c in _P2P_OPS if c in df["op"].cat.categories]
+    p2p_ops = [c for c in P2P_OPS if c in df["op"].cat.categories]
     if p2p_ops:
         df["is_p2p"] = df["is_p2p"] | df["op"].isin(p2p_ops)
     if df["time_created_ns"].dtype != np.int64:

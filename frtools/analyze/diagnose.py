@@ -28,8 +28,9 @@ import pandas as pd
 
 from frtools.analyze.align import SIGNATURE_COLUMNS, Alignment, align
 from frtools.analyze.stacks import main_thread_call_site, stacks_summary
-from frtools.analyze.verdict import GuiltyRank, RankGroup, Verdict, collapse_ranks
-from frtools.trace import ProcessGroup, Trace
+from frtools.analyze.verdict import GuiltyRank, RankGroup, Verdict
+from frtools.model.ranks import format_ranks
+from frtools.model.trace import ProcessGroup, Trace
 
 # A guilty rank whose dump was written this much earlier than the others' is a stale
 # record of a process that was already gone.
@@ -482,7 +483,7 @@ class _Context:
             verdict = self._root_verdict(roots, waiting)
             if cyclic:
                 verdict.evidence.append(
-                    f"Also a wait cycle among ranks {collapse_ranks(sorted(cyclic))} "
+                    f"Also a wait cycle among ranks {format_ranks(sorted(cyclic))} "
                     "(a cross-group ordering problem)."
                 )
             return verdict
@@ -579,8 +580,8 @@ class _Context:
             if not p.targets or not p.blockers:
                 continue
             verdict.evidence.append(
-                f"Ranks {collapse_ranks(p.blockers, 60)} blocked in {self._point_name(p)}, "
-                f"waiting for {collapse_ranks(sorted(p.targets), 60)}."
+                f"Ranks {format_ranks(p.blockers, 60)} blocked in {self._point_name(p)}, "
+                f"waiting for {format_ranks(sorted(p.targets), 60)}."
             )
         return verdict
 
@@ -599,7 +600,7 @@ class _Context:
         where = self._point_name(point)
         if reason == "absent":
             g.reason = (
-                f"no usable dump; ranks {collapse_ranks(point.blockers)} wait for it in {where}"
+                f"no usable dump; ranks {format_ranks(point.blockers)} wait for it in {where}"
             )
         elif reason == "dead":
             why = "its process is gone" if info and info.alive is False else "its record is stale"
@@ -741,14 +742,14 @@ class _Context:
         self._fill_point(verdict, self.points[self.blocked_at[blamed[0]]])
         verdict.headline = (
             f"Cross-group deadlock: {'rank' if len(blamed) == 1 else 'ranks'} "
-            f"{collapse_ranks(blamed)} issued collectives in a different order than "
+            f"{format_ranks(blamed)} issued collectives in a different order than "
             f"{'its' if len(blamed) == 1 else 'their'} peers"
         )
-        verdict.evidence.append(f"Ranks {collapse_ranks(sorted(core))} wait for each other.")
+        verdict.evidence.append(f"Ranks {format_ranks(sorted(core))} wait for each other.")
         for p in shown[:6]:
             verdict.evidence.append(
-                f"Ranks {collapse_ranks(p.blockers, 60)} blocked in {self._point_name(p)}, "
-                f"waiting for {collapse_ranks(sorted(p.targets), 60)}."
+                f"Ranks {format_ranks(p.blockers, 60)} blocked in {self._point_name(p)}, "
+                f"waiting for {format_ranks(sorted(p.targets), 60)}."
             )
         if not deviants:
             verdict.evidence.append(
@@ -872,7 +873,7 @@ class _Context:
         for r in absent:
             g = self._identity(r)
             g.reason = (
-                f"no usable dump; ranks {collapse_ranks(point.blockers)} wait in {where}, whose "
+                f"no usable dump; ranks {format_ranks(point.blockers)} wait in {where}, whose "
                 "members the dumps do not list"
             )
             guilty.append(g)
@@ -885,13 +886,13 @@ class _Context:
         )
         self._fill_point(verdict, point)
         verdict.headline = (
-            f"No dump from rank(s) {collapse_ranks(absent)}; rank(s) "
-            f"{collapse_ranks(point.blockers)} wait in {where}, a group whose members the "
+            f"No dump from rank(s) {format_ranks(absent)}; rank(s) "
+            f"{format_ranks(point.blockers)} wait in {where}, a group whose members the "
             "dumps do not list: the missing rank(s) are its likely absent member(s)"
         )
         verdict.evidence = [
-            f"Ranks {collapse_ranks(point.blockers)} issued {where} and it never completed; "
-            f"the group's membership ({collapse_ranks(sorted(point.issued))}) is inferred from "
+            f"Ranks {format_ranks(point.blockers)} issued {where} and it never completed; "
+            f"the group's membership ({format_ranks(sorted(point.issued))}) is inferred from "
             "the files present.",
             "Run with --world-size or a frtools dump manifest, or record group membership "
             "(frtools recorder, NCCL dumps), to name the member for certain.",
@@ -945,7 +946,7 @@ class _Context:
         self._fill_point(verdict, point)
         verdict.headline = (
             f"Stuck: every member issued {self._point_name(point)}, none completed it"
-            + (f"; rank(s) {collapse_ranks(blamed)} never started it" if never_started else "")
+            + (f"; rank(s) {format_ranks(blamed)} never started it" if never_started else "")
         )
         verdict.evidence.append(
             f"{len(stuck_points)} op(s) issued by every member with one signature and "
@@ -1085,7 +1086,7 @@ class _Context:
         return Verdict(
             kind="dead",
             headline=(
-                f"No dump from rank(s) {collapse_ranks(absent)}; the other "
+                f"No dump from rank(s) {format_ranks(absent)}; the other "
                 f"{len(self.present)} rank(s) show no hang: the missing rank(s) may have died"
             ),
             confidence=0.5,
@@ -1125,7 +1126,7 @@ class _Context:
         unexplained = sorted(self.absent - blamed)
         if unexplained:
             verdict.evidence.append(
-                f"No usable record for rank(s) {collapse_ranks(unexplained, 60)}; nobody waits "
+                f"No usable record for rank(s) {format_ranks(unexplained, 60)}; nobody waits "
                 "for them in the recorded ops."
             )
             verdict.confidence -= 0.1
@@ -1134,7 +1135,7 @@ class _Context:
             verdict.evidence.append(f"{len(bad)} input file(s) could not be used.")
         if self.wrapped:
             verdict.evidence.append(
-                f"Ring buffer wrapped on rank(s) {collapse_ranks(sorted(self.wrapped), 60)}: "
+                f"Ring buffer wrapped on rank(s) {format_ranks(sorted(self.wrapped), 60)}: "
                 "older ops were dropped; ops before their oldest entry are not judged."
             )
         verdict.confidence = float(min(1.0, max(0.05, verdict.confidence)))

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from frtools.analyze.verdict import collapse_ranks
-from frtools.trace import Trace, is_user_frame
+from frtools.model.ranks import format_ranks
+from frtools.model.trace import Trace, is_user_frame
 
 _THREAD_RE = re.compile(
     r"^(?P<current>Current thread|Thread) (?P<tid>0x[0-9a-fA-F]+)"
@@ -289,7 +289,7 @@ class StacksSummary:
             out.append(f"stacks of {self.ranks_with_stacks} rank(s), grouped:")
             for g in self.groups:
                 mark = "  <- outlier" if g.outlier else ""
-                out.append(f"  {g.count:>4} rank(s) {collapse_ranks(g.ranks):<12} {g.top}{mark}")
+                out.append(f"  {g.count:>4} rank(s) {format_ranks(g.ranks):<12} {g.top}{mark}")
         return out
 
     def to_dict(self) -> dict[str, Any]:

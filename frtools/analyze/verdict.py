@@ -8,13 +8,11 @@ field changes meaning or disappears (adding an optional field is a minor bump).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from frtools import __version__
-from frtools.trace import InputFile, ProcessGroup
-
-if TYPE_CHECKING:  # stacks.py renders rank lists with collapse_ranks below
-    from frtools.analyze.stacks import StacksSummary
+from frtools.analyze.stacks import StacksSummary
+from frtools.model.trace import InputFile, ProcessGroup
 
 SCHEMA_VERSION = "1.1"  # 1.1: optional top-level "stacks"
 
@@ -116,32 +114,3 @@ class Verdict:
             "inputs": [i.to_dict() for i in self.inputs],
             **({"stacks": self.stacks.to_dict()} if self.stacks is not None else {}),
         }
-
-
-def collapse_ranks(ranks: list[int] | tuple[int, ...], limit: int | None = None) -> str:
-    """``[0, 1, 2, 3, 5]`` -> ``"0-3,5"``: rank lists that fit on one line.
-
-    With ``limit``, a longer text is cut at a comma and ends with ``… (N ranks)``.
-    """
-    text = _collapse(ranks)
-    if limit is None or len(text) <= limit:
-        return text
-    cut = text.rfind(",", 0, max(1, limit - 12))
-    head = text[:cut] if cut > 0 else text[: max(1, limit - 12)]
-    return f"{head},… ({len(set(ranks))} ranks)"
-
-
-def _collapse(ranks: list[int] | tuple[int, ...]) -> str:
-    values = sorted(set(int(r) for r in ranks))
-    if not values:
-        return "-"
-    parts = []
-    start = prev = values[0]
-    for v in values[1:]:
-        if v == prev + 1:
-            prev = v
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = v
-    parts.append(str(start) if start == prev else f"{start}-{prev}")
-    return ",".join(parts)

@@ -27,7 +27,7 @@ def convert(src: str, fmt: str, output: str) -> None:
     ``python -m torch.distributed.flight_recorder.fr_trace OUTPUT -p rank_``.
     Exit code 0: every file converted; 1: some files were unusable; 2: nothing converted.
     """
-    from frtools.convert import convert_to_torch_pickle
+    from frtools.formats.torch_fr_writer import convert_to_torch_pickle
 
     try:
         result = convert_to_torch_pickle(src, output)

@@ -1,7 +1,7 @@
 """``frtools demo``: hang a small local job on purpose, then find the guilty rank.
 
 The whole loop a user runs on a real job, in under a minute on a laptop: a 4-rank Gloo job
-with the recorder on (``frtools.demo_job``) gets one rank stuck; the recorder's watchdog
+with the recorder on (``frtools.commands.demo_job``) gets one rank stuck; the recorder's watchdog
 notices the stall and every rank writes its snapshot; ``frtools dump`` collects the black
 boxes and stacks; ``frtools analyze`` names the rank and the line. Every process the demo
 starts runs in its own session and is killed on the way out, Ctrl-C included.
@@ -58,7 +58,7 @@ def _start(
                 [
                     sys.executable,
                     "-m",
-                    "frtools.demo_job",
+                    "frtools.commands.demo_job",
                     "--fault",
                     fault,
                     "--fault-rank",
@@ -169,8 +169,8 @@ def _demo(
     stall: float,
     procs: list[subprocess.Popen],
 ) -> int:
+    from frtools.collect.local import collect_job
     from frtools.commands.dump import print_summary
-    from frtools.dump.local import collect_job
 
     t0 = time.monotonic()
     console.print(

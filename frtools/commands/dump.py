@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from frtools.dump.manifest import Manifest
+from frtools.formats.manifest import Manifest
 
 _err = Console(stderr=True, highlight=False)
 
@@ -170,7 +170,7 @@ def dump(
             raise SystemExit(2)
         return
 
-    from frtools.dump.local import collect_job, find_jobs, frtools_dir
+    from frtools.collect.local import collect_job, find_jobs, frtools_dir
 
     base = Path(root) if root else frtools_dir()
     jobs = find_jobs(base)
@@ -208,7 +208,7 @@ def _collect_remote(
 ) -> Manifest:
     try:
         if job_wide:
-            from frtools.dump.jobwide import StoreUnavailable, dump_job_wide
+            from frtools.collect.jobwide import StoreUnavailable, dump_job_wide
 
             if not store_addr:
                 store_addr = _store_from_env()
@@ -218,12 +218,12 @@ def _collect_remote(
                 return dump_job_wide(store_addr, out, prefix=prefix, timeout=timeout, job_id=job)
             except StoreUnavailable as exc:
                 _fail(str(exc))
-        from frtools.dump import torch_fr
+        from frtools.collect import torch_fr
 
         if torch_sockets:
             return torch_fr.collect_sockets(torch_sockets, out, timeout)
         if torch_store:
-            from frtools.dump.jobwide import StoreUnavailable
+            from frtools.collect.jobwide import StoreUnavailable
 
             try:
                 return torch_fr.collect_debug_servers(torch_store, out, timeout)

@@ -2,7 +2,7 @@
 
 Three files, so that a query can join them by ``rank`` / ``pg_name``:
 
-* ``entries.parquet`` - one row per recorded call of any rank (``frtools.trace.ENTRY_SCHEMA``);
+* ``entries.parquet`` - one row per recorded call of any rank (``frtools.model.trace.ENTRY_SCHEMA``);
 * ``<stem>.ranks.parquet`` - one row per rank: identity, dump provenance, ``pg_status``;
 * ``<stem>.process_groups.parquet`` - one row per group: desc, member ranks.
 
@@ -50,7 +50,7 @@ def write_parquet(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from frtools.trace import Trace
+    from frtools.model.trace import Trace
 
     assert isinstance(trace, Trace)
     ranks_path, pgs_path = side_paths(entries_path)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from frtools.model.ranks import RankTextError, parse_ranks
 from frtools.synth import FAULTS, FaultError, LayoutError, ModelShape, synthesize
 
 
@@ -14,8 +15,8 @@ def _parse_ranks(value: str | None) -> list[int] | None:
     if not value:
         return None
     try:
-        return [int(v) for v in value.replace(" ", "").split(",") if v]
-    except ValueError:
+        return list(parse_ranks(value))
+    except RankTextError:
         click.echo(f"error: --fault-ranks: expected comma-separated ranks, got {value!r}", err=True)
         sys.exit(2)
 

@@ -77,8 +77,8 @@ def _identity(rank: int, world_size: int, backend: str, job_id: str) -> dict[str
 def _open(rank: int, world_size: int, backend: str) -> Any:
     """Create this rank's black box, stacks file and watchdog; None (after one line) if not."""
     from frtools.recorder import capture
-    from frtools.recorder.blackbox import NativeUnavailable, load_native, register_stack_signal
     from frtools.recorder.config import STRINGS_BYTES
+    from frtools.recorder.native import NativeUnavailable, load_native, register_stack_signal
 
     cfg = _session["config"]
     path = cfg.rank_path(rank)

@@ -205,12 +205,12 @@ class Recorder:
         return sid, did
 
     def _intern_sizes(self, shapes: Any) -> int:
-        from frtools.trace import sizes_key  # first sight of these shapes only
+        from frtools.model.trace import sizes_key  # first sight of these shapes only
 
         return self.box.intern(sizes_key(shapes))
 
     def _intern_dtypes(self, dtypes: Any) -> int:
-        from frtools.trace import dtypes_key
+        from frtools.model.trace import dtypes_key
 
         text = dtypes_key([_dtype_name(d) for d in dtypes])
         return self.box.intern(text) if text else 0

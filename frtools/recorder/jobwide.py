@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from frtools.dump import protocol
+from frtools.formats import store_protocol as protocol
 from frtools.recorder.shutdown import before_finalization
 
 DEFAULT_POLL_S = 0.5
@@ -81,7 +81,7 @@ def write_rank_dump(
     dst = out / f"rank_{rank}.frt"
     tmp = out / f".rank_{rank}.frt.{os.getpid()}.tmp"
     try:
-        from frtools.recorder.snapshot import copy_consistent
+        from frtools.formats.blackbox import copy_consistent
     except ImportError:
         shutil.copyfile(blackbox_path, tmp)
     else:
@@ -238,8 +238,8 @@ class JobWideWatcher:
         return (won.decode() if isinstance(won, bytes) else str(won)) == str(now)
 
     def _write_stall_manifest(self, seq: int, directory: Path) -> None:
-        from frtools.dump.jobwide import gather_answers
-        from frtools.dump.manifest import Manifest
+        from frtools.collect.jobwide import gather_answers
+        from frtools.formats.manifest import Manifest
 
         job_id = Path(self.blackbox_path).parent.name
         manifest = Manifest(job_id=job_id, mode="stall", world_size=self.world_size)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any
 
 import numpy as np
 
-from frtools.recorder.snapshot import (
+from frtools.formats.blackbox import (
     FORMAT_VERSION,
     HEADER_BYTES,
     IDENTITY_OFFSET,
@@ -22,7 +21,8 @@ from frtools.recorder.snapshot import (
     PG_DTYPE,
     SLOT_DTYPE,
 )
-from frtools.trace import dtypes_key, sizes_key
+from frtools.model.ranks import format_ranks
+from frtools.model.trace import dtypes_key, sizes_key
 
 from .layout import CREATION_ORDER
 from .schedule import CALL_SITES
@@ -31,18 +31,7 @@ from .torch_writer import COMM_LIB_VERSION, RANKS_PER_HOST, T0_NS, Job, _Slot, r
 _HEADER = struct.Struct("<8s6I5Qq2Q2Iq2I2q2Qq4Id2Iq")
 PG_CAPACITY = 64
 PAGE = 4096
-KINDS = ("world", *CREATION_ORDER)  # row order of the process-group table
-
-
-def compact_ranks(ranks: Any) -> str:
-    """Member ranks as the format's compact text: ``0-7``, ``3-2043:8``, ``5``."""
-    r = np.asarray(ranks).tolist()
-    if len(r) == 1:
-        return str(r[0])
-    step = r[1] - r[0]
-    if step > 0 and all(b - a == step for a, b in zip(r, r[1:], strict=False)):
-        return f"{r[0]}-{r[-1]}" + (f":{step}" if step != 1 else "")
-    return ",".join(map(str, r))
+GROUP_ROWS = ("world", *CREATION_ORDER)  # row order of the process-group table
 
 
 class _Strings:
@@ -88,7 +77,7 @@ def rank_snapshot(job: Job, rank: int) -> bytes:
     a = rank_arrays(job, rank)
     capacity = job.params.buffer_size
     strings = _Strings()
-    pg_row = {kind: i for i, kind in enumerate(KINDS)}
+    pg_row = {kind: i for i, kind in enumerate(GROUP_ROWS)}
 
     def slot_columns(sl: list[_Slot]) -> dict[str, np.ndarray]:
         cols: dict[str, list[int]] = {
@@ -155,8 +144,8 @@ def rank_snapshot(job: Job, rank: int) -> bytes:
             strings.id(_stack(CALL_SITES["init_barrier"])), 3, 0, int(timing), thread_name,
         )  # fmt: skip
 
-    pgs = np.zeros(len(KINDS), dtype=PG_DTYPE)
-    for i, kind in enumerate(KINDS):
+    pgs = np.zeros(len(GROUP_ROWS), dtype=PG_DTYPE)
+    for i, kind in enumerate(GROUP_ROWS):
         name, desc = a.pg_tuple[kind]
         members = a.pg_members[kind]
         e, s, c = a.status.get(kind, (0, 0, 0))
@@ -170,7 +159,7 @@ def rank_snapshot(job: Job, rank: int) -> bytes:
         pgs[i] = (
             strings.id(name),
             strings.id(desc),
-            strings.id(compact_ranks(members)),
+            strings.id(format_ranks(members, strides=True)),
             len(members),
             e,
             s,
@@ -214,7 +203,7 @@ def rank_snapshot(job: Job, rank: int) -> bytes:
     header = _HEADER.pack(
         MAGIC, FORMAT_VERSION, HEADER_BYTES, SLOT_DTYPE.itemsize, capacity, PG_DTYPE.itemsize,
         PG_CAPACITY, pg_offset, slots_offset, strings_offset, strings_bytes, file_bytes,
-        T0_NS - 60_000_000_000, a.total, len(strings.buf), len(KINDS), len(strings.ids) - 1,
+        T0_NS - 60_000_000_000, a.total, len(strings.buf), len(GROUP_ROWS), len(strings.ids) - 1,
         heartbeat, int(stalled), 1, stall_record, heartbeat - 540_000_000_000 if stalled else 0,
         0, 0, 0, 0, 0, 0, len(identity), 60.0, 100, 0, 200_000 + rank,
     )  # fmt: skip

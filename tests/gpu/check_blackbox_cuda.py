@@ -31,8 +31,8 @@ def check_cuda_events(directory: str | Path) -> str:
     """Events around a matmul, watched natively: states in order and the GPU duration."""
     import torch
 
-    from frtools.recorder.blackbox import load_native
-    from frtools.recorder.snapshot import read_snapshot
+    from frtools.formats.blackbox import read_snapshot
+    from frtools.recorder.native import load_native
 
     assert torch.cuda.is_available(), "no CUDA device"
     native = load_native()

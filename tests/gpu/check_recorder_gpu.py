@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 def check_snapshot(path: str | os.PathLike[str], expect_ops: int) -> list[str]:
     """Problems found in one rank's black box after NCCL all-reduces (empty list: good)."""
-    from frtools.recorder.snapshot import STATE_NAMES, read_snapshot
+    from frtools.formats.blackbox import STATE_NAMES, read_snapshot
 
     snap = read_snapshot(path)
     problems = []

@@ -1,4 +1,4 @@
-"""Readers: every input file -> one canonical ``frtools.trace.Trace``.
+"""Readers: every input file -> one canonical ``frtools.model.trace.Trace``.
 
 ``load_trace(path)`` is the single entry point the analysis uses. One reader module per
 format (``FORMAT``, ``sniff(path, head)``, ``read(path) -> RankDump``), found through

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from frtools.trace import ProcessGroup, RankInfo
+from frtools.model.trace import ProcessGroup, RankInfo
 
 GZIP_MAGIC = b"\x1f\x8b"
 HEAD_BYTES = 4096

@@ -1,6 +1,6 @@
 """Reader for frtools black-box snapshots (``rank_<R>.frt``, docs/snapshot-format.md).
 
-Columnar end to end: the slot array is parsed by numpy in ``frtools.recorder.snapshot``,
+Columnar end to end: the slot array is parsed by numpy in ``frtools.formats.blackbox``,
 each distinct interned string is decoded once, and every string column is built as a
 dictionary ``take`` — thousands of snapshots read in seconds.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from frtools.recorder.snapshot import (
+from frtools.formats.blackbox import (
     MAGIC,
     SLOT_DTYPE,
     STRING_COLUMNS,
@@ -22,7 +22,8 @@ from frtools.recorder.snapshot import (
     SnapshotError,
     read_snapshot,
 )
-from frtools.trace import ENTRY_SCHEMA, ProcessGroup, RankInfo, is_user_frame, op_name
+from frtools.model.ops import op_name
+from frtools.model.trace import ENTRY_SCHEMA, ProcessGroup, RankInfo, is_user_frame
 
 from .base import DumpError, RankDump, rank_from_filename
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from frtools.trace import InputFile, ProcessGroup, Trace, concat_entries
+from frtools.model.trace import InputFile, ProcessGroup, Trace, concat_entries
 
 from .base import DumpError, RankDump, rank_from_filename, read_head
 from .registry import UNAVAILABLE, reader_for

@@ -20,7 +20,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from frtools.trace import InputFile, Trace
+from frtools.model.ranks import format_ranks
+from frtools.model.trace import InputFile, Trace
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_KIND = "frtools-dump-manifest"
@@ -128,9 +129,9 @@ def apply_manifest(trace: Trace, root: str | os.PathLike[str]) -> None:
         silent = data.get("ranks_no_answer") or []
         parts = [f"collected by `frtools dump` ({data.get('mode', '?')}) on {data.get('host')}"]
         if gone:
-            parts.append(f"process gone: ranks {_ranks_text(gone)}")
+            parts.append(f"process gone: ranks {format_ranks(gone)}")
         if silent:
-            parts.append(f"did not answer: ranks {_ranks_text(silent)}")
+            parts.append(f"did not answer: ranks {format_ranks(silent)}")
         _set_input(trace, path, "ok", "; ".join(parts), None)
 
 
@@ -138,7 +139,3 @@ def apply_side_files(trace: Trace, root: str | os.PathLike[str]) -> None:
     """Both of the above, in the order the loader should run them."""
     apply_manifest(trace, root)
     attach_stacks(trace, root)
-
-
-def _ranks_text(ranks: list) -> str:
-    return ", ".join(str(r) for r in ranks)

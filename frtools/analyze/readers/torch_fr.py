@@ -23,7 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from frtools.trace import (
+from frtools.model.ops import P2P_OPS
+from frtools.model.trace import (
     ENTRY_SCHEMA,
     ProcessGroup,
     RankInfo,
@@ -34,7 +35,6 @@ from frtools.trace import (
 
 from .base import DumpError, RankDump, rank_from_filename
 
-_P2P_OPS = {"send", "recv"}
 _DICT = pa.dictionary(pa.int32(), pa.string())
 _SEND = re.compile(r"^\s*(-?\d+)\s*->\s*(-?\d+)\s*$")
 _RECV = re.compile(r"^\s*(-?\d+)\s*<-\s*(-?\d+)\s*$")
@@ -532,7 +532,7 @@ def _columns(
 
     is_p2p = col("is_p2p")
     is_p2p = [
-        bool(v) if v is not None else (op in _P2P_OPS) for v, op in zip(is_p2p, ops, strict=True)
+        bool(v) if v is not None else (op in P2P_OPS) for v, op in zip(is_p2p, ops, strict=True)
     ]
 
     old_seq = bool(entries) and "seq_id" in entries[0] and "collective_seq_id" not in entries[0]
@@ -623,7 +623,7 @@ def _op_of(profiling_name: str) -> tuple[str, int | None]:
     """``nccl:send 0->1`` -> ``("send", 1)``; ``nccl:recv 1<-0`` -> ``("recv", 0)``."""
     name = profiling_name.split(":", 1)[1] if ":" in profiling_name else profiling_name
     op, _, meta = name.partition(" ")
-    if meta and op in _P2P_OPS:
+    if meta and op in P2P_OPS:
         m = (_SEND if op == "send" else _RECV).match(meta)
         if m:
             return op, int(m.group(2))
@@ -751,7 +751,7 @@ def _native_columns(
     pn_codes, pnames = _codes(native, "profiling_name")
     op_hits = [_op_of(pn) for pn in pnames]
     ops = [hit[0] for hit in op_hits]
-    p2p_op = np.array([op in _P2P_OPS for op in ops], dtype=bool)[pn_codes]
+    p2p_op = np.array([op in P2P_OPS for op in ops], dtype=bool)[pn_codes]
     flags = native.get("is_p2p")
     if flags is None:
         is_p2p = p2p_op

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from frtools.analyze.reporters.terminal import STACK_KINDS
-from frtools.analyze.verdict import Verdict, collapse_ranks
+from frtools.analyze.verdict import Verdict
+from frtools.model.ranks import format_ranks
 
 _ICON = {"healthy": "✅"}
 
@@ -20,13 +21,13 @@ def render(verdict: Verdict, verbose: bool = False) -> str:
     out.append(
         f"Confidence {verdict.confidence:.0%} · ranks found {verdict.ranks_found}"
         f"/{verdict.ranks_expected}"
-        + (f" · missing {collapse_ranks(verdict.ranks_missing)}" if verdict.ranks_missing else "")
+        + (f" · missing {format_ranks(verdict.ranks_missing)}" if verdict.ranks_missing else "")
     )
     out.append("")
     pg = verdict.process_group
     if pg is not None:
         where = f"Process group `{pg.name}`" + (f" ({_cell(pg.desc)})" if pg.desc else "")
-        where += f", ranks {collapse_ranks(list(pg.ranks))}"
+        where += f", ranks {format_ranks(list(pg.ranks))}"
         if verdict.op:
             where += f", op `{verdict.op}`"
         if verdict.collective_seq_id is not None:
@@ -46,12 +47,12 @@ def render(verdict: Verdict, verbose: bool = False) -> str:
             )
         out.append("")
     if verdict.waiting:
-        out += [f"Waiting ranks: {collapse_ranks(verdict.waiting)}", ""]
+        out += [f"Waiting ranks: {format_ranks(verdict.waiting)}", ""]
     if verdict.groups:
         out += ["| ranks | op | input sizes | dtypes | state |", "|---|---|---|---|---|"]
         for g in verdict.groups:
             out.append(
-                f"| {collapse_ranks(g.ranks)} | {_cell(g.op)} | {_cell(g.input_sizes)} "
+                f"| {format_ranks(g.ranks)} | {_cell(g.op)} | {_cell(g.input_sizes)} "
                 f"| {_cell(g.input_dtypes)} | {_cell(g.state)} |"
             )
         out.append("")

@@ -9,7 +9,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from frtools.analyze.verdict import Verdict, collapse_ranks
+from frtools.analyze.verdict import Verdict
+from frtools.model.ranks import format_ranks
 
 # verdicts where the guilty rank is somewhere in its own code: its stack says where
 STACK_KINDS = ("missing", "dead", "stuck")
@@ -52,7 +53,7 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
         where.append(pg.name, style="bold")
         if pg.desc:
             where.append(f" ({pg.desc})")
-        where.append(f" ranks {collapse_ranks(list(pg.ranks), 40)}")
+        where.append(f" ranks {format_ranks(list(pg.ranks), 40)}")
         if pg.inferred:
             where.append(" (membership inferred)", style="dim")
         if verdict.op:
@@ -64,7 +65,7 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
         parts.append(where)
     if verdict.waiting:
         w = Text("  waiting: ")
-        w.append(collapse_ranks(verdict.waiting, 85), style="yellow")
+        w.append(format_ranks(verdict.waiting, 85), style="yellow")
         parts.append(w)
 
     if verdict.groups:
@@ -90,7 +91,7 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
         parts.append(Text("Inputs", style="bold"))
         if verdict.ranks_missing:
             parts.append(
-                Text(f"  no usable record for rank(s) {collapse_ranks(verdict.ranks_missing, 60)}")
+                Text(f"  no usable record for rank(s) {format_ranks(verdict.ranks_missing, 60)}")
             )
         shown = bad if verbose else bad[:8]
         for i in shown:
@@ -119,7 +120,7 @@ def _groups_table(verdict: Verdict, verbose: bool) -> Table:
         ranks = set(g.ranks)
         style = "red" if ranks & guilty else ("yellow" if ranks <= waiting else "")
         row = [
-            Text(collapse_ranks(g.ranks, 24), style=style),
+            Text(format_ranks(g.ranks, 24), style=style),
             g.op or "-",
             g.input_sizes or "-",
             g.input_dtypes or "-",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from frtools.dump.manifest import Manifest, RankEntry
+from frtools.formats.manifest import Manifest, RankEntry
 
 DEFAULT_DIR = "/dev/shm/frtools"
 _RANK_FILE = re.compile(r"^rank_(\d+)\.frt$")
@@ -78,7 +78,7 @@ def collect_job(
     job_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], timeout: float = 5.0
 ) -> Manifest:
     """Collect one job's rank files and stacks from ``job_dir`` into ``out_dir``."""
-    from frtools.recorder.snapshot import (
+    from frtools.formats.blackbox import (
         SnapshotError,
         copy_consistent,
         dump_acknowledged,

@@ -11,7 +11,7 @@ Every rank runs a few steps of "forward, all-reduce the gradients"; at ``--hang-
 
 When a rank reaches its final position it touches ``<marker-dir>/rank_<R>.ready`` so a
 caller knows the hang is in place without guessing with sleeps. Run as
-``python -m frtools.demo_job`` with the usual RANK / WORLD_SIZE / MASTER_* variables.
+``python -m frtools.commands.demo_job`` with the usual RANK / WORLD_SIZE / MASTER_* variables.
 """
 
 from __future__ import annotations

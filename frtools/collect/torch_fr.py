@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from frtools.dump.manifest import Manifest, RankEntry
+from frtools.formats.manifest import Manifest, RankEntry
 
 # Handlers tried in order for the trace: the NCCL pickle is richer where it exists.
 _TRACE_HANDLERS = (
@@ -168,7 +168,7 @@ def collect_debug_servers(
 ) -> Manifest:
     """Ask every rank's ``torch.distributed.debug`` worker server, found through the job's
     TCPStore (``<prefix>rank<R>`` → ``http://host:port``), for its trace and stacks."""
-    from frtools.dump.jobwide import connect_store
+    from frtools.collect.jobwide import connect_store
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from frtools.recorder.snapshot import STATE_NAMES, Snapshot, SnapshotError, read_snapshot
+from frtools.formats.blackbox import STATE_NAMES, Snapshot, SnapshotError, read_snapshot
 
 TORCH_FR_VERSION = "2.10"
 

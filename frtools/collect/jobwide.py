@@ -15,8 +15,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from frtools.dump import protocol
-from frtools.dump.manifest import Manifest, RankEntry
+from frtools.formats import store_protocol as protocol
+from frtools.formats.manifest import Manifest, RankEntry
 
 
 class StoreUnavailable(Exception):

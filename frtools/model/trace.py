@@ -88,13 +88,6 @@ _LIBRARY_MARKERS = (
 )
 
 
-def op_name(profiling_name: str | None) -> str:
-    """Backend-neutral op name: ``nccl:all_reduce`` -> ``all_reduce``."""
-    if not profiling_name:
-        return ""
-    return profiling_name.split(":", 1)[1] if ":" in profiling_name else profiling_name
-
-
 def sizes_key(sizes: Any) -> str:
     """Canonical string for a list of shapes (``[[4, 2], [3]]``); ``""`` when unknown."""
     if sizes is None:

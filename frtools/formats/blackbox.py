@@ -17,7 +17,6 @@ because the analyzer reads thousands of these files.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import mmap
 import os
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from frtools.model.ranks import RankTextError, parse_ranks
 
 __all__ = [
     "FORMAT_VERSION",
@@ -38,7 +39,6 @@ __all__ = [
     "SnapshotError",
     "SnapshotGroup",
     "copy_consistent",
-    "parse_ranks",
     "dump_acknowledged",
     "read_header",
     "read_snapshot",
@@ -262,27 +262,6 @@ def _decode_string(blob: bytes, sid: int) -> str:
     return blob[sid + 4 : end].decode("utf-8", errors="replace")
 
 
-@functools.lru_cache(maxsize=4096)
-def parse_ranks(text: str) -> tuple[int, ...]:
-    """Member ranks from their compact text (``"0-3,8,16-30:2"``), sorted; ``()`` when
-    unreadable. Cached: thousands of files repeat the same groups."""
-    ranks: set[int] = set()
-    try:
-        for term in text.split(","):
-            term = term.strip()
-            if not term:
-                continue
-            span, _, step = term.partition(":")
-            first, dash, last = span.partition("-")
-            if dash:
-                ranks.update(range(int(first), int(last) + 1, int(step) if step else 1))
-            else:
-                ranks.add(int(first))
-    except ValueError:
-        return ()
-    return tuple(sorted(ranks))
-
-
 def _parse_header(buf: bytes | memoryview, size: int) -> dict[str, Any]:
     if size < _HEADER.size or bytes(buf[:8]) != MAGIC:
         if size >= 8 and bytes(buf[:6]) == MAGIC[:6]:
@@ -387,7 +366,10 @@ def _parse(buf: bytes | memoryview, size: int, path: str | None) -> Snapshot:
     groups = []
     for i, row in enumerate(pg_rows.tolist()):
         name_id, desc_id, ranks_id, _size, lec, lsc, lcc, lep, lcp = row
-        ranks = parse_ranks(_decode_string(strings_blob, ranks_id))
+        try:
+            ranks = parse_ranks(_decode_string(strings_blob, ranks_id))
+        except RankTextError:
+            ranks = ()
         groups.append(
             SnapshotGroup(
                 index=i,
