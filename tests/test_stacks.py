@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from frtools.analyze.readers.side_files import apply_manifest, attach_stacks
+from frtools.analyze.reporters.stacks_text import stack_lines
 from frtools.analyze.stacks import (
     group_stacks,
     last_dump,
@@ -149,7 +150,7 @@ def test_side_files_attach_stacks_and_apply_the_manifest(tmp_path):
     summary = stacks_summary(trace, [2])
     assert summary.guilty[0].user_frames[0].name == "compute_forever"
     assert [g.ranks for g in summary.groups] == [[0, 1, 3], [2]]
-    text = "\n".join(summary.lines())
+    text = "\n".join(stack_lines(summary))
     assert "rank 2 main thread:\n  /job/train.py:46 in compute_forever" in text
     assert "1 rank(s) 2            /job/train.py:46 in compute_forever  <- outlier" in text
     assert "3 rank(s) 0-1,3" in text

@@ -18,7 +18,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from frtools.model.ranks import format_ranks
 from frtools.model.trace import Trace, is_user_frame
 
 _THREAD_RE = re.compile(
@@ -272,25 +271,6 @@ class StacksSummary:
     guilty: list[RankStack]
     groups: list[StackGroup]
     ranks_with_stacks: int
-
-    def lines(self, max_frames: int = 8) -> list[str]:
-        """Plain text for a report: each guilty rank's main-thread stack (the user's frames
-        first, then at most a few library frames), then one line per stack group."""
-        out: list[str] = []
-        for stack in self.guilty:
-            title = f"rank {stack.rank} main thread"
-            out.append(f"{title} ({stack.fatal}):" if stack.fatal else f"{title}:")
-            ordered = user_frames_first(stack.frames)
-            for frame in ordered[:max_frames]:
-                out.append(f"  {frame}" if frame.user else f"  ({frame})")
-            if len(ordered) > max_frames:
-                out.append(f"  ... {len(ordered) - max_frames} more frame(s)")
-        if len(self.groups) > 1 or (self.groups and self.guilty):
-            out.append(f"stacks of {self.ranks_with_stacks} rank(s), grouped:")
-            for g in self.groups:
-                mark = "  <- outlier" if g.outlier else ""
-                out.append(f"  {g.count:>4} rank(s) {format_ranks(g.ranks):<12} {g.top}{mark}")
-        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {

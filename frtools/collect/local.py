@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from frtools.formats.manifest import Manifest, RankEntry
+from frtools.formats.manifest import Manifest, RankEntry, stacks_path
 
 DEFAULT_DIR = "/dev/shm/frtools"
 _RANK_FILE = re.compile(r"^rank_(\d+)\.frt$")
@@ -70,10 +70,6 @@ class _RankFile:
     stacks_offset: int = 0
 
 
-def _stacks_path(path: Path) -> Path:
-    return path.with_suffix(".stacks")
-
-
 def collect_job(
     job_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], timeout: float = 5.0
 ) -> Manifest:
@@ -120,7 +116,7 @@ def collect_job(
         if not entry.alive:
             entry.note = f"process {entry.pid} is gone; its black box is collected as it was left"
             continue
-        stacks = _stacks_path(rf.path)
+        stacks = stacks_path(rf.path)
         rf.stacks_offset = stacks.stat().st_size if stacks.exists() else 0
         try:
             rf.seq = request_dump(rf.path)
@@ -174,7 +170,7 @@ def collect_job(
                 pass
             if not entry.error:
                 entry.error = f"{rf.path}: not copied consistently: {exc}"
-        stacks = _stacks_path(rf.path)
+        stacks = stacks_path(rf.path)
         if stacks.exists():
             text = _read_from(stacks, rf.stacks_offset if entry.answered else 0)
             if entry.answered and not text.strip():

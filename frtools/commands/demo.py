@@ -221,6 +221,7 @@ def _analyze(console: Console, out: Path) -> int:
     from frtools.analyze.diagnose import diagnose
     from frtools.analyze.readers import UnusableInput, load_trace
     from frtools.analyze.reporters import terminal
+    from frtools.analyze.reporters.stacks_text import stack_lines
     from frtools.analyze.stacks import stacks_summary
 
     try:
@@ -235,6 +236,6 @@ def _analyze(console: Console, out: Path) -> int:
     shown = summary.guilty and str(summary.guilty[0].frames[0]) in text
     if summary.guilty and not shown:
         console.print("[bold]Python stacks[/bold] (from rank_<R>.stacks)")
-        for line in summary.lines():
+        for line in stack_lines(summary):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
     return verdict.exit_code

@@ -1,4 +1,5 @@
-"""``manifest.json``: what a collection found, who answered, who was gone.
+"""A dump folder's files: the rank files' names, their side files, and ``manifest.json``
+(what a collection found, who answered, who was gone).
 
 The analyzer cannot tell from a rank file alone whether its process was alive when it was
 collected, or whether a rank without a file never existed or simply did not answer; the
@@ -18,6 +19,20 @@ from typing import Any
 from frtools import __version__
 
 MANIFEST_NAME = "manifest.json"
+BOX_SUFFIX = ".frt"  # a rank's black box: ``rank_<R>.frt``
+STACKS_SUFFIX = ".stacks"  # every thread's Python stacks beside it: ``rank_<R>.stacks``
+
+
+def rank_file_name(rank: int, suffix: str = BOX_SUFFIX) -> str:
+    """``rank_<R><suffix>``: the name of a rank's file in a recorder or dump folder."""
+    return f"rank_{int(rank)}{suffix}"
+
+
+def stacks_path(box_path: str | os.PathLike[str]) -> Path:
+    """The stacks file that belongs to a rank file (``rank_3.frt`` -> ``rank_3.stacks``)."""
+    return Path(box_path).with_suffix(STACKS_SUFFIX)
+
+
 MANIFEST_KIND = "frtools-dump-manifest"
 MANIFEST_VERSION = 1
 

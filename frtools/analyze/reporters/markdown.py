@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from frtools.analyze.reporters.stacks_text import stack_lines
 from frtools.analyze.reporters.terminal import STACK_KINDS
 from frtools.analyze.verdict import Verdict
 from frtools.model.ranks import format_ranks
@@ -57,7 +58,7 @@ def render(verdict: Verdict, verbose: bool = False) -> str:
             )
         out.append("")
     if verdict.stacks is not None and (verdict.kind in STACK_KINDS or verbose):
-        lines = verdict.stacks.lines(max_frames=12 if verbose else 6)
+        lines = stack_lines(verdict.stacks, max_frames=12 if verbose else 6)
         if lines:
             out += ["### Stacks", "", "```", *lines, "```", ""]
     if verbose and verdict.evidence:

@@ -9,6 +9,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from frtools.analyze.reporters.stacks_text import stack_lines
 from frtools.analyze.verdict import Verdict
 from frtools.model.ranks import format_ranks
 
@@ -72,7 +73,7 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
         parts.append(_groups_table(verdict, verbose))
 
     if verdict.stacks is not None and (verdict.kind in STACK_KINDS or verbose):
-        lines = verdict.stacks.lines(max_frames=12 if verbose else 6)
+        lines = stack_lines(verdict.stacks, max_frames=12 if verbose else 6)
         if lines:
             parts.append(Text("Stacks", style="bold"))
             for line in lines:
