@@ -6,40 +6,17 @@ one line on stderr; ``FRTOOLS_DEBUG=1`` adds the traceback of an internal error.
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from pathlib import Path
-from typing import Any
 
 import click
+
+from frtools.commands._common import OneLineCommand, fail, first_line, run_guarded, write_text
 
 FORMATS = ("terminal", "json", "markdown")
 
 
-class OneLineError(click.ClickException):
-    """A usage or input error shown as a single line (no usage block)."""
-
-    exit_code = 2
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"frtools analyze: error: {self.format_message()}", err=True)
-
-
-class _AnalyzeCommand(click.Command):
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as e:
-            raise OneLineError(e.format_message()) from None
-
-
-def _fail(message: str) -> None:
-    click.echo(f"frtools: {message}", err=True)
-    sys.exit(2)
-
-
-@click.command("analyze", cls=_AnalyzeCommand)
+@click.command("analyze", cls=OneLineCommand)
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option(
     "--format",
@@ -81,22 +58,7 @@ def analyze(
 
     Exit code 0: healthy; 1: a problem was found; 2: unusable input or usage error.
     """
-    try:
-        code = _run(path, fmt, output, verbose, workers, world_size)
-    except SystemExit:
-        raise
-    except BrokenPipeError:  # `frtools analyze DIR | head`: the reader left, not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
-    except KeyboardInterrupt:
-        _fail("interrupted")
-    except Exception as e:  # noqa: BLE001 - the user gets one line, never a traceback
-        if os.environ.get("FRTOOLS_DEBUG") == "1":
-            traceback.print_exc()
-        text = str(e).splitlines()[0] if str(e) else ""
-        _fail(f"internal error: {type(e).__name__}: {text}")
-        return
-    sys.exit(code)
+    run_guarded("frtools", lambda: _run(path, fmt, output, verbose, workers, world_size))
 
 
 def _run(
@@ -123,8 +85,7 @@ def _run(
             meanwhile=import_diagnosis,
         )
     except UnusableInput as e:
-        _fail(f"error: {str(e).splitlines()[0] if str(e) else 'unusable input'}")
-        return 2
+        fail("frtools", f"error: {first_line(e, 'unusable input')}")
     from frtools.analyze.diagnose import diagnose
 
     verdict = diagnose(trace)
@@ -149,11 +110,5 @@ def _run(
             return verdict.exit_code
         text = terminal.render(verdict, verbose=verbose)
 
-    if output is None:
-        click.echo(text, nl=not text.endswith("\n"))
-    else:
-        try:
-            output.write_text(text, encoding="utf-8")
-        except OSError as e:
-            _fail(f"error: cannot write {output}: {e.strerror or e}")
+    write_text("frtools", text, output)
     return verdict.exit_code
