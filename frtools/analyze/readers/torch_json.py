@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from .base import DumpError, RankDump, read_bytes
-from .torch_fr import normalize
+from .torch_fr import rank_dump
 
 FORMAT = "torch-json"
 
@@ -35,4 +35,4 @@ def read(path: Path) -> RankDump:
         raise DumpError(f"invalid JSON: {e}") from None
     except ValueError as e:
         raise DumpError(f"invalid JSON: {e}") from None
-    return normalize(dump, path, FORMAT)
+    return rank_dump(dump, path, FORMAT)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .base import DumpError, RankDump, read_bytes
 from .safe_pickle import RefusedPickle, loads_data
-from .torch_fr import normalize, normalize_native
+from .torch_fr import native_rank_dump, rank_dump
 
 try:
     from . import _frpickle
@@ -62,7 +62,7 @@ def read_native(data: bytes, path: Path) -> RankDump | None:
     if parsed is None:
         return None
     top, columns = parsed
-    return normalize_native(top, columns, path, FORMAT)
+    return native_rank_dump(top, columns, path, FORMAT)
 
 
 def read_python(data: bytes, path: Path) -> RankDump:
@@ -98,4 +98,4 @@ def read_python(data: bytes, path: Path) -> RankDump:
     finally:
         if gc_was_enabled:
             gc.enable()
-    return normalize(dump, path, FORMAT)
+    return rank_dump(dump, path, FORMAT)

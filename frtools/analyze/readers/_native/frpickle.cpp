@@ -501,7 +501,7 @@ enum Key {
   NKEYS
 };
 
-// the entry keys the reader uses, any version (torch_fr._ENTRY_KEYS)
+// the entry keys the reader uses, any version (frtools.formats.torch_fr.READ_KEYS)
 const char* const kKeyNames[NKEYS] = {
     "record_id",      "pg_id",         "process_group",
     "collective_seq_id", "p2p_seq_id", "seq_id",

@@ -1,0 +1,1050 @@
+"""PyTorch Flight Recorder dumps: the one owner of their keys, versions and meaning.
+
+A dump is a dict PyTorch pickles (``_dump_fr_trace``, ``_dump_nccl_trace``) or writes as
+JSON (``_dump_fr_trace_json``): ``version``, ``pg_config``, ``pg_status``,
+``comm_lib_version`` and ``entries``, one dict per recorded op. Which keys exist depends on
+the version (``ENTRY_KEY_HISTORY``, ``TOP_LEVEL_KEY_HISTORY``; docs/dump-formats.md).
+
+* Reading: ``normalize`` turns a parsed dump (plain dicts and lists, any version 1.x …
+  2.x) into a ``TorchDump``: the Trace's entry columns (one Arrow table) and what the top
+  level says. ``normalize_native`` does the same from the native pickle parser's columns
+  (``frtools/analyze/readers/_native/frpickle.cpp``), with numpy over the few distinct
+  values instead of a loop over every entry; both apply the rules below. Every lookup
+  takes the newest key first and falls back to older ones, so one code path reads all
+  versions.
+* Writing (``frtools synth``, ``frtools convert``): ``ENTRY_KEYS`` in PyTorch's order,
+  ``pg_config_entry``, ``pg_status_entry``, ``p2p_profiling_name``, ``dump_dict`` and
+  ``pickle_dump`` write what torch 2.13 writes (version ``WRITE_VERSION``).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import pickle
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from frtools.model.ops import P2P_OPS
+from frtools.model.ranks import MAX_WORLD_SIZE
+from frtools.model.trace import (
+    ENTRY_SCHEMA,
+    ProcessGroup,
+    call_site,
+    format_frame,
+    sizes_key,
+)
+
+# PyTorch's default dump file name (``TORCH_FR_DUMP_TEMP_FILE`` /
+# ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, under /tmp) without the rank; ``torchfrtrace`` reads a
+# common prefix followed by the rank
+DUMP_FILE_PREFIX = "nccl_trace_rank_"
+WRITE_VERSION = "2.10"  # what frtools writes: torch 2.13's FlightRecorder::dump
+PICKLE_PROTOCOL = 2  # TorchScript's pickler, which writes PyTorch's dumps
+
+# --- keys, by version ----------------------------------------------------------------------
+#
+# (version, keys added, keys removed), oldest first. "Minor when adding fields, major when
+# changing existing fields" (PyTorch's rule); docs/dump-formats.md says where each row was
+# verified. ``duration_ms`` is written only once a duration was measured; ``nccl_comm_state``
+# (1.4 on, only when NCCL gave one) is not listed: no reader uses it.
+
+ENTRY_KEY_HISTORY: tuple[tuple[tuple[int, int], tuple[str, ...], tuple[str, ...]], ...] = (
+    (
+        (1, 0),
+        (
+            "pg_id",
+            "seq_id",
+            "profiling_name",
+            "time_created_ns",
+            "duration_ms",
+            "input_sizes",
+            "output_sizes",
+            "state",
+            "time_discovered_started_ns",
+            "time_discovered_completed_ns",
+            "retired",
+            "frames",
+        ),
+        (),
+    ),
+    ((1, 4), ("record_id", "op_id"), ()),
+    # one counter per group becomes two; the group's (name, desc) and dtypes appear
+    (
+        (2, 0),
+        (
+            "process_group",
+            "collective_seq_id",
+            "p2p_seq_id",
+            "is_p2p",
+            "input_dtypes",
+            "output_dtypes",
+        ),
+        ("seq_id",),
+    ),
+    ((2, 2), ("timeout_ms",), ()),
+    ((2, 10), ("thread_id", "thread_name"), ()),
+)
+TOP_LEVEL_KEY_HISTORY: tuple[tuple[tuple[int, int], tuple[str, ...], tuple[str, ...]], ...] = (
+    ((1, 0), ("version", "entries"), ()),
+    # 1.4: {pg_id: [global ranks]}; 2.0 on: {name: {"name", "desc", "ranks": "[0, 1]"}}
+    ((1, 4), ("pg_config",), ()),
+    ((2, 3), ("pg_status",), ()),
+    ((2, 7), ("nccl_version",), ()),
+    ((2, 10), ("comm_lib_version",), ("nccl_version",)),
+)
+
+# the order PyTorch writes the keys in (torch 2.13; older keys where they stood)
+_ENTRY_ORDER = (
+    "frames",
+    "record_id",
+    "pg_id",
+    "process_group",
+    "thread_name",
+    "thread_id",
+    "seq_id",
+    "collective_seq_id",
+    "p2p_seq_id",
+    "op_id",
+    "profiling_name",
+    "time_created_ns",
+    "duration_ms",
+    "input_sizes",
+    "input_dtypes",
+    "output_sizes",
+    "output_dtypes",
+    "state",
+    "time_discovered_started_ns",
+    "time_discovered_completed_ns",
+    "retired",
+    "timeout_ms",
+    "is_p2p",
+)
+_TOP_LEVEL_ORDER = (
+    "version",
+    "pg_config",
+    "nccl_version",
+    "comm_lib_version",
+    "pg_status",
+    "entries",
+)
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """``"2.10"`` -> ``(2, 10)``; an unversioned (or unreadable) dump is ``(1, 0)``."""
+    major, _, minor = str(version).partition(".")
+    try:
+        return int(major), int(minor or 0)
+    except ValueError:
+        return (1, 0)
+
+
+def _keys_at(
+    history: tuple[tuple[tuple[int, int], tuple[str, ...], tuple[str, ...]], ...],
+    order: tuple[str, ...],
+    version: str,
+) -> tuple[str, ...]:
+    at = version_tuple(version)
+    keys: set[str] = set()
+    for since, added, removed in history:
+        if since <= at:
+            keys = (keys | set(added)) - set(removed)
+    return tuple(k for k in order if k in keys)
+
+
+def entry_keys(version: str) -> tuple[str, ...]:
+    """The keys an entry of dump ``version`` has, in PyTorch's order."""
+    return _keys_at(ENTRY_KEY_HISTORY, _ENTRY_ORDER, version)
+
+
+def top_level_keys(version: str) -> tuple[str, ...]:
+    """The top-level keys of a dump of ``version``, in PyTorch's order."""
+    return _keys_at(TOP_LEVEL_KEY_HISTORY, _TOP_LEVEL_ORDER, version)
+
+
+ENTRY_KEYS = entry_keys(WRITE_VERSION)
+# every entry key the readers use, any version (the native parser has the same list)
+READ_KEYS = tuple(
+    k for k in _ENTRY_ORDER if k != "op_id" and any(k in a for _, a, _ in ENTRY_KEY_HISTORY)
+)
+STATUS_KEYS = ("last_enqueued_collective", "last_started_collective", "last_completed_collective")
+
+# --- values that have a format of their own ----------------------------------------------
+
+_SEND = re.compile(r"^\s*(-?\d+)\s*->\s*(-?\d+)\s*$")
+_RECV = re.compile(r"^\s*(-?\d+)\s*<-\s*(-?\d+)\s*$")
+
+
+def p2p_profiling_name(name: str, me: int, peer: int) -> str:
+    """PyTorch spells P2P ops with group-local ranks: ``nccl:send 0->1``, ``nccl:recv 1<-0``
+    (``name`` is the op as ``backend:op``; other ops are left as they are)."""
+    op = name.rpartition(":")[2]
+    if op == "send":
+        return f"{name} {me}->{peer}"
+    if op == "recv":
+        return f"{name} {me}<-{peer}"
+    return name
+
+
+def parse_profiling_name(profiling_name: str) -> tuple[str, int | None]:
+    """``nccl:send 0->1`` -> ``("send", 1)``; ``nccl:recv 1<-0`` -> ``("recv", 0)``: the op and
+    the group-local peer."""
+    name = profiling_name.split(":", 1)[1] if ":" in profiling_name else profiling_name
+    op, _, meta = name.partition(" ")
+    if meta and op in P2P_OPS:
+        m = (_SEND if op == "send" else _RECV).match(meta)
+        if m:
+            return op, int(m.group(2))
+    return op, None
+
+
+def member_list_text(ranks: Iterable[int]) -> str:
+    """``pg_config``'s ``ranks`` value: the global ranks as ``str(list)``, ``"[0, 1, 2]"``."""
+    return "[" + ", ".join(map(str, ranks)) + "]"
+
+
+# longest member-list text of MAX_WORLD_SIZE ranks ("1048575, " per rank)
+_MAX_MEMBER_TEXT = MAX_WORLD_SIZE * (len(str(MAX_WORLD_SIZE)) + 2) + 2
+
+
+def parse_member_list(value: Any) -> tuple[int, ...] | str | None:
+    """A group's members as ``pg_config`` gives them: ``"[0, 1, 2]"`` (2.0 on) or a list
+    (1.4) -> ``(0, 1, 2)``; ``"all"`` stays ``"all"``; anything else -> ``None``.
+
+    Parsed as JSON or a Python literal, never evaluated; a list of more than
+    ``MAX_WORLD_SIZE`` ranks, or a rank outside ``0 … MAX_WORLD_SIZE-1``, is refused
+    (``None``) before it is built.
+    """
+    if isinstance(value, str):
+        # every rank's dump repeats the same member lists (1,024 ranks each for the
+        # default group of a 1,024-rank job): parse each distinct text once
+        return _parse_member_text(value)
+    return _parse_members(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_member_text(value: str) -> tuple[int, ...] | str | None:
+    if len(value) > _MAX_MEMBER_TEXT:
+        return None
+    return _parse_members(value)
+
+
+def _parse_members(value: Any) -> tuple[int, ...] | str | None:
+    if isinstance(value, (list, tuple)):
+        seq = value
+    elif isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "all":
+            return "all"
+        try:
+            seq = json.loads(text)
+        except ValueError:
+            try:
+                seq = ast.literal_eval(text)
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                return None
+    else:
+        return None
+    if not isinstance(seq, (list, tuple)) or len(seq) > MAX_WORLD_SIZE:
+        return None
+    try:
+        ranks = tuple(sorted({int(r) for r in seq}))
+    except (TypeError, ValueError):
+        return None
+    if ranks and (ranks[0] < 0 or ranks[-1] >= MAX_WORLD_SIZE):
+        return None
+    return ranks
+
+
+# --- writing -------------------------------------------------------------------------------
+
+
+def pg_config_entry(name: str, desc: str, ranks_text: str) -> dict[str, str]:
+    """One group of ``pg_config`` (2.0 on); ``ranks_text`` from ``member_list_text``."""
+    return {"name": name, "desc": desc, "ranks": ranks_text}
+
+
+def pg_status_entry(enqueued: int, started: int, completed: int) -> dict[str, int]:
+    """One group of ``pg_status``: its last enqueued / started / completed collective."""
+    return dict(zip(STATUS_KEYS, (enqueued, started, completed), strict=True))
+
+
+def dump_dict(
+    pg_config: dict[str, Any],
+    pg_status: dict[str, Any],
+    entries: list[dict[str, Any]],
+    comm_lib_version: str = "",
+) -> dict[str, Any]:
+    """A whole dump of version ``WRITE_VERSION``, top-level keys in PyTorch's order. Entries
+    have ``ENTRY_KEYS`` in that order, ``duration_ms`` only where one was measured."""
+    return {
+        "version": WRITE_VERSION,
+        "pg_config": pg_config,
+        "comm_lib_version": comm_lib_version,
+        "pg_status": pg_status,
+        "entries": entries,
+    }
+
+
+def pickle_dump(dump: dict[str, Any]) -> bytes:
+    """The bytes of a dump file, pickled as PyTorch pickles it."""
+    return pickle.dumps(dump, protocol=PICKLE_PROTOCOL)
+
+
+# --- reading -------------------------------------------------------------------------------
+
+_DICT = pa.dictionary(pa.int32(), pa.string())
+
+
+class TorchDumpError(ValueError):
+    """Not a usable Flight Recorder dump; the message is a one-line reason."""
+
+
+@dataclass
+class TorchDump:
+    """One rank's dump, normalized: the Trace's entry columns (``ENTRY_SCHEMA``) and what
+    the top level says. ``process_groups`` holds what this dump knows of each group
+    (``ranks=()`` where it does not know the members); ``unmapped_peer_groups`` names groups
+    whose P2P ``peer`` values are still group-local, for lack of their members."""
+
+    rank: int
+    host: str | None
+    version: str
+    pid: int | None
+    comm_lib_version: str | None
+    pg_status: dict[str, dict[str, int]]
+    process_groups: dict[str, ProcessGroup]
+    default_pg_all: bool  # the default group's members were written as "all ranks"
+    entries: pa.Table
+    unmapped_peer_groups: set[str] = field(default_factory=set)
+    bad_entries: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _as_int(v: Any) -> int | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _sizes(v: Any) -> str:
+    if v is None:
+        return ""
+    try:
+        return sizes_key(v)
+    except (TypeError, ValueError):
+        return ""
+
+
+_CANONICAL_SIZES = re.compile(r"^\[(\[(-?\d+(,-?\d+)*)?\](,\[(-?\d+(,-?\d+)*)?\])*)?\]$")
+
+
+def _sizes_column(values: list[Any]) -> list[str]:
+    """``str()`` of a list of int lists without spaces equals ``trace.sizes_key`` and is
+    several times faster; the few distinct results are checked, odd ones recomputed.
+    Values the pickle shared (one object, many entries) are converted once, by ``id``:
+    the objects stay alive for the whole call."""
+    by_id: dict[int, str] = {}
+    out = []
+    for v in values:
+        t = by_id.get(id(v))
+        if t is None:
+            t = str(v).replace(" ", "") if v.__class__ is list else _sizes(v)
+            by_id[id(v)] = t
+        out.append(t)
+    bad = {t for t in set(out) if t and not _CANONICAL_SIZES.match(t)}
+    if bad:
+        out = [_sizes(v) if t in bad else t for t, v in zip(out, values, strict=True)]
+    return out
+
+
+def _dtypes_column(values: list[Any]) -> list[str]:
+    try:
+        return [",".join(v) if v.__class__ is list else _dtypes(v) for v in values]
+    except TypeError:
+        return [_dtypes(v) for v in values]
+
+
+def _dtypes(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, (list, tuple)):
+        return ""
+    return ",".join(str(d) for d in v)
+
+
+def _pg_status(raw: Any, pg_id_to_name: Mapping[str, str]) -> tuple[dict[str, dict[str, int]], str]:
+    """pg_status is keyed by the group's *uid* (``pg_id``), not its name; values are ints
+    (pickle), strings (JSON) or, in a few builds, a bare int (the last enqueued seq)."""
+    out: dict[str, dict[str, int]] = {}
+    note = ""
+    if not isinstance(raw, Mapping):
+        return out, ("pg_status not a mapping; ignored" if raw is not None else "")
+    named = set(pg_id_to_name.values())
+    for key, status in raw.items():
+        # A uid with no entry left in the buffer cannot be named in general (uids and names
+        # are both small integers, so str(uid) would silently hit another group). Except
+        # uid 0: the default group is every process's first group, uid 0 and name "0"
+        # (NCCL and Gloo alike) — and its status is what tells where a rank stopped.
+        name = pg_id_to_name.get(str(key))
+        if name is None:
+            name = "0" if str(key) == "0" and "0" not in named else f"pg_id:{key}"
+        counters: dict[str, int] = {}
+        if isinstance(status, Mapping):
+            for k in STATUS_KEYS:
+                n = _as_int(status.get(k))
+                if n is not None and n >= 0:
+                    counters[k] = n
+        else:
+            n = _as_int(status)
+            if n is not None and n >= 0:
+                counters["last_enqueued_collective"] = n
+            else:
+                note = "some pg_status values unreadable; ignored"
+        out[name] = counters
+    return out, note
+
+
+_FRAME_KEY = itemgetter("filename", "line", "name")
+# (filename, line, name) per frame -> (call site, stack text), process-wide
+_STACK_TEXTS: dict[tuple, tuple[str | None, str]] = {}
+_STACK_TEXTS_MAX = 100_000
+
+
+class _Stacks:
+    """Distinct stacks of one file, interned: a job repeats a few dozen call paths."""
+
+    def __init__(self) -> None:
+        self.index: dict[tuple, int] = {}
+        self.by_id: dict[int, int] = {}
+        self.sites: list[str | None] = []
+        self.texts: list[str] = []
+
+    def intern(self, frames: Any) -> int | None:
+        if not frames or frames.__class__ is not list:
+            return None
+        # a list the pickle shared between entries: same object, same stack (the caller
+        # keeps every frames list alive while interning, so an id is not reused)
+        i = self.by_id.get(id(frames))
+        if i is not None:
+            return i
+        i = self._intern(frames)
+        if i is not None:
+            self.by_id[id(frames)] = i
+        return i
+
+    def _intern(self, frames: list) -> int | None:
+        try:
+            key = tuple(map(_FRAME_KEY, frames))
+        except (KeyError, TypeError):
+            try:
+                key = tuple((f.get("filename"), f.get("line"), f.get("name")) for f in frames)
+            except AttributeError:
+                return None
+        try:
+            i = self.index.get(key)
+        except TypeError:  # a frame field that is a list or dict: no stack to show
+            return None
+        if i is None:
+            i = len(self.texts)
+            self.index[key] = i
+            # frames of plain str / int fields are their key: their texts are shared by
+            # every file of the job (a 1,024-rank job has a few dozen distinct stacks)
+            plain = all(
+                f.__class__ is str and n.__class__ is int and m.__class__ is str for f, n, m in key
+            )
+            texts = _STACK_TEXTS.get(key) if plain else None
+            if texts is None:
+                texts = (call_site(frames), "\n".join(format_frame(f) for f in frames))
+                if plain:
+                    if len(_STACK_TEXTS) >= _STACK_TEXTS_MAX:
+                        _STACK_TEXTS.clear()
+                    _STACK_TEXTS[key] = texts
+            self.sites.append(texts[0])
+            self.texts.append(texts[1])
+        return i
+
+
+@dataclass
+class _TopLevel:
+    """What a dump's top level says (everything but the entries' columns)."""
+
+    dump: Mapping[str, Any]
+    rank: int
+    host: str | None
+    version: str
+    groups: dict[str, ProcessGroup]
+    default_pg_all: bool
+    notes: list[str]
+
+
+def normalize(dump: Any, name_rank: int | None = None, name_host: str | None = None) -> TorchDump:
+    """One parsed dump -> ``TorchDump``; ``TorchDumpError`` when it is not one.
+
+    ``name_rank`` / ``name_host``: what the file's name says, used where the dump has no
+    ``rank`` / ``host`` of its own (PyTorch's never have a rank)."""
+    if not isinstance(dump, Mapping):
+        raise TorchDumpError(
+            f"not a Flight Recorder dump: top level is {type(dump).__name__}, not a dict"
+        )
+    notes: list[str] = []
+    if "entries" in dump:
+        raw_entries = dump["entries"]
+    elif "version" in dump and ("pg_status" in dump or "pg_config" in dump):
+        # dumped with includeCollectives=False: no ops, but pg_status still says where
+        # each group stopped
+        raw_entries = []
+        notes.append("dump without entries (includeCollectives=False); group status only")
+    else:
+        keys = ", ".join(sorted(map(str, dump))[:6])
+        raise TorchDumpError(
+            f"not a Flight Recorder dump: no 'entries' key (keys: {keys or 'none'})"
+        )
+    if not isinstance(raw_entries, list):
+        raise TorchDumpError(f"'entries' is {type(raw_entries).__name__}, not a list")
+    top = _top_level(dump, name_rank, name_host, notes)
+    cols, pg_id_to_name, pg_descs, unmapped, bad = _columns(raw_entries, top.groups)
+    if bad:
+        notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
+    cols["rank"] = [top.rank] * len(cols["op"])
+    table = _table(cols, notes)
+    return _torch_dump(top, table, pg_id_to_name, pg_descs, unmapped, bad)
+
+
+def normalize_native(
+    top_dump: Mapping[str, Any],
+    native: Mapping[str, Any],
+    name_rank: int | None = None,
+    name_host: str | None = None,
+) -> TorchDump:
+    """``normalize`` for a dump the native parser (``_frpickle.parse``) already turned into
+    columns: the same ``TorchDump``, built with numpy over the few distinct values instead
+    of a Python loop over every entry."""
+    notes: list[str] = []
+    top = _top_level(top_dump, name_rank, name_host, notes)
+    cols, pg_id_to_name, pg_descs, unmapped, bad = _native_columns(native, top.groups)
+    if bad:
+        notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
+    cols["rank"] = pa.array(np.full(native["n"], top.rank, dtype=np.int32))
+    table = _table(cols, notes)
+    return _torch_dump(top, table, pg_id_to_name, pg_descs, unmapped, bad)
+
+
+def _top_level(
+    dump: Mapping[str, Any], name_rank: int | None, host: str | None, notes: list[str]
+) -> _TopLevel:
+    """Version, rank, host and the process groups of ``pg_config``."""
+    version = str(dump.get("version", "")) or "unversioned"
+
+    # rank: from content where the dump has it (some builds write "rank"), else the name
+    rank = _as_int(dump.get("rank"))
+    if rank is None:
+        rank = name_rank
+    if rank is None:
+        raise TorchDumpError(
+            "cannot tell which rank this dump belongs to: the dump has no 'rank' and the file "
+            "name carries none (expected e.g. rank_3.pkl)"
+        )
+    if not 0 <= rank < 2**31:
+        raise TorchDumpError(f"rank {rank} is out of range (0 … 2**31-1)")
+    if isinstance(dump.get("host"), str) and dump["host"]:
+        host = dump["host"]
+
+    # process groups this file knows
+    groups: dict[str, ProcessGroup] = {}
+    default_pg_all = False
+    pg_config = dump.get("pg_config")
+    if isinstance(pg_config, Mapping):
+        for key, cfg in pg_config.items():
+            if isinstance(cfg, Mapping):  # 2.0+: {name: {"name", "desc", "ranks": "[0, 1]"}}
+                name = str(cfg.get("name", key) or key)
+                ranks = parse_member_list(cfg.get("ranks"))
+                desc = str(cfg.get("desc", "") or "")
+            elif isinstance(cfg, (list, tuple, str)):  # 1.4: {pg_id: [0, 1]}
+                name, ranks, desc = str(key), parse_member_list(cfg), ""
+            else:
+                continue
+            if not name:
+                continue  # Gloo on 2.13 writes one {'': {..., 'ranks': '[]'}} placeholder
+            if ranks == "all":
+                default_pg_all = default_pg_all or desc == "default_pg" or name == "0"
+                ranks = ()
+            groups[name] = ProcessGroup(name=name, desc=desc, ranks=ranks or ())
+    return _TopLevel(dump, rank, host, version, groups, default_pg_all, notes)
+
+
+def _torch_dump(
+    top: _TopLevel,
+    table: pa.Table,
+    pg_id_to_name: dict[str, str],
+    pg_descs: dict[str, str],
+    unmapped: set[str],
+    bad: int,
+) -> TorchDump:
+    groups, notes, dump = top.groups, top.notes, top.dump
+    for name, desc in pg_descs.items():
+        g = groups.get(name)
+        if g is None:
+            groups[name] = ProcessGroup(name=name, desc=desc, ranks=())
+        elif not g.desc and desc:
+            g.desc = desc
+
+    pg_status, note = _pg_status(dump.get("pg_status"), pg_id_to_name)
+    if note:
+        notes.append(note)
+    comm = dump.get("comm_lib_version", dump.get("nccl_version"))
+    return TorchDump(
+        rank=top.rank,
+        host=top.host,
+        version=top.version,
+        pid=_as_int(dump.get("pid")),
+        comm_lib_version=str(comm) if comm not in (None, "") else None,
+        pg_status=pg_status,
+        process_groups=groups,
+        default_pg_all=top.default_pg_all,
+        entries=table,
+        unmapped_peer_groups=unmapped,
+        bad_entries=bad,
+        notes=notes,
+    )
+
+
+def _table(cols: dict[str, list[Any]], notes: list[str]) -> pa.Table:
+    """One Arrow table; a column whose values do not fit its type is cleaned value by value
+    (bad values become null) instead of failing the file."""
+    n = len(cols["rank"])
+    arrays = []
+    for fld in ENTRY_SCHEMA:
+        values = cols.get(fld.name)
+        if isinstance(values, pa.Array):
+            arrays.append(values if values.type == fld.type else values.cast(fld.type))
+            continue
+        if values is None:
+            arrays.append(pa.nulls(n, type=fld.type))
+            continue
+        try:
+            arrays.append(pa.array(values, type=fld.type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+            clean = _CLEANERS.get(str(fld.type), _clean_str)
+            arrays.append(pa.array([clean(v) for v in values], type=fld.type))
+            notes.append(f"unreadable values in '{fld.name}' set to null")
+    return pa.Table.from_arrays(arrays, schema=ENTRY_SCHEMA)
+
+
+def _clean_int(v: Any) -> int | None:
+    n = _as_int(v)
+    return n if n is not None and -(2**63) <= n < 2**63 else None
+
+
+def _clean_float(v: Any) -> float | None:
+    try:
+        return float(v) if v is not None and not isinstance(v, bool) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _clean_bool(v: Any) -> bool | None:
+    return bool(v) if isinstance(v, (bool, int)) else None
+
+
+def _clean_str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+_CLEANERS = {
+    "int64": _clean_int,
+    "int32": lambda v: n if (n := _clean_int(v)) is not None and -(2**31) <= n < 2**31 else None,
+    "double": _clean_float,
+    "bool": _clean_bool,
+    "string": _clean_str,
+}
+
+
+def _fetch(entries: list[dict]) -> dict[str, list[Any]]:
+    """The columns every entry has, pulled with one ``itemgetter`` call per entry and
+    transposed (several times faster than one ``dict.get`` per key and entry). Keys that
+    only some entries carry (``duration_ms``) are left to the caller."""
+    if not entries:
+        return {}
+    first = entries[0]
+    # duration_ms is written only once a duration was measured: never in the common set
+    keys = [k for k in READ_KEYS if k in first and k != "duration_ms"]
+    if len(keys) < 2:
+        return {}
+    try:
+        rows = list(map(itemgetter(*keys), entries))
+    except KeyError:  # entries differ in their keys: find the ones all of them have
+        keys = [k for k in keys if all(k in e for e in entries)]
+        if len(keys) < 2:
+            return {}
+        rows = list(map(itemgetter(*keys), entries))
+    return dict(zip(keys, map(list, zip(*rows, strict=True)), strict=True))
+
+
+def _is_entry(e: Any) -> bool:
+    return isinstance(e, dict) and isinstance(e.get("profiling_name"), str)
+
+
+def _columns(
+    raw_entries: list[Any], groups: dict[str, ProcessGroup]
+) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str], int]:
+    """Entries -> columns, column by column (list comprehensions and small caches over
+    the few distinct values of a column: the hot path for thousands of files)."""
+    entries = [e for e in raw_entries if _is_entry(e)]
+    bad = len(raw_entries) - len(entries)
+
+    fetched = _fetch(entries)
+
+    def col(key: str) -> list[Any]:
+        got = fetched.get(key)
+        return got if got is not None else [e.get(key) for e in entries]
+
+    # process group: (name, desc) tuple (>= 1.x), JSON list, or only pg_id (oldest)
+    pg_cache: dict[Any, tuple[str, str]] = {}
+    pg_names: list[str] = []
+    pg_desc_col: list[str] = []
+    pg_id_to_name: dict[str, str] = {}
+    for pg, pg_id in zip(col("process_group"), col("pg_id"), strict=True):
+        key = (tuple(pg) if isinstance(pg, list) else pg, pg_id)
+        try:
+            hit = pg_cache.get(key)
+        except TypeError:  # an unhashable oddity in the file: read it, do not cache it
+            key, hit = None, None
+        if hit is None:
+            hit = _pg_of(pg, pg_id)
+            if key is not None:
+                pg_cache[key] = hit
+            if pg_id is not None:
+                pg_id_to_name.setdefault(str(pg_id), hit[0])
+        pg_names.append(hit[0])
+        pg_desc_col.append(hit[1])
+    pg_descs = _pg_descs(pg_cache.values())
+
+    # op name and group-local peer from profiling_name ("nccl:send 0->1")
+    op_cache: dict[str, tuple[str, int | None]] = {}
+    ops: list[str] = []
+    local_peers: list[int | None] = []
+    profiling = col("profiling_name")
+    for pn in profiling:
+        hit = op_cache.get(pn)
+        if hit is None:
+            hit = parse_profiling_name(pn)
+            op_cache[pn] = hit
+        ops.append(hit[0])
+        local_peers.append(hit[1])
+
+    is_p2p = col("is_p2p")
+    is_p2p = [
+        bool(v) if v is not None else (op in P2P_OPS) for v, op in zip(is_p2p, ops, strict=True)
+    ]
+
+    old_seq = bool(entries) and "seq_id" in entries[0] and "collective_seq_id" not in entries[0]
+    if not old_seq:
+        coll_seq = [v or 0 for v in col("collective_seq_id")]
+        p2p_seq = [v or 0 for v in col("p2p_seq_id")]
+    else:  # before 2.0 one counter ("seq_id") counted every op of the group
+        seq = [v or 0 for v in col("seq_id")]
+        coll_seq = [0 if p else s for s, p in zip(seq, is_p2p, strict=True)]
+        p2p_seq = [s if p else 0 for s, p in zip(seq, is_p2p, strict=True)]
+
+    peers: list[int | None] = local_peers
+    unmapped: set[str] = set()
+    if any(p is not None for p in local_peers):
+        peers = [
+            None if local is None else _global_peer(groups, name, local, unmapped)
+            for local, name in zip(local_peers, pg_names, strict=True)
+        ]
+
+    interned = _Stacks()
+    stack_ids = [interned.intern(f) for f in col("frames")]
+    sites = [None if i is None else interned.sites[i] for i in stack_ids]
+    stacks = pa.DictionaryArray.from_arrays(
+        pa.array(stack_ids, type=pa.int32()), pa.array(interned.texts, type=pa.string())
+    )
+
+    duration = [
+        v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+        for v in col("duration_ms")
+    ]
+    thread_id = [None if v is None else str(v) for v in col("thread_id")]
+    thread_name = [None if v is None else str(v) for v in col("thread_name")]
+    cols: dict[str, list[Any]] = {
+        "record_id": col("record_id"),
+        "pg_name": pg_names,
+        "pg_desc": pg_desc_col,
+        "collective_seq_id": coll_seq,
+        "p2p_seq_id": p2p_seq,
+        "is_p2p": is_p2p,
+        "op": ops,
+        "profiling_name": profiling,
+        "peer": peers,
+        "input_sizes": _sizes_column(col("input_sizes")),
+        "output_sizes": _sizes_column(col("output_sizes")),
+        "input_dtypes": _dtypes_column(col("input_dtypes")),
+        "output_dtypes": _dtypes_column(col("output_dtypes")),
+        "state": [v if v.__class__ is str else str(v or "scheduled") for v in col("state")],
+        "time_created_ns": col("time_created_ns"),
+        # JSON writes 0 for "not yet discovered"
+        "time_started_ns": [v or None for v in col("time_discovered_started_ns")],
+        "time_completed_ns": [v or None for v in col("time_discovered_completed_ns")],
+        "duration_ms": duration,
+        "retired": col("retired"),
+        "timeout_ms": col("timeout_ms"),
+        "thread_id": thread_id,
+        "thread_name": thread_name,
+        "call_site": sites,
+        "stack": stacks,
+    }
+    return cols, pg_id_to_name, pg_descs, unmapped, bad
+
+
+def _global_peer(
+    groups: Mapping[str, ProcessGroup], name: str, local: int, unmapped: set[str]
+) -> int | None:
+    """A group-local P2P peer as a global rank; left local (and the group noted in
+    ``unmapped``, for the loader to map once membership is merged) where this file does
+    not list the group's members."""
+    g = groups.get(name)
+    if g is not None and g.ranks:
+        return g.ranks[local] if 0 <= local < len(g.ranks) else None
+    unmapped.add(name)
+    return local
+
+
+def _pg_of(pg: Any, pg_id: Any) -> tuple[str, str]:
+    if isinstance(pg, (list, tuple)) and len(pg) >= 1:
+        desc = pg[1] if len(pg) > 1 and pg[1] is not None else ""
+        return str(pg[0]), str(desc)
+    if isinstance(pg, str):
+        return pg, ""
+    if pg_id is not None:
+        return str(pg_id), ""
+    return "0", ""
+
+
+def _pg_descs(hits: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Group name -> description, the first non-empty one a file gives."""
+    pg_descs: dict[str, str] = {}
+    for name, desc in hits:
+        if desc and not pg_descs.get(name):
+            pg_descs[name] = desc
+        else:
+            pg_descs.setdefault(name, desc)
+    return pg_descs
+
+
+# --- columns from the native parser ------------------------------------------------------
+#
+# ``_frpickle.parse`` hands back, per entry key, either a numeric buffer or dictionary codes
+# (int32, -1 for None) over the distinct values; the functions below apply ``_columns``'s
+# rules to each distinct value once and spread the results with numpy.
+
+
+def _dictionary(codes: np.ndarray, values: Sequence[Any], null_value: Any = None) -> pa.Array:
+    """Dictionary array of ``values[code]`` (code -1: ``null_value``); equal values share
+    one slot and None values are nulls, as ``pa.array(strings, type=dictionary)`` gives."""
+    uniq: dict[str, int] = {}
+    if null_value is None and None not in values:
+        uniq = dict.fromkeys(values)
+        if len(uniq) == len(values):  # already distinct: the codes are the indices
+            return _dictionary_array(codes, values)
+        uniq = {}
+    remap = np.empty(len(values) + 1, dtype=np.int32)
+    for i, v in enumerate(values):
+        remap[i] = -1 if v is None else uniq.setdefault(v, len(uniq))
+    remap[-1] = -1 if null_value is None else uniq.setdefault(null_value, len(uniq))
+    return _dictionary_array(remap[codes], list(uniq))
+
+
+def _dictionary_array(indices: np.ndarray, values: Sequence[str | None]) -> pa.Array:
+    """int32 ``indices`` (-1: null) into distinct ``values``, without copying the indices."""
+    nulls = indices < 0
+    null_count = int(np.count_nonzero(nulls))
+    validity = None
+    if null_count:
+        validity = pa.py_buffer(np.packbits(~nulls, bitorder="little"))
+    return pa.DictionaryArray.from_buffers(
+        _DICT,
+        len(indices),
+        [validity, pa.py_buffer(indices)],
+        _string_array(values),
+        null_count=null_count,
+    )
+
+
+# distinct values -> their Arrow array: the ranks of a job repeat the same few lists
+_STRING_ARRAYS: dict[tuple[str | None, ...], pa.Array] = {}
+
+
+def _string_array(values: Sequence[str | None]) -> pa.Array:
+    key = tuple(values)
+    got = _STRING_ARRAYS.get(key)
+    if got is None:
+        got = pa.array(values, type=pa.string())
+        if len(_STRING_ARRAYS) >= 4096:
+            _STRING_ARRAYS.clear()
+        _STRING_ARRAYS[key] = got
+    return got
+
+
+def _numbers(native: Mapping[str, Any], key: str, n: int, type_: pa.DataType) -> pa.Array | None:
+    got = native.get(key)
+    if got is None:
+        return None
+    values, bitmap, nulls = got
+    validity = None if bitmap is None else pa.py_buffer(bitmap)
+    return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(values)], null_count=nulls)
+
+
+def _ints_or_zero(native: Mapping[str, Any], key: str, n: int) -> np.ndarray:
+    """``v or 0`` for every entry (the native parser stores 0 for None)."""
+    got = native.get(key)
+    return np.zeros(n, dtype=np.int64) if got is None else np.frombuffer(got[0], dtype=np.int64)
+
+
+def _zero_is_null(native: Mapping[str, Any], key: str) -> pa.Array | None:
+    """``v or None`` for every entry: JSON writes 0 for "not yet discovered"."""
+    got = native.get(key)
+    if got is None:
+        return None
+    values = np.frombuffer(got[0], dtype=np.int64)
+    mask = values == 0
+    return pa.array(values, mask=mask) if mask.any() else pa.array(values)
+
+
+def _codes(native: Mapping[str, Any], key: str) -> tuple[np.ndarray, list[Any]]:
+    codes, values = native[key]
+    return np.frombuffer(codes, dtype=np.int32), values
+
+
+def _native_columns(
+    native: Mapping[str, Any], groups: dict[str, ProcessGroup]
+) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str], int]:
+    """What ``_columns`` returns, from ``_frpickle.parse``'s columns."""
+    n: int = native["n"]
+    first_keys = native["first_keys"]
+
+    # process group: the distinct (process_group, pg_id) pairs, in order of appearance
+    pg_codes, pairs = _codes(native, "process_group")
+    pg_cache: dict[Any, tuple[str, str]] = {}
+    pg_id_to_name: dict[str, str] = {}
+    pg_hits = []
+    for pg, pg_id in pairs:
+        key = (tuple(pg) if isinstance(pg, list) else pg, pg_id)
+        hit = pg_cache.get(key)
+        if hit is None:
+            hit = _pg_of(pg, pg_id)
+            pg_cache[key] = hit
+            if pg_id is not None:
+                pg_id_to_name.setdefault(str(pg_id), hit[0])
+        pg_hits.append(hit)
+    pg_descs = _pg_descs(pg_cache.values())
+
+    pn_codes, pnames = _codes(native, "profiling_name")
+    op_hits = [parse_profiling_name(pn) for pn in pnames]
+    ops = [hit[0] for hit in op_hits]
+    p2p_op = np.array([op in P2P_OPS for op in ops], dtype=bool)[pn_codes]
+    flags = native.get("is_p2p")
+    if flags is None:
+        is_p2p = p2p_op
+    else:
+        flag = np.frombuffer(flags, dtype=np.int8)
+        is_p2p = np.where(flag == 2, p2p_op, flag == 1)
+
+    old_seq = n > 0 and "seq_id" in first_keys and "collective_seq_id" not in first_keys
+    if not old_seq:
+        coll_seq = _ints_or_zero(native, "collective_seq_id", n)
+        p2p_seq = _ints_or_zero(native, "p2p_seq_id", n)
+    else:  # before 2.0 one counter ("seq_id") counted every op of the group
+        seq = _ints_or_zero(native, "seq_id", n)
+        coll_seq = np.where(is_p2p, 0, seq)
+        p2p_seq = np.where(is_p2p, seq, 0)
+
+    peers, unmapped = _native_peers(pg_codes, pg_hits, pn_codes, op_hits, groups, n)
+
+    frame_codes, frame_lists = _codes(native, "frames")
+    interned = _Stacks()
+    stack_of = [interned.intern(f) for f in frame_lists]
+    stack_ids = np.array([-1 if i is None else i for i in stack_of] + [-1], dtype=np.int32)
+    stack_ids = stack_ids[frame_codes]
+    stacks = _dictionary_array(stack_ids, interned.texts)
+
+    state_codes, states = _codes(native, "state")
+    state_text = [v if v.__class__ is str else str(v or "scheduled") for v in states]
+    retired = native.get("retired")
+    if retired is not None:
+        flag = np.frombuffer(retired, dtype=np.int8)
+        retired = pa.array(flag == 1, mask=flag == 2)
+    cols: dict[str, Any] = {
+        "record_id": _numbers(native, "record_id", n, pa.int64()),
+        "pg_name": _dictionary(pg_codes, [hit[0] for hit in pg_hits]),
+        "pg_desc": _dictionary(pg_codes, [hit[1] for hit in pg_hits]),
+        "collective_seq_id": pa.array(coll_seq),
+        "p2p_seq_id": pa.array(p2p_seq),
+        "is_p2p": pa.array(is_p2p),
+        "op": _dictionary(pn_codes, ops),
+        "profiling_name": _dictionary(pn_codes, pnames),
+        "peer": peers,
+        "state": _dictionary(state_codes, state_text, null_value="scheduled"),
+        "time_created_ns": _numbers(native, "time_created_ns", n, pa.int64()),
+        "time_started_ns": _zero_is_null(native, "time_discovered_started_ns"),
+        "time_completed_ns": _zero_is_null(native, "time_discovered_completed_ns"),
+        "duration_ms": _numbers(native, "duration_ms", n, pa.float64()),
+        "retired": retired,
+        "timeout_ms": _numbers(native, "timeout_ms", n, pa.int64()),
+        "call_site": _dictionary(stack_ids, interned.sites),
+        "stack": stacks,
+    }
+    for key in ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes"):
+        cols[key] = _dictionary(*_codes(native, key))
+    for key in ("thread_id", "thread_name"):
+        codes, values = _codes(native, key)
+        cols[key] = _dictionary(codes, [str(v) for v in values])
+    return cols, pg_id_to_name, pg_descs, unmapped, native["bad"]
+
+
+def _native_peers(
+    pg_codes: np.ndarray,
+    pg_hits: list[tuple[str, str]],
+    pn_codes: np.ndarray,
+    op_hits: list[tuple[str, int | None]],
+    groups: dict[str, ProcessGroup],
+    n: int,
+) -> tuple[Any, set[str]]:
+    """Global P2P peers, mapped once per distinct (group, local peer) pair."""
+    unmapped: set[str] = set()
+    has_local = np.array([hit[1] is not None for hit in op_hits] + [False], dtype=bool)
+    rows = np.flatnonzero(has_local[pn_codes])
+    if not len(rows):
+        return None, unmapped
+    width = len(op_hits)
+    pairs, inverse = np.unique(
+        pg_codes[rows].astype(np.int64) * width + pn_codes[rows], return_inverse=True
+    )
+    mapped: list[int | None] = []
+    for pair in pairs.tolist():
+        name = pg_hits[pair // width][0]
+        mapped.append(_global_peer(groups, name, op_hits[pair % width][1], unmapped))
+    if not all(v is None or -(2**31) <= v < 2**31 for v in mapped):
+        # out of int32: a plain list, cleaned (and noted) by _table as the Python path does
+        peers: list[int | None] = [None] * n
+        for row, i in zip(rows.tolist(), inverse.tolist(), strict=True):
+            peers[row] = mapped[i]
+        return peers, unmapped
+    values = np.zeros(n, dtype=np.int32)
+    mask = np.ones(n, dtype=bool)
+    values[rows] = np.array([0 if v is None else v for v in mapped], dtype=np.int32)[inverse]
+    mask[rows] = np.array([v is None for v in mapped], dtype=bool)[inverse]
+    return pa.array(values, mask=mask), unmapped
