@@ -12,6 +12,8 @@ because the analyzer reads thousands of these files.
   writer got in between.
 * ``request_dump(path)`` / ``dump_acknowledged(path, seq)`` talk to the rank's native
   watchdog through the mapping: it answers by writing every thread's Python stack.
+* ``pack_header``, ``file_offsets`` and ``StringTable`` are the writer's side, for files not
+  written by the native black box (``frtools synth``): the layout exists once in Python.
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ from frtools.model.ranks import RankTextError, parse_ranks
 
 __all__ = [
     "FORMAT_VERSION",
+    "HEADER_BYTES",
+    "HEADER_LAYOUT",
+    "HEADER_OFFSETS",
+    "IDENTITY_OFFSET",
     "MAGIC",
+    "PAGE",
     "PG_DTYPE",
     "SLOT_DTYPE",
     "STATE_NAMES",
@@ -38,8 +45,11 @@ __all__ = [
     "Snapshot",
     "SnapshotError",
     "SnapshotGroup",
+    "StringTable",
     "copy_consistent",
     "dump_acknowledged",
+    "file_offsets",
+    "pack_header",
     "read_header",
     "read_snapshot",
     "request_dump",
@@ -57,44 +67,52 @@ STRING_MISSING_TEXT = "<missing string>"
 # state byte of a slot -> name (0 = never written)
 STATE_NAMES = ("", "scheduled", "started", "completed")
 
-_HEADER = struct.Struct("<8s6I5Qq2Q2Iq2I2q2Qq4Id2Iq")
-_HEADER_FIELDS = (
-    "magic",
-    "version",
-    "header_bytes",
-    "slot_bytes",
-    "capacity",
-    "pg_entry_bytes",
-    "pg_capacity",
-    "pg_offset",
-    "slots_offset",
-    "strings_offset",
-    "strings_bytes",
-    "file_bytes",
-    "created_ns",
-    "next_record_id",
-    "strings_used",
-    "pg_count",
-    "string_count",
-    "heartbeat_ns",
-    "stalled",
-    "watchdog_state",
-    "stall_record_id",
-    "stall_time_ns",
-    "dump_request_seq",
-    "dump_ack_seq",
-    "dump_ack_time_ns",
-    "dump_ack_status",
-    "closed",
-    "strings_dropped",
-    "identity_bytes",
-    "stall_seconds",
-    "poll_ms",
-    "stack_signal",
-    "owner_pid",
+# The header's fixed fields in file order: (name, struct code). Little-endian at natural
+# alignment with no padding, as ``struct Header`` in _native/blackbox.cpp lays them out.
+HEADER_LAYOUT = (
+    ("magic", "8s"),
+    ("version", "I"),
+    ("header_bytes", "I"),
+    ("slot_bytes", "I"),
+    ("capacity", "I"),
+    ("pg_entry_bytes", "I"),
+    ("pg_capacity", "I"),
+    ("pg_offset", "Q"),
+    ("slots_offset", "Q"),
+    ("strings_offset", "Q"),
+    ("strings_bytes", "Q"),
+    ("file_bytes", "Q"),
+    ("created_ns", "q"),
+    ("next_record_id", "Q"),
+    ("strings_used", "Q"),
+    ("pg_count", "I"),
+    ("string_count", "I"),
+    ("heartbeat_ns", "q"),
+    ("stalled", "I"),
+    ("watchdog_state", "I"),
+    ("stall_record_id", "q"),
+    ("stall_time_ns", "q"),
+    ("dump_request_seq", "Q"),
+    ("dump_ack_seq", "Q"),
+    ("dump_ack_time_ns", "q"),
+    ("dump_ack_status", "I"),
+    ("closed", "I"),
+    ("strings_dropped", "I"),
+    ("identity_bytes", "I"),
+    ("stall_seconds", "d"),
+    ("poll_ms", "I"),
+    ("stack_signal", "I"),
+    ("owner_pid", "q"),
 )
-_DUMP_REQUEST_OFFSET = 136
-_DUMP_ACK_OFFSET = 144
+_HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_LAYOUT))
+_HEADER_FIELDS = tuple(name for name, _ in HEADER_LAYOUT)
+# byte offset of each header field
+HEADER_OFFSETS = {
+    name: struct.calcsize("<" + "".join(code for _, code in HEADER_LAYOUT[:i]))
+    for i, (name, _) in enumerate(HEADER_LAYOUT)
+}
+_DUMP_REQUEST_OFFSET = HEADER_OFFSETS["dump_request_seq"]
+_DUMP_ACK_OFFSET = HEADER_OFFSETS["dump_ack_seq"]
 
 SLOT_DTYPE = np.dtype(
     {
@@ -181,6 +199,59 @@ STRING_COLUMNS = (
 )
 
 
+PAGE = 4096  # the slot ring starts on a page boundary
+STRINGS_RESERVED = 8  # string ids below this are not strings (0: none)
+
+
+def file_offsets(capacity: int, pg_capacity: int) -> tuple[int, int, int]:
+    """``(pg_offset, slots_offset, strings_offset)`` of a file with these tables, as the
+    native black box lays it out: header, process-group table, page-aligned slot ring,
+    string area."""
+    pg_offset = HEADER_BYTES
+    slots_offset = pg_offset + pg_capacity * PG_DTYPE.itemsize
+    slots_offset += -slots_offset % PAGE
+    return pg_offset, slots_offset, slots_offset + capacity * SLOT_DTYPE.itemsize
+
+
+def pack_header(**fields: Any) -> bytes:
+    """The header's fixed fields as bytes, for a writer other than the native black box
+    (the simulator). Fields not given are 0; the format's own (``magic``, ``version``,
+    ``header_bytes``, ``slot_bytes``, ``pg_entry_bytes``) default to this format's."""
+    unknown = fields.keys() - set(_HEADER_FIELDS)
+    if unknown:
+        raise TypeError(f"not a header field: {', '.join(sorted(unknown))}")
+    values = {
+        "magic": MAGIC,
+        "version": FORMAT_VERSION,
+        "header_bytes": HEADER_BYTES,
+        "slot_bytes": SLOT_DTYPE.itemsize,
+        "pg_entry_bytes": PG_DTYPE.itemsize,
+        **fields,
+    }
+    return _HEADER.pack(*(values.get(name, 0) for name in _HEADER_FIELDS))
+
+
+class StringTable:
+    """The writer's side of the string area: a string's id is the byte offset of its
+    ``u32 length`` + UTF-8 bytes, padded to 4 bytes; ids below ``STRINGS_RESERVED`` are not
+    strings (0: none). ``buf`` is the area's used part; the reader decodes it with
+    ``Snapshot.string``."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray(STRINGS_RESERVED)
+        self.ids: dict[str, int] = {"": STRING_NONE}
+
+    def id(self, text: str) -> int:
+        sid = self.ids.get(text)
+        if sid is None:
+            raw = text.encode()
+            sid = len(self.buf)
+            self.buf += struct.pack("<I", len(raw)) + raw
+            self.buf += b"\0" * (-len(self.buf) % 4)
+            self.ids[text] = sid
+        return sid
+
+
 class SnapshotError(ValueError):
     """The file is not a usable frtools snapshot; the message is a one-line reason."""
 
@@ -253,7 +324,7 @@ def _decode_string(blob: bytes, sid: int) -> str:
         return ""
     if sid == STRING_FULL:
         return STRING_FULL_TEXT
-    if sid < 8 or sid + 4 > len(blob):
+    if sid < STRINGS_RESERVED or sid + 4 > len(blob):
         return STRING_MISSING_TEXT
     (n,) = struct.unpack_from("<I", blob, sid)
     end = sid + 4 + n
@@ -273,7 +344,7 @@ def _parse_header(buf: bytes | memoryview, size: int) -> dict[str, Any]:
             f"unsupported frtools snapshot version {header['version']} "
             f"(this frtools reads version {FORMAT_VERSION})"
         )
-    if header["slot_bytes"] != SLOT_DTYPE.itemsize or header["pg_entry_bytes"] != 64:
+    if header["slot_bytes"] != SLOT_DTYPE.itemsize or header["pg_entry_bytes"] != PG_DTYPE.itemsize:
         raise SnapshotError(
             f"frtools snapshot has slots of {header['slot_bytes']} bytes, expected "
             f"{SLOT_DTYPE.itemsize}"

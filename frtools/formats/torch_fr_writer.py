@@ -1,12 +1,12 @@
 """frtools black boxes -> PyTorch Flight Recorder pickles, for tools that only read those.
 
-The output follows the version "2.10" dump torch 2.13 writes (``_dump_fr_trace``): a dict
-with ``version``, ``pg_config`` (group name -> name, desc, ``str(list(global ranks))``),
-``pg_status`` (last enqueued / started / completed collective), ``comm_lib_version`` and
-``entries`` (one dict per op with PyTorch's keys: ``record_id``, ``pg_id``,
-``process_group`` = (name, desc), ``collective_seq_id``, ``p2p_seq_id``, ``op_id``,
-``profiling_name``, ``input_sizes`` … ``frames`` as {name, filename, line}). One file per
-rank, ``OUT/rank_<R>`` without extension, which is what ``torchfrtrace`` (``python -m
+The one module that knows both formats: it reads a black box with ``formats.blackbox`` and
+writes the dump torch 2.13 writes (``_dump_fr_trace``, version ``torch_fr.WRITE_VERSION``)
+with ``formats.torch_fr``'s keys: ``pg_config`` (group name -> name, desc, global ranks),
+``pg_status`` (last enqueued / started / completed collective) and ``entries`` (one dict per
+op: ``process_group`` = (name, desc), ``profiling_name`` with group-local P2P ranks,
+``frames`` as {name, filename, line} …). One file per rank, ``OUT/rank_<R>`` without
+extension, which is what ``torchfrtrace`` (``python -m
 torch.distributed.flight_recorder.fr_trace OUT -p rank_``) parses the rank from.
 
 Pure Python: no torch, no native module.
@@ -16,14 +16,21 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from frtools.formats.blackbox import STATE_NAMES, Snapshot, SnapshotError, read_snapshot
-
-TORCH_FR_VERSION = "2.10"
+from frtools.formats.manifest import BOX_SUFFIX, rank_file_name
+from frtools.formats.torch_fr import (
+    ENTRY_KEYS,
+    dump_dict,
+    member_list_text,
+    p2p_profiling_name,
+    pg_config_entry,
+    pg_status_entry,
+    pickle_dump,
+)
 
 
 @dataclass
@@ -60,31 +67,26 @@ def _dtypes(text: str) -> list[str]:
 
 
 def _profiling_name(name: str, group: Any, rank: int, peer: int, is_p2p: bool) -> str:
-    """PyTorch spells P2P ops with group-local ranks: ``nccl:send 0->1``, ``nccl:recv 1<-0``."""
+    """A P2P op's name with the group-local ranks of both sides, where the group lists them."""
     if not is_p2p or group is None:
         return name
     ranks = sorted(group.ranks)
     if rank not in ranks or peer not in ranks:
         return name
-    me, other = ranks.index(rank), ranks.index(peer)
-    if name.endswith(":send"):
-        return f"{name} {me}->{other}"
-    if name.endswith(":recv"):
-        return f"{name} {me}<-{other}"
-    return name
+    return p2p_profiling_name(name, ranks.index(rank), ranks.index(peer))
 
 
 def snapshot_to_torch_dump(snap: Snapshot) -> dict[str, Any]:
-    """One rank's black box as the dict PyTorch's recorder pickles (version 2.10)."""
+    """One rank's black box as the dict PyTorch's recorder pickles."""
     pg_config = {
-        g.name: {"name": g.name, "desc": g.desc, "ranks": str(list(g.ranks))} for g in snap.groups
+        g.name: pg_config_entry(g.name, g.desc, member_list_text(g.ranks)) for g in snap.groups
     }
     pg_status = {
-        g.name: {
-            "last_enqueued_collective": int(g.last_enqueued_collective),
-            "last_started_collective": int(g.last_started_collective),
-            "last_completed_collective": int(g.last_completed_collective),
-        }
+        g.name: pg_status_entry(
+            int(g.last_enqueued_collective),
+            int(g.last_started_collective),
+            int(g.last_completed_collective),
+        )
         for g in snap.groups
     }
     groups = {g.index: g for g in snap.groups}
@@ -112,47 +114,43 @@ def snapshot_to_torch_dump(snap: Snapshot) -> dict[str, Any]:
         if stack_id not in frames_cache:
             frames_cache[stack_id] = parse_stack(s(stack_id))
         op_ids[pg_index] = op_ids.get(pg_index, 0) + 1
-        entry = {
-            "record_id": int(slot["record_id"]),
-            "pg_id": pg_index,
-            "process_group": (group.name, group.desc) if group else (str(pg_index), ""),
-            "collective_seq_id": int(slot["collective_seq_id"]),
-            "p2p_seq_id": int(slot["p2p_seq_id"]),
-            "op_id": op_ids[pg_index],
-            "profiling_name": _profiling_name(
+        entry = dict.fromkeys(ENTRY_KEYS)
+        entry.update(
+            frames=frames_cache[stack_id],
+            record_id=int(slot["record_id"]),
+            pg_id=pg_index,
+            process_group=(group.name, group.desc) if group else (str(pg_index), ""),
+            thread_name=s(slot["thread_name"]),
+            thread_id=str(int(slot["thread_id"])),
+            collective_seq_id=int(slot["collective_seq_id"]),
+            p2p_seq_id=int(slot["p2p_seq_id"]),
+            op_id=op_ids[pg_index],
+            profiling_name=_profiling_name(
                 s(slot["op"]), group, own_rank, int(slot["peer"]), bool(slot["is_p2p"])
             ),
-            "time_created_ns": int(slot["time_created_ns"]),
-            "input_sizes": _sizes(s(slot["input_sizes"])),
-            "input_dtypes": _dtypes(s(slot["input_dtypes"])),
-            "output_sizes": _sizes(s(slot["output_sizes"])),
-            "output_dtypes": _dtypes(s(slot["output_dtypes"])),
-            "state": state or "scheduled",
-            "time_discovered_started_ns": started or None,
-            "time_discovered_completed_ns": completed or None,
-            "retired": state == "completed",
-            "timeout_ms": 0,
-            "is_p2p": bool(slot["is_p2p"]),
-            "thread_id": str(int(slot["thread_id"])),
-            "thread_name": s(slot["thread_name"]),
-            "frames": frames_cache[stack_id],
-        }
-        if duration > 0:
-            entry["duration_ms"] = duration
+            time_created_ns=int(slot["time_created_ns"]),
+            duration_ms=duration,
+            input_sizes=_sizes(s(slot["input_sizes"])),
+            input_dtypes=_dtypes(s(slot["input_dtypes"])),
+            output_sizes=_sizes(s(slot["output_sizes"])),
+            output_dtypes=_dtypes(s(slot["output_dtypes"])),
+            state=state or "scheduled",
+            time_discovered_started_ns=started or None,
+            time_discovered_completed_ns=completed or None,
+            retired=state == "completed",
+            timeout_ms=0,
+            is_p2p=bool(slot["is_p2p"]),
+        )
+        if not duration > 0:  # PyTorch writes it only once a duration was measured
+            del entry["duration_ms"]
         entries.append(entry)
-    return {
-        "version": TORCH_FR_VERSION,
-        "pg_config": pg_config,
-        "pg_status": pg_status,
-        "comm_lib_version": "",
-        "entries": entries,
-    }
+    return dump_dict(pg_config, pg_status, entries)
 
 
 def find_snapshots(root: Path) -> list[Path]:
     if root.is_file():
         return [root]
-    return sorted(p for p in root.rglob("*.frt") if p.is_file())
+    return sorted(p for p in root.rglob(f"*{BOX_SUFFIX}") if p.is_file())
 
 
 def convert_to_torch_pickle(
@@ -176,7 +174,7 @@ def convert_to_torch_pickle(
         if rank in result.written:
             result.errors.append(f"{path}: rank {rank} already converted from another file")
             continue
-        target = out_dir / f"rank_{rank}"
-        target.write_bytes(pickle.dumps(snapshot_to_torch_dump(snap)))
+        target = out_dir / rank_file_name(rank, suffix="")
+        target.write_bytes(pickle_dump(snapshot_to_torch_dump(snap)))
         result.written[rank] = target
     return result

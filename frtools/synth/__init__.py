@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from .faults import FAULTS, VERDICT_KIND, FaultError, FaultPlan, plan_fault, simulate_hang
+from .job import WriteParams, make_job
 from .layout import GROUP_DESCS, Layout, LayoutError
 from .schedule import ModelShape, Schedule, build_schedule
-from .torch_writer import WriteParams, make_job, write_dumps
+from .write import WRITERS, write_dumps
 
 __all__ = [
     "FAULTS",
@@ -103,7 +104,7 @@ def synthesize(
 
     ``format``: ``"torch"`` writes PyTorch NCCL Flight Recorder pickles
     (``nccl_trace_rank_<R>``), ``"frtools"`` frtools snapshots (``rank_<R>.frt``)."""
-    if format not in ("torch", "frtools"):
+    if format not in WRITERS:
         raise ValueError(f"unknown format {format!r}: torch or frtools")
     t_start = time.perf_counter()
     layout = Layout.from_sizes(world_size, tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)

@@ -9,64 +9,59 @@ so a rank costs a few milliseconds.
 from __future__ import annotations
 
 import json
-import struct
 
 import numpy as np
 
 from frtools.formats.blackbox import (
-    FORMAT_VERSION,
-    HEADER_BYTES,
     IDENTITY_OFFSET,
-    MAGIC,
+    PAGE,
     PG_DTYPE,
     SLOT_DTYPE,
+    StringTable,
+    file_offsets,
+    pack_header,
 )
+from frtools.formats.manifest import rank_file_name
 from frtools.model.ranks import format_ranks
-from frtools.model.trace import dtypes_key, sizes_key
+from frtools.model.trace import dtypes_key, sizes_key, stack_text
 
+from .job import (
+    BACKEND,
+    COMM_LIB_VERSION,
+    INIT_BARRIER,
+    RANKS_PER_HOST,
+    T0_NS,
+    Job,
+    Slot,
+    WriteParams,
+    init_barrier_times,
+    rank_arrays,
+)
 from .layout import CREATION_ORDER
-from .schedule import CALL_SITES
-from .torch_writer import COMM_LIB_VERSION, RANKS_PER_HOST, T0_NS, Job, _Slot, rank_arrays
 
-_HEADER = struct.Struct("<8s6I5Qq2Q2Iq2I2q2Qq4Id2Iq")
-PG_CAPACITY = 64
-PAGE = 4096
+PG_CAPACITY = 64  # rows of the process-group table (the native black box: 1024)
 GROUP_ROWS = ("world", *CREATION_ORDER)  # row order of the process-group table
 
 
-class _Strings:
-    """The string area: id = byte offset of ``u32 length`` + UTF-8, padded to 4 bytes."""
-
-    def __init__(self) -> None:
-        self.buf = bytearray(8)
-        self.ids: dict[str, int] = {"": 0}
-
-    def id(self, text: str) -> int:
-        sid = self.ids.get(text)
-        if sid is None:
-            raw = text.encode()
-            sid = len(self.buf)
-            self.buf += struct.pack("<I", len(raw)) + raw
-            self.buf += b"\0" * (-len(self.buf) % 4)
-            self.ids[text] = sid
-        return sid
+def file_name(params: WriteParams, rank: int) -> str:
+    return rank_file_name(rank)
 
 
-def _stack(frames: list[dict[str, object]]) -> str:
-    return "\n".join(f"{f['filename']}:{f['line']} in {f['name']}" for f in frames)
+def rank_bytes(job: Job, rank: int) -> bytes:
+    return rank_snapshot(job, rank)
 
 
-def _texts(slot: _Slot) -> tuple[str, ...]:
+def _texts(slot: Slot) -> tuple[str, ...]:
     """The slot's strings in the format's canonical forms (computed once per slot)."""
     cached = slot.__dict__.get("_snapshot_texts")
     if cached is None:
         cached = (
-            slot.profiling_name.split(" ", 1)[0],  # "nccl:send 0->1" -> "nccl:send"
+            f"{BACKEND}:{slot.op}",
             sizes_key(slot.input_sizes),
             sizes_key(slot.output_sizes),
             dtypes_key(slot.input_dtypes),
             dtypes_key(slot.output_dtypes),
-            _stack(slot.frames),
+            stack_text(slot.frames) or "",
         )
         slot.__dict__["_snapshot_texts"] = cached
     return cached
@@ -76,10 +71,10 @@ def rank_snapshot(job: Job, rank: int) -> bytes:
     """The bytes of ``rank_<rank>.frt`` as the black box would leave them at the hang."""
     a = rank_arrays(job, rank)
     capacity = job.params.buffer_size
-    strings = _Strings()
+    strings = StringTable()
     pg_row = {kind: i for i, kind in enumerate(GROUP_ROWS)}
 
-    def slot_columns(sl: list[_Slot]) -> dict[str, np.ndarray]:
+    def slot_columns(sl: list[Slot]) -> dict[str, np.ndarray]:
         cols: dict[str, list[int]] = {
             k: [] for k in ("op", "ins", "outs", "idt", "odt", "stack", "pg", "peer", "p2p")
         }
@@ -136,12 +131,12 @@ def rank_snapshot(job: Job, rank: int) -> bytes:
     ):
         slots[field][body] = pick(key)
     if a.barrier:
-        t = T0_NS - 5_000_000_000 + a.skew
+        created_ns, started_ns, completed_ns, duration_ms = init_barrier_times(a.skew)
+        op, ins, outs, idt, odt, stack = (strings.id(t) for t in _texts(INIT_BARRIER))
         slots[0] = (
-            2, 0, 1, 0, t, t + 20_000, t + 2_000_000, 1.98 if timing else np.nan, 100_000 + rank,
-            0, -1, strings.id("nccl:all_reduce_barrier"), strings.id("[[1]]"),
-            strings.id("[[1]]"), strings.id("Float"), strings.id("Float"),
-            strings.id(_stack(CALL_SITES["init_barrier"])), 3, 0, int(timing), thread_name,
+            2, 0, 1, 0, created_ns, started_ns, completed_ns,
+            duration_ms if timing else np.nan, 100_000 + rank, 0, -1, op, ins, outs, idt, odt,
+            stack, 3, 0, int(timing), thread_name,
         )  # fmt: skip
 
     pgs = np.zeros(len(GROUP_ROWS), dtype=PG_DTYPE)
@@ -189,10 +184,7 @@ def rank_snapshot(job: Job, rank: int) -> bytes:
         }
     ).encode()
 
-    pg_offset = HEADER_BYTES
-    slots_offset = pg_offset + PG_CAPACITY * PG_DTYPE.itemsize
-    slots_offset += -slots_offset % PAGE
-    strings_offset = slots_offset + capacity * SLOT_DTYPE.itemsize
+    pg_offset, slots_offset, strings_offset = file_offsets(capacity, PG_CAPACITY)
     strings_bytes = len(strings.buf) + (-len(strings.buf) % PAGE)
     file_bytes = strings_offset + strings_bytes
     file_bytes += -file_bytes % PAGE
@@ -200,13 +192,29 @@ def rank_snapshot(job: Job, rank: int) -> bytes:
     stalled = bool(incomplete.any())
     stall_record = int(a.recs[np.argmax(incomplete)]) if stalled else -1
     heartbeat = int(a.created.max()) + 600_000_000_000 if len(a.created) else T0_NS
-    header = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, HEADER_BYTES, SLOT_DTYPE.itemsize, capacity, PG_DTYPE.itemsize,
-        PG_CAPACITY, pg_offset, slots_offset, strings_offset, strings_bytes, file_bytes,
-        T0_NS - 60_000_000_000, a.total, len(strings.buf), len(GROUP_ROWS), len(strings.ids) - 1,
-        heartbeat, int(stalled), 1, stall_record, heartbeat - 540_000_000_000 if stalled else 0,
-        0, 0, 0, 0, 0, 0, len(identity), 60.0, 100, 0, 200_000 + rank,
-    )  # fmt: skip
+    header = pack_header(
+        capacity=capacity,
+        pg_capacity=PG_CAPACITY,
+        pg_offset=pg_offset,
+        slots_offset=slots_offset,
+        strings_offset=strings_offset,
+        strings_bytes=strings_bytes,
+        file_bytes=file_bytes,
+        created_ns=T0_NS - 60_000_000_000,
+        next_record_id=a.total,
+        strings_used=len(strings.buf),
+        pg_count=len(GROUP_ROWS),
+        string_count=len(strings.ids) - 1,
+        heartbeat_ns=heartbeat,
+        stalled=int(stalled),
+        watchdog_state=1,
+        stall_record_id=stall_record,
+        stall_time_ns=heartbeat - 540_000_000_000 if stalled else 0,
+        identity_bytes=len(identity),
+        stall_seconds=60.0,
+        poll_ms=100,
+        owner_pid=200_000 + rank,
+    )
     out = bytearray(file_bytes)
     out[: len(header)] = header
     out[IDENTITY_OFFSET : IDENTITY_OFFSET + len(identity)] = identity
