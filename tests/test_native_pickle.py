@@ -16,6 +16,7 @@ import io
 import os
 import pickle
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -31,10 +32,18 @@ _frpickle = pytest.importorskip("frtools.analyze.readers._frpickle")
 
 from frtools.analyze.readers import torch_pickle  # noqa: E402
 from frtools.analyze.readers.base import DumpError, RankDump  # noqa: E402
+from frtools.formats.torch_fr import READ_KEYS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_PICKLES = sorted((REPO / "sample_dumps").glob("*/*.pkl"))
 HEALTHY = REPO / "sample_dumps" / "healthy" / "rank_0.pkl"
+
+
+def test_native_parser_reads_the_entry_keys_formats_torch_fr_names() -> None:
+    """The C++ parser's key list (read from its source) is formats/torch_fr's READ_KEYS."""
+    source = (REPO / "frtools/analyze/readers/_native/frpickle.cpp").read_text()
+    names = re.search(r"kKeyNames\[NKEYS\] = \{([^}]*)\}", source).group(1)
+    assert sorted(re.findall(r'"(\w+)"', names)) == sorted(READ_KEYS)
 
 
 def _plain(table: pa.Table) -> pa.Table:

@@ -18,6 +18,8 @@ import pytest
 from jobs import run_job
 
 from frtools.analyze.readers import UnusableInput, load_trace, rank_from_filename, read_file
+from frtools.formats import torch_fr
+from frtools.model.ranks import MAX_WORLD_SIZE
 
 JOB = textwrap.dedent(
     """
@@ -248,6 +250,31 @@ def test_every_fr_pickle_version_normalizes_the_same(version: str, tmp_path: Pat
         assert trace.world_size == 4 and trace.missing_ranks == [0, 2, 3]
     else:  # no pg_config: membership is whoever recorded ops
         assert trace.process_groups["0"].inferred
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_version_table_names_the_keys_each_version_writes(version: str) -> None:
+    """formats/torch_fr's table agrees with the dumps above, version by version."""
+    assert set(fr_entry(version, 0)) == set(torch_fr.entry_keys(version))
+    assert set(fr_dump(version)) == set(torch_fr.top_level_keys(version))
+
+
+def test_member_lists_beyond_the_largest_world_are_refused() -> None:
+    parse = torch_fr.parse_member_list
+    assert parse("[3, 1, 2]") == (1, 2, 3) and parse([0, 1]) == (0, 1) and parse("all") == "all"
+    assert parse(f"[0, {MAX_WORLD_SIZE - 1}]") == (0, MAX_WORLD_SIZE - 1)
+    assert parse(f"[0, {MAX_WORLD_SIZE}]") is None
+    assert parse("[-1, 0]") is None
+    assert parse(list(range(MAX_WORLD_SIZE + 1))) is None
+    assert parse("[" + "0, " * (MAX_WORLD_SIZE * 4) + "0]") is None  # too long to be one
+
+
+@pytest.mark.timeout(30)
+def test_group_listing_a_rank_beyond_the_largest_world_is_inferred(tmp_path: Path) -> None:
+    dump = fr_dump("2.10")
+    dump["pg_config"]["0"]["ranks"] = f"[0, 1, 2, {MAX_WORLD_SIZE * 8}]"
+    trace = load_trace(write_pickle(tmp_path / "rank_1.pkl", dump))
+    assert trace.process_groups["0"].inferred and trace.world_size == 2
 
 
 @pytest.mark.timeout(30)

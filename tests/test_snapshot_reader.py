@@ -3,8 +3,10 @@ torn slots, damaged files, live copies; and the analyzer reading them end to end
 
 from __future__ import annotations
 
+import ast
 import json
 import random
+import re
 import shutil
 import struct
 import subprocess
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 from jobs import start_ranks, stop
 
+import frtools.formats.blackbox as blackbox
 from frtools.analyze.readers import frtools_snapshot as reader
 from frtools.analyze.readers import load_trace
 from frtools.analyze.readers.base import DumpError
@@ -322,3 +325,78 @@ def test_corrupted_snapshots_are_read_or_refused_never_crash(hung_job, tmp_path)
             assert "\n" not in str(e)
             outcomes["refused"] += 1
     assert outcomes["read"] and outcomes["refused"]
+
+
+# --- the native writer and formats/blackbox agree on the layout -----------------------------
+
+BLACKBOX_CPP = Path(blackbox.__file__).parents[1] / "recorder" / "_native" / "blackbox.cpp"
+_C_SIZES = {"char": 1, "uint8_t": 1, "uint16_t": 2, "int32_t": 4, "uint32_t": 4}
+_C_SIZES |= {"int64_t": 8, "uint64_t": 8, "double": 8}
+
+
+def c_struct(source: str, name: str) -> tuple[list[tuple[str, int, int]], int]:
+    """``(field, offset, size)`` of a C struct of fixed-size members at natural alignment,
+    and the struct's size."""
+    body = re.search(rf"^struct {name} {{\n(.*?)^}};", source, re.S | re.M)
+    assert body, f"struct {name} not found in {BLACKBOX_CPP}"
+    fields, offset, align = [], 0, 1
+    for m in re.finditer(r"^\s*(\w+)\s+(\w+)(?:\[(\d+)\])?;", body.group(1), re.M):
+        size = _C_SIZES[m.group(1)]
+        offset += -offset % size
+        fields.append((m.group(2), offset, size * int(m.group(3) or 1)))
+        offset += size * int(m.group(3) or 1)
+        align = max(align, size)
+    return fields, offset + -offset % align
+
+
+def c_constant(source: str, name: str) -> str:
+    m = re.search(rf"\b{name}(?:\[\d+\])? = ([^;]+);", source)
+    assert m, f"{name} not found in {BLACKBOX_CPP}"
+    return m.group(1).strip()
+
+
+def test_native_black_box_layout_is_the_one_formats_blackbox_reads():
+    """The C++ writer's constants and structs (read from its source, nothing compiled) match
+    the Python side field by field: magic, version, header size, identity offset, string
+    ids, slot states and every offset of the header, slot and process-group structs."""
+    source = BLACKBOX_CPP.read_text()
+    magic = c_constant(source, "kMagic").strip("{}").split(",")
+    assert bytes(ord(ast.literal_eval(c.strip())) for c in magic) == blackbox.MAGIC
+    assert int(c_constant(source, "kVersion")) == blackbox.FORMAT_VERSION
+    assert int(c_constant(source, "kHeaderBytes")) == blackbox.HEADER_BYTES
+    assert int(c_constant(source, "kIdentityOffset")) == blackbox.IDENTITY_OFFSET
+    assert int(c_constant(source, "kStringsReserved")) == blackbox.STRINGS_RESERVED
+    assert int(c_constant(source, "kStrNone")) == blackbox.STRING_NONE
+    assert int(c_constant(source, "kStrFull").rstrip("uU"), 16) == blackbox.STRING_FULL
+    states = re.search(r"enum : uint8_t \{([^}]*)\}", source).group(1)
+    for name, value in re.findall(r"k(\w+) = (\d+)", states):
+        assert blackbox.STATE_NAMES[int(value)] == ("" if name == "Empty" else name.lower())
+
+    header, header_size = c_struct(source, "Header")
+    assert header_size <= blackbox.IDENTITY_OFFSET
+    layout = dict(blackbox.HEADER_LAYOUT)
+    assert [(f, off, size) for f, off, size in header] == [
+        (f, blackbox.HEADER_OFFSETS[f], struct.calcsize("<" + layout[f])) for f in layout
+    ]
+    for struct_name, dtype in (("Slot", blackbox.SLOT_DTYPE), ("PgEntry", blackbox.PG_DTYPE)):
+        fields, size = c_struct(source, struct_name)
+        assert size == dtype.itemsize, struct_name
+        named = [(f, off, n) for f, off, n in fields if f != "reserved"]
+        assert named == [(f, dtype.fields[f][1], dtype.fields[f][0].itemsize) for f in dtype.names]
+
+
+def test_pack_header_and_file_offsets_write_what_the_native_black_box_writes(tmp_path):
+    """The writer's side of formats/blackbox (used by ``frtools synth``) reproduces a header
+    the native black box wrote, byte for byte, and lays the file out the same way."""
+    path = write_rank(tmp_path, 0)
+    header = read_header(path)
+    assert blackbox.file_offsets(header["capacity"], header["pg_capacity"]) == (
+        header["pg_offset"],
+        header["slots_offset"],
+        header["strings_offset"],
+    )
+    fields = {name: header[name] for name, _ in blackbox.HEADER_LAYOUT}
+    packed = blackbox.pack_header(**fields)
+    assert packed == path.read_bytes()[: len(packed)]
+    with pytest.raises(TypeError, match="not a header field"):
+        blackbox.pack_header(capacty=1)
