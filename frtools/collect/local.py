@@ -12,7 +12,6 @@ this request is kept when the rank answered (the file is appended to on every re
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import socket
 import time
@@ -20,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from frtools.formats.manifest import Manifest, RankEntry, stacks_path
+from frtools.formats.manifest import Manifest, RankEntry, rank_in_file_name, stacks_path
 
 DEFAULT_DIR = "/dev/shm/frtools"
-_RANK_FILE = re.compile(r"^rank_(\d+)\.frt$")
 
 
 def frtools_dir() -> Path:
@@ -37,7 +35,7 @@ def find_jobs(root: str | os.PathLike[str] | None = None) -> dict[str, Path]:
     if not base.is_dir():
         return jobs
     for child in sorted(base.iterdir()):
-        if child.is_dir() and any(_RANK_FILE.match(p.name) for p in child.iterdir()):
+        if child.is_dir() and any(rank_in_file_name(p.name) is not None for p in child.iterdir()):
             jobs[child.name] = child
     return jobs
 
@@ -90,9 +88,9 @@ def collect_job(
 
     files: list[_RankFile] = []
     for path in sorted(job_dir.iterdir()):
-        m = _RANK_FILE.match(path.name)
-        if m:
-            files.append(_RankFile(rank=int(m.group(1)), path=path))
+        rank = rank_in_file_name(path.name)
+        if rank is not None:
+            files.append(_RankFile(rank=rank, path=path))
 
     # 1. who is alive: ask every live rank at once
     for rf in files:

@@ -35,7 +35,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from frtools.formats.manifest import Manifest, RankEntry
+from frtools.formats.manifest import STACKS_SUFFIX, Manifest, RankEntry, rank_file_name
+from frtools.formats.torch_fr import DUMP_FILE_PREFIX
 
 # Handlers tried in order for the trace: the NCCL pickle is richer where it exists.
 _TRACE_HANDLERS = (
@@ -43,7 +44,7 @@ _TRACE_HANDLERS = (
     ("fr_trace_json", ".json"),
 )
 _STACKS_HANDLER = "dump_traceback"
-DEFAULT_NCCL_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
+DEFAULT_NCCL_DUMP_PREFIX = f"/tmp/{DUMP_FILE_PREFIX}"
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -97,7 +98,7 @@ def _collect_worker(
         for handler, suffix in _TRACE_HANDLERS:
             body = _post(conn_factory, handler, deadline)
             if body is not None:
-                name = f"rank_{rank}{suffix}"
+                name = rank_file_name(rank, suffix)
                 (out_dir / name).write_bytes(body)
                 entry.files.append(name)
                 entry.answered = True
@@ -116,7 +117,7 @@ def _collect_worker(
         )
         return
     if stacks:
-        name = f"rank_{rank}.stacks"
+        name = rank_file_name(rank, STACKS_SUFFIX)
         (out_dir / name).write_bytes(stacks)
         entry.files.append(name)
 
@@ -237,7 +238,7 @@ def collect_pipes(
             except FileNotFoundError:
                 continue
             if st.st_mtime >= started - 1 and st.st_size > 0 and sizes.get(rank) == st.st_size:
-                name = f"rank_{rank}.pkl"
+                name = rank_file_name(rank, ".pkl")
                 shutil.copyfile(dump, out / name)
                 manifest.ranks[rank].files.append(name)
                 manifest.ranks[rank].answered = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,13 @@ STACKS_SUFFIX = ".stacks"  # every thread's Python stacks beside it: ``rank_<R>.
 def rank_file_name(rank: int, suffix: str = BOX_SUFFIX) -> str:
     """``rank_<R><suffix>``: the name of a rank's file in a recorder or dump folder."""
     return f"rank_{int(rank)}{suffix}"
+
+
+def rank_in_file_name(name: str, suffix: str = BOX_SUFFIX) -> int | None:
+    """The rank of a ``rank_<R><suffix>`` name (``rank_file_name`` read back); ``None`` for
+    any other name."""
+    m = re.fullmatch(rf"rank_(\d+){re.escape(suffix)}", name)
+    return int(m.group(1)) if m else None
 
 
 def stacks_path(box_path: str | os.PathLike[str]) -> Path:
@@ -128,12 +136,21 @@ class Manifest:
         return path
 
 
+class ManifestError(ValueError):
+    """A manifest that cannot be read; the message is a one-line reason."""
+
+
+class NotAManifest(ManifestError):
+    """JSON that is not an frtools dump manifest (someone else's ``manifest.json``)."""
+
+
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest as a dict; ValueError with the reason when it is not one of ours."""
+    """The manifest as a dict; ``NotAManifest`` when it is not one of ours,
+    ``ManifestError`` when it cannot be read."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read manifest: {exc}") from exc
+        raise ManifestError(f"unreadable manifest: {exc}") from exc
     if not isinstance(data, dict) or data.get("kind") != MANIFEST_KIND:
-        raise ValueError("not an frtools dump manifest")
+        raise NotAManifest("not an frtools dump manifest")
     return data

@@ -25,6 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from frtools.formats.manifest import MANIFEST_NAME, STACKS_SUFFIX
 from frtools.model.trace import InputFile, ProcessGroup, Trace, concat_entries
 
 from .base import DumpError, RankDump, rank_from_filename, read_head
@@ -36,10 +37,10 @@ PARALLEL_MIN_FILES = 64
 MAX_WORKERS = 8
 
 _SIDE_FILES = {
-    "manifest.json": "manifest of an frtools dump, not a rank's record",
+    MANIFEST_NAME: "manifest of an frtools dump, not a rank's record",
 }
 _SIDE_SUFFIXES = {
-    ".stacks": "Python stacks text, not a rank's record",
+    STACKS_SUFFIX: "Python stacks text, not a rank's record",
     ".txt": "text file, not a dump",
     ".log": "log file, not a dump",
     ".md": "text file, not a dump",

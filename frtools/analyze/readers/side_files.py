@@ -14,18 +14,24 @@ Both never raise: a side file that cannot be used becomes its ``InputFile`` reas
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 
+from frtools.formats.manifest import (
+    MANIFEST_NAME,
+    STACKS_SUFFIX,
+    ManifestError,
+    NotAManifest,
+    read_manifest,
+)
 from frtools.model.ranks import format_ranks
 from frtools.model.trace import InputFile, Trace
 
-MANIFEST_NAME = "manifest.json"
-MANIFEST_KIND = "frtools-dump-manifest"
-_STACKS_RE = re.compile(r"(?:^|[^0-9])(\d+)\.stacks$")
+# the rank of a stacks file: the number its name ends with (``rank_3.stacks``,
+# ``host-a_3.stacks``)
+_STACKS_RE = re.compile(rf"(?:^|[^0-9])(\d+){re.escape(STACKS_SUFFIX)}$")
 # a stacks file larger than this is cut to its tail: the last dump is what counts
 MAX_STACKS_BYTES = 4 << 20
 
@@ -63,7 +69,7 @@ def attach_stacks(trace: Trace, root: str | os.PathLike[str]) -> None:
     the newest.
     """
     by_rank: dict[int, list[Path]] = {}
-    for path in _walk(Path(root), lambda n: n.endswith(".stacks")):
+    for path in _walk(Path(root), lambda n: n.endswith(STACKS_SUFFIX)):
         m = _STACKS_RE.search(path.name)
         if not m:
             _set_input(trace, path, "skipped", "stacks file without a rank in its name", None)
@@ -103,12 +109,12 @@ def apply_manifest(trace: Trace, root: str | os.PathLike[str]) -> None:
     collection time, their hosts, the world size."""
     for path in _walk(Path(root), lambda n: n == MANIFEST_NAME):
         try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            _set_input(trace, path, "error", f"unreadable manifest: {exc}", None)
+            data = read_manifest(path)
+        except NotAManifest as exc:
+            _set_input(trace, path, "skipped", str(exc), None)
             continue
-        if not isinstance(data, dict) or data.get("kind") != MANIFEST_KIND:
-            _set_input(trace, path, "skipped", "not an frtools dump manifest", None)
+        except ManifestError as exc:
+            _set_input(trace, path, "error", str(exc), None)
             continue
         ranks = data.get("ranks") if isinstance(data.get("ranks"), dict) else {}
         for key, entry in ranks.items():

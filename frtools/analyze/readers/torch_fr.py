@@ -1,7 +1,7 @@
 """A PyTorch Flight Recorder dump, already parsed (``torch_pickle``, ``torch_json``), as the
 ``RankDump`` the loader merges.
 
-What the keys mean is ``frtools.formats.torch_fr``'s (``normalize``); this module adds what
+What the keys mean is ``frtools.formats.torch_fr``'s (``torch_fr.normalize``); this module adds what
 the analysis keeps per file: the rank and host the file's name gives, where the dump came
 from, and whether its ring buffer wrapped.
 """
@@ -14,7 +14,12 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from frtools.formats.torch_fr import TorchDump, TorchDumpError, normalize, normalize_native
+from frtools.formats.torch_fr.normalize import (
+    TorchDump,
+    TorchDumpError,
+    normalize,
+    normalize_native,
+)
 from frtools.model.trace import RankInfo
 
 from .base import DumpError, RankDump, rank_from_filename
