@@ -20,17 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from frtools.formats import torch_fr
 from frtools.formats.blackbox import STATE_NAMES, Snapshot, SnapshotError, read_snapshot
 from frtools.formats.manifest import BOX_SUFFIX, rank_file_name
-from frtools.formats.torch_fr import (
-    ENTRY_KEYS,
-    dump_dict,
-    member_list_text,
-    p2p_profiling_name,
-    pg_config_entry,
-    pg_status_entry,
-    pickle_dump,
-)
 
 
 @dataclass
@@ -73,16 +65,17 @@ def _profiling_name(name: str, group: Any, rank: int, peer: int, is_p2p: bool) -
     ranks = sorted(group.ranks)
     if rank not in ranks or peer not in ranks:
         return name
-    return p2p_profiling_name(name, ranks.index(rank), ranks.index(peer))
+    return torch_fr.p2p_profiling_name(name, ranks.index(rank), ranks.index(peer))
 
 
 def snapshot_to_torch_dump(snap: Snapshot) -> dict[str, Any]:
     """One rank's black box as the dict PyTorch's recorder pickles."""
     pg_config = {
-        g.name: pg_config_entry(g.name, g.desc, member_list_text(g.ranks)) for g in snap.groups
+        g.name: torch_fr.pg_config_entry(g.name, g.desc, torch_fr.member_list_text(g.ranks))
+        for g in snap.groups
     }
     pg_status = {
-        g.name: pg_status_entry(
+        g.name: torch_fr.pg_status_entry(
             int(g.last_enqueued_collective),
             int(g.last_started_collective),
             int(g.last_completed_collective),
@@ -114,7 +107,7 @@ def snapshot_to_torch_dump(snap: Snapshot) -> dict[str, Any]:
         if stack_id not in frames_cache:
             frames_cache[stack_id] = parse_stack(s(stack_id))
         op_ids[pg_index] = op_ids.get(pg_index, 0) + 1
-        entry = dict.fromkeys(ENTRY_KEYS)
+        entry = dict.fromkeys(torch_fr.ENTRY_KEYS)
         entry.update(
             frames=frames_cache[stack_id],
             record_id=int(slot["record_id"]),
@@ -144,7 +137,7 @@ def snapshot_to_torch_dump(snap: Snapshot) -> dict[str, Any]:
         if not duration > 0:  # PyTorch writes it only once a duration was measured
             del entry["duration_ms"]
         entries.append(entry)
-    return dump_dict(pg_config, pg_status, entries)
+    return torch_fr.dump_dict(pg_config, pg_status, entries)
 
 
 def find_snapshots(root: Path) -> list[Path]:
@@ -175,6 +168,6 @@ def convert_to_torch_pickle(
             result.errors.append(f"{path}: rank {rank} already converted from another file")
             continue
         target = out_dir / rank_file_name(rank, suffix="")
-        target.write_bytes(pickle_dump(snapshot_to_torch_dump(snap)))
+        target.write_bytes(torch_fr.pickle_dump(snapshot_to_torch_dump(snap)))
         result.written[rank] = target
     return result

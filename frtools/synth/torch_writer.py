@@ -17,15 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from frtools.formats.torch_fr import (
-    ENTRY_KEYS,
-    dump_dict,
-    member_list_text,
-    p2p_profiling_name,
-    pg_config_entry,
-    pg_status_entry,
-    pickle_dump,
-)
+from frtools.formats import torch_fr
 
 from .job import (
     BACKEND,
@@ -53,17 +45,17 @@ def file_name(params: WriteParams, rank: int) -> str:
 
 def rank_bytes(job: Job, rank: int) -> bytes:
     """The file ``rank`` leaves: its dump, pickled."""
-    return pickle_dump(rank_dump(job, rank))
+    return torch_fr.pickle_dump(rank_dump(job, rank))
 
 
 def _profiling_name(slot: Slot) -> str:
     name = f"{BACKEND}:{slot.op}"
-    return p2p_profiling_name(name, slot.stage, slot.peer_stage) if slot.is_p2p else name
+    return torch_fr.p2p_profiling_name(name, slot.stage, slot.peer_stage) if slot.is_p2p else name
 
 
 def _template(slot: Slot, pg: tuple[str, str], thread_id: str, timing: bool) -> dict[str, Any]:
     """An entry with every static field filled, keys in PyTorch's order."""
-    entry = dict.fromkeys(ENTRY_KEYS)
+    entry = dict.fromkeys(torch_fr.ENTRY_KEYS)
     entry.update(
         frames=slot.frames,
         pg_id=PG_ID[slot.kind],
@@ -168,14 +160,14 @@ def rank_dump(job: Job, rank: int) -> dict[str, Any]:
                 _WORLD_RANKS_TEXT[layout.world_size] = ranks_text
         else:
             ranks_text = _members_text(pg_members[kind])
-        pg_config[name] = pg_config_entry(name, desc, ranks_text)
+        pg_config[name] = torch_fr.pg_config_entry(name, desc, ranks_text)
     pg_config = dict(sorted(pg_config.items()))
     pg_status = {
-        str(PG_ID[kind]): pg_status_entry(*status[kind])
+        str(PG_ID[kind]): torch_fr.pg_status_entry(*status[kind])
         for kind in sorted(status, key=lambda k: PG_ID[k])
     }
-    return dump_dict(pg_config, pg_status, entries, COMM_LIB_VERSION)
+    return torch_fr.dump_dict(pg_config, pg_status, entries, COMM_LIB_VERSION)
 
 
 def _members_text(ranks: Any) -> str:
-    return member_list_text(np.asarray(ranks).tolist())
+    return torch_fr.member_list_text(np.asarray(ranks).tolist())

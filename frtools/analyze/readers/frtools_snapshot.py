@@ -16,6 +16,7 @@ import pyarrow as pa
 from frtools.formats.blackbox import (
     MAGIC,
     SLOT_DTYPE,
+    STATE_NAMES,
     STRING_COLUMNS,
     STRING_NONE,
     Snapshot,
@@ -31,7 +32,7 @@ FORMAT = "frtools"
 # default groups of jobs larger than this are passed as "all ranks" (RankDump.default_pg_all)
 ALL_RANKS_ABOVE = 1024
 
-_STATES = pa.array(["", "scheduled", "started", "completed"], type=pa.string())
+_STATES = pa.array(STATE_NAMES, type=pa.string())
 
 
 def sniff(path: Path, head: bytes) -> bool:
