@@ -3,17 +3,14 @@
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import click
 
+from frtools.commands._common import fail, first_line, run_guarded
 
-def _fail(message: str) -> None:
-    click.echo(f"frtools export: error: {message}", err=True)
-    sys.exit(2)
+ERROR = "frtools export: error"
 
 
 @click.command("export")
@@ -38,36 +35,28 @@ def _fail(message: str) -> None:
 def export(path: Path, output: Path, workers: int | None, compression: str) -> None:
     """Export the entries of the dumps under PATH to Parquet (plus ranks and process-group
     tables next to it), for pandas, DuckDB or Spark."""
-    try:
-        from frtools.analyze.readers import UnusableInput, load_trace
-        from frtools.formats.parquet import write_parquet
+    run_guarded(ERROR, lambda: _run(path, output, workers, compression))
 
-        try:
-            trace = load_trace(path, workers=workers, progress=sys.stderr.isatty())
-        except UnusableInput as e:
-            _fail(str(e).splitlines()[0] if str(e) else "unusable input")
-            return
-        if not output.parent.exists():
-            _fail(f"cannot write {output}: directory {output.parent} does not exist")
-        try:
-            paths = write_parquet(trace, output, compression=compression)
-        except OSError as e:
-            _fail(f"cannot write {e.filename or output}: {e.strerror or e}")
-            return
-    except SystemExit:
-        raise
-    except KeyboardInterrupt:
-        _fail("interrupted")
-        return
-    except Exception as e:  # noqa: BLE001 - one line for the user, never a traceback
-        if os.environ.get("FRTOOLS_DEBUG") == "1":
-            traceback.print_exc()
-        _fail(f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return
-    problems = [i for i in trace.inputs if i.status == "error"]
+
+def _run(path: Path, output: Path, workers: int | None, compression: str) -> int:
+    from frtools.analyze.readers import UnusableInput, load_trace
+    from frtools.formats.parquet import write_parquet
+
+    try:
+        trace = load_trace(path, workers=workers, progress=sys.stderr.isatty())
+    except UnusableInput as e:
+        fail(ERROR, first_line(e, "unusable input"))
+    if not output.parent.exists():
+        fail(ERROR, f"cannot write {output}: directory {output.parent} does not exist")
+    try:
+        paths = write_parquet(trace, output, compression=compression)
+    except OSError as e:
+        fail(ERROR, f"cannot write {e.filename or output}: {e.strerror or e}")
     click.echo(
         f"Wrote {trace.entries.num_rows:,} entries of {len(trace.ranks)} ranks to {paths[0]} "
         f"(+ {paths[1].name}, {paths[2].name})"
     )
-    for i in problems:
-        click.echo(f"  skipped {i.path}: {i.reason}", err=True)
+    for i in trace.inputs:
+        if i.status == "error":
+            click.echo(f"  skipped {i.path}: {i.reason}", err=True)
+    return 0
