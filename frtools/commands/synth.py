@@ -11,7 +11,7 @@ from frtools.model.ranks import RankTextError, parse_ranks
 from frtools.synth import FAULTS, FaultError, LayoutError, ModelShape, synthesize
 
 
-def _parse_ranks(value: str | None) -> list[int] | None:
+def _fault_ranks(value: str | None) -> list[int] | None:
     if not value:
         return None
     try:
@@ -188,7 +188,7 @@ def synth(
             ep=ep,
             cp=cp,
             fault=fault,
-            fault_ranks=_parse_ranks(fault_ranks),
+            fault_ranks=_fault_ranks(fault_ranks),
             n_faulty=faulty,
             seed=seed,
             buffer_size=buffer_size,

@@ -1,4 +1,4 @@
-"""Read, copy and poke frtools black-box files without torch and without the native module.
+"""Read, copy, poke and write frtools black boxes without torch and without the native module.
 
 The black box (``frtools.recorder._blackbox``) writes one memory-mapped file per rank; this
 module is its other half: the layout below mirrors ``_native/blackbox.cpp`` and is written
