@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Install everything the tests need on a fresh machine and run them: the whole suite on
+# torch 2.15, then the torch-dependent part again on torch 2.13 in its own virtualenv.
+#
+#   scripts/test.sh                 # both torch versions
+#   FRTOOLS_TEST_TORCHES=2.15 scripts/test.sh    # one version only
+#   scripts/test.sh -k report       # extra arguments go to pytest (both runs)
+#
+# torch 2.15.0 on PyPI is the CUDA build (several GB; it runs on CPU). Where the machine pins
+# an older torch with a pip constraint, PIP_CONSTRAINT=/dev/null lifts it for that one call.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCHES="${FRTOOLS_TEST_TORCHES:-2.15 2.13}"
+PY="${PYTHON:-python}"
+
+# Headless Chromium for the HTML report's browser test.
+if ! command -v chromium >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+        $SUDO apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+    else
+        echo "scripts/test.sh: install Chromium (package 'chromium') for the report's browser test" >&2
+    fi
+fi
+
+status=0
+for version in $TORCHES; do
+    case "$version" in
+    2.15)
+        PIP_CONSTRAINT=/dev/null "$PY" -m pip install --quiet torch==2.15.0 -e ".[test]"
+        echo "== torch 2.15: the whole suite"
+        "$PY" -m pytest -q "$@" || status=$?
+        ;;
+    2.13)
+        venv=".venv-torch2.13"
+        [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+        "$venv/bin/python" -m pip install --quiet --upgrade pip
+        "$venv/bin/python" -m pip install --quiet torch==2.13.0 -e ".[test]"
+        echo "== torch 2.13: the torch-dependent tests (marker torch)"
+        "$venv/bin/python" -m pytest -q -m torch "$@" || status=$?
+        ;;
+    *)
+        echo "scripts/test.sh: unknown torch version $version (2.15 or 2.13)" >&2
+        exit 2
+        ;;
+    esac
+done
+exit $status
