@@ -43,6 +43,7 @@ FOCUS_OPS = 48
 FOCUS_RANKS = 64
 MIN_OPS = 4
 MAX_LISTED_GROUPS = 60
+SHOWN_GROUPS = 10
 MAX_LISTED_INPUTS = 500
 
 _STATE_CODES = {
@@ -389,7 +390,7 @@ def _map_section(verdict: Verdict, pmap: views.ProgressMap) -> str:
         '<span class="key k-d">completed</span> <span class="key k-u">issued, completion '
         'unknown</span> <span class="key k-p">issued, not completed</span> '
         '<span class="key k-b">never issued the latest</span> <span class="key k-n">no '
-        "record</span>. ▼ guilty rank. Click a cell to zoom to its group.</p>"
+        "record</span>. ▼ and a red band: the guilty rank(s). Click a cell to zoom to its group.</p>"
     )
     out.append('<div class="map-wrap"><canvas id="map-canvas" height="10"></canvas></div>')
     out.append('<div id="map-zoom" class="zoom"></div>')
@@ -435,11 +436,16 @@ def _groups_table(verdict: Verdict, pmap: views.ProgressMap) -> str:
     if not candidates:
         return '<p class="dim">Every group is in step: each member issued and completed its latest collective.</p>'
     out = [
-        f'<h3>Groups not in step ({len(candidates)})</h3><table class="groups" id="groups-table">',
+        f'<h3>Groups not in step ({len(candidates)})</h3><table class="groups">',
         "<thead><tr><th>group</th><th>kind</th><th>members</th><th>latest seq</th>",
         "<th>behind</th><th>not completed</th><th>no record</th></tr></thead><tbody>",
     ]
-    for i, g in candidates[:MAX_LISTED_GROUPS]:
+    for n, (i, g) in enumerate(candidates[:MAX_LISTED_GROUPS]):
+        if n == SHOWN_GROUPS:
+            out.append(
+                '</tbody></table><details><summary>more groups</summary><table class="groups">'
+                "<tbody>"
+            )
         behind = [r for r, s in zip(g.members, g.states, strict=True) if s == views.BEHIND]
         pend = [r for r, s in zip(g.members, g.states, strict=True) if s == views.PENDING]
         none = [r for r, s in zip(g.members, g.states, strict=True) if s == views.NO_RECORD]
@@ -457,6 +463,8 @@ def _groups_table(verdict: Verdict, pmap: views.ProgressMap) -> str:
             "(the map shows all)</td></tr>"
         )
     out.append("</tbody></table>")
+    if len(candidates) > SHOWN_GROUPS:
+        out.append("</details>")
     return "\n".join(out)
 
 

@@ -163,13 +163,14 @@ window.addEventListener("error", function (ev) {
         }
       }
     });
-    ctx.fillStyle = COL.guilty;  // guilty ranks: a triangle over their column
+    ctx.fillStyle = COL.guilty;  // guilty ranks: a triangle and a red band over their column
     for (let i = 0; i < NR; i++) {
       if (D.roles[i] !== "g") continue;
       const x = x0 + Math.floor(i / per) * bw + bw / 2;
       ctx.beginPath();
       ctx.moveTo(x - 5, 2); ctx.lineTo(x + 5, 2); ctx.lineTo(x, MAP.top - 2);
       ctx.fill();
+      ctx.fillRect(x - Math.max(1.5, bw / 2), MAP.top, Math.max(3, bw), mapRows.length * MAP.rowH);
     }
     ctx.fillStyle = COL.dim;
     ctx.textAlign = "right";
@@ -246,7 +247,7 @@ window.addEventListener("error", function (ev) {
     zoomBox.appendChild(note);
     drawMap();
   }
-  document.querySelectorAll("#groups-table tr[data-group]").forEach(function (tr) {
+  document.querySelectorAll("table.groups tr[data-group]").forEach(function (tr) {
     tr.addEventListener("click", function () {
       zoomGroup(Number(tr.getAttribute("data-group")));
       zoomBox.scrollIntoView({ block: "nearest" });
@@ -320,6 +321,16 @@ window.addEventListener("error", function (ev) {
     select.appendChild(o);
   });
   select.value = String(grouping);
+  // blocks holding a guilty rank first, then those with a waiting rank, each in rank order
+  groupings.forEach(function (g) {
+    const rank = function (b) {
+      let best = 2;
+      b.ranks.forEach(function (r) { const ro = role(r); best = Math.min(best, ro === "g" ? 0 : ro === "w" ? 1 : 2); });
+      return best;
+    };
+    g.blocks.forEach(function (b, k) { b.pri = rank(b); b.at = k; });
+    g.blocks.sort(function (a, b) { return a.pri - b.pri || a.at - b.at; });
+  });
   let expanded = new Set(), tlRows = [];
   function defaultExpanded() {
     expanded = new Set();
