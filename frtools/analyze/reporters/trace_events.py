@@ -51,6 +51,10 @@ CNAME = {
     views.COMPLETION_UNKNOWN: "grey",
 }
 VERDICT_CNAME = "terrible"
+# tracks per process group and rank: async ops of one group may overlap without nesting
+# (op n+1 enqueued before op n completed), which a track cannot show; they go to the
+# group's next track
+LANES = 8
 
 
 def write(
@@ -78,7 +82,9 @@ def write(
         set(alignment.members) | set(trace.process_groups) | set(ops["pg_name"].unique()),
         key=_name_key,
     )
-    tid_of = {name: i + 1 for i, name in enumerate(pmap_groups)}
+    tid_of = {name: (i + 1) * LANES for i, name in enumerate(pmap_groups)}
+    if len(ops):
+        ops = ops.assign(tid=_tids(ops, tid_of))
     origin = int(ops["start_ns"].min()) if len(ops) else point.end_ns
     if point.hang_ns is not None:
         origin = min(origin, point.hang_ns)
@@ -127,19 +133,29 @@ def write(
         emit(
             {"ph": "M", "pid": r, "tid": 0, "name": "process_sort_index", "args": {"sort_index": r}}
         )
-    threads = ops[["rank", "pg_name"]].drop_duplicates() if len(ops) else []
-    for r, pg_name in threads.itertuples(index=False) if len(threads) else ():
+    threads = ops[["rank", "pg_name", "tid"]].drop_duplicates() if len(ops) else []
+    for r, pg_name, tid in threads.itertuples(index=False) if len(threads) else ():
         pg = trace.process_groups.get(pg_name)
         label = f"pg {pg_name}" + (f" ({pg.desc})" if pg is not None and pg.desc else "")
-        tid = tid_of.get(pg_name, 0)
-        emit({"ph": "M", "pid": int(r), "tid": tid, "name": "thread_name", "args": {"name": label}})
+        lane = int(tid) % LANES
+        if lane:
+            label += f" (overlapping ops, lane {lane + 1})"
         emit(
             {
                 "ph": "M",
                 "pid": int(r),
-                "tid": tid,
+                "tid": int(tid),
+                "name": "thread_name",
+                "args": {"name": label},
+            }
+        )
+        emit(
+            {
+                "ph": "M",
+                "pid": int(r),
+                "tid": int(tid),
                 "name": "thread_sort_index",
-                "args": {"sort_index": tid},
+                "args": {"sort_index": int(tid)},
             }
         )
 
@@ -210,6 +226,7 @@ def _write_slices(
         c: ops[c].tolist()
         for c in (
             "rank",
+            "tid",
             "pg_name",
             "op",
             "seq",
@@ -263,7 +280,7 @@ def _write_slices(
         )
         name = js(op)[:-1] + f' #{seq}"'
         lines.append(
-            f'{{"ph":"X","pid":{cols["rank"][j]},"tid":{tid_of.get(pg_name, 0)},'
+            f'{{"ph":"X","pid":{cols["rank"][j]},"tid":{cols["tid"][j]},'
             f'"ts":{ts[j]},"dur":{dur[j]},"name":{name},'
             f'"cat":"{"p2p" if is_p2p else "collective"}",'
             f'"cname":"{VERDICT_CNAME if verdict_op else CNAME[completion]}","args":{{{args}}}}}'
@@ -275,6 +292,37 @@ def _write_slices(
     if lines:
         out.write(("" if first else ",\n") + ",\n".join(lines))
     return len(ts)
+
+
+def _tids(ops: Any, tid_of: dict[str, int]) -> list[int]:
+    """A track per op: its group's, or the group's next one where it would overlap an op
+    of that track without nesting in it (ops come oldest first per rank). Each track keeps
+    the stack of its open slices' ends, as a viewer nests them."""
+    tids = []
+    tracks: dict[tuple[int, int], list[list[int]]] = {}
+    for rank, pg_name, start, end in zip(
+        ops["rank"].tolist(),
+        ops["pg_name"].tolist(),
+        ops["start_ns"].tolist(),
+        ops["end_ns"].tolist(),
+        strict=True,
+    ):
+        base = tid_of.get(pg_name, 0)
+        lanes = tracks.setdefault((rank, base), [])
+        chosen = None
+        for lane, stack in enumerate(lanes):
+            while stack and stack[-1] <= start:
+                stack.pop()
+            if not stack or end <= stack[-1]:
+                chosen = lane
+                break
+        if chosen is None:
+            if len(lanes) < LANES:
+                lanes.append([])
+            chosen = len(lanes) - 1  # past LANES tracks, the last one takes the rest
+        lanes[chosen].append(end)
+        tids.append(base + chosen)
+    return tids
 
 
 def _name_key(name: str) -> tuple[int, int | str]:

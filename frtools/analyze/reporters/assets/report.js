@@ -602,4 +602,35 @@ window.addEventListener("error", function (ev) {
     pending = requestAnimationFrame(drawAll);
   });
   document.body.setAttribute("data-ready", "1");
+
+  /* ---- for tests in a headless browser: file://…/report.html#frtools-selftest hovers
+     and clicks like a person would and writes what it saw into data-selftest ---- */
+  if (location.hash === "#frtools-selftest") {
+    const seen = {};
+    const fire = function (el, type, x, y) {
+      const r = el.getBoundingClientRect();
+      el.dispatchEvent(new MouseEvent(type, { clientX: r.left + x, clientY: r.top + y, bubbles: true }));
+    };
+    const g = D.roles.indexOf("g");
+    if (g >= 0 && mapGeo) {
+      fire(mapCanvas, "mousemove", MAP.labelW + Math.floor(g / mapGeo.per) * mapGeo.bw + mapGeo.bw / 2, MAP.top + MAP.rowH / 2);
+      seen.map_tip = tip.textContent;
+      fire(mapCanvas, "click", MAP.labelW + Math.floor(g / mapGeo.per) * mapGeo.bw + mapGeo.bw / 2, MAP.top + MAP.rowH / 2);
+      seen.zoomed = zoomBox.querySelector("h3") ? zoomBox.querySelector("h3").textContent : "";
+    }
+    const k = tlRows.findIndex(function (row) { return row.rank !== undefined && opsOf.has(row.rank); });
+    if (k >= 0 && O) {
+      const span = opsOf.get(tlRows[k].rank), j = span[1] - 1;
+      const plotW = Math.max(40, tlCanvas.clientWidth - TL.labelW - 8);
+      const x = TL.labelW + (O.s[j] + O.d[j] / 2 - t0) / (t1 - t0) * plotW;
+      fire(tlCanvas, "mousemove", Math.min(Math.max(x, TL.labelW + 1), TL.labelW + plotW - 1), TL.axisH + k * TL.rowH + TL.rowH / 2);
+      seen.slice_tip = tip.textContent;
+    }
+    const rows = tlRows.length;
+    fire(tlCanvas, "mousedown", 20, TL.axisH + 4);
+    fire(tlCanvas, "mouseup", 20, TL.axisH + 4);
+    seen.rows_before_after = [rows, tlRows.length];
+    hideTip();
+    document.body.setAttribute("data-selftest", JSON.stringify(seen));
+  }
 })();
