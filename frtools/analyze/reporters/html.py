@@ -321,19 +321,38 @@ def _verdict_section(verdict: Verdict, source: str | None) -> str:
         meta.append(f"from <code>{_e(source)}</code>")
     out.append(f'<p class="meta">{" · ".join(meta)}</p>')
     if verdict.guilty:
-        out.append('<table class="guilty"><thead><tr><th>guilty rank</th><th>host</th>')
-        out.append("<th>device</th><th>pid</th><th>reason</th><th>call site</th></tr></thead>")
-        out.append("<tbody>")
-        for g in verdict.guilty[:50]:
-            device = " ".join(x for x in (g.device, g.device_id) if x)
-            local = f" (local rank {g.local_rank})" if g.local_rank is not None else ""
+        shown = verdict.guilty[:50]
+        # identity columns only where some guilty rank has the fact (Gloo dumps have none)
+        columns = [
+            (name, cell)
+            for name, cell in (
+                (
+                    "host",
+                    lambda g: (
+                        (g.host or "?")
+                        + (f" (local rank {g.local_rank})" if g.local_rank is not None else "")
+                    ),
+                ),
+                ("device", lambda g: " ".join(x for x in (g.device, g.device_id) if x) or "?"),
+                ("pid", lambda g: g.pid or "?"),
+            )
+            if any(cell(g) != "?" for g in shown)
+        ]
+        head = "".join(f"<th>{name}</th>" for name, _ in columns)
+        out.append(
+            f'<table class="guilty"><thead><tr><th>guilty rank</th>{head}<th>reason</th>'
+            "<th>call site</th></tr></thead><tbody>"
+        )
+        for g in shown:
+            cells = "".join(f"<td>{_e(cell(g))}</td>" for _, cell in columns)
             out.append(
-                f'<tr><td class="rank">{g.rank}</td><td>{_e(g.host or "?")}{_e(local)}</td>'
-                f"<td>{_e(device or '?')}</td><td>{_e(g.pid or '?')}</td><td>{_e(g.reason)}</td>"
+                f'<tr><td class="rank">{g.rank}</td>{cells}<td>{_e(g.reason)}</td>'
                 f"<td><code>{_e(g.call_site or '?')}</code></td></tr>"
             )
         if len(verdict.guilty) > 50:
-            out.append(f'<tr><td colspan="6">… {len(verdict.guilty) - 50} more</td></tr>')
+            out.append(
+                f'<tr><td colspan="{3 + len(columns)}">… {len(verdict.guilty) - 50} more</td></tr>'
+            )
         out.append("</tbody></table>")
     if pg is not None:
         where = f"group <b>{_e(pg.name)}</b>"
