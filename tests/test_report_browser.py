@@ -75,6 +75,14 @@ def _selftest(page: Path, tmp: Path) -> dict:
     return json.loads(_attr(p.stdout, "data-selftest") or "{}")
 
 
+@pytest.mark.parametrize("case", ["healthy", "dead", "straggler", "order", "missing-wrapped"])
+def test_every_kind_of_page_draws_without_a_script_error(case, tmp_path):
+    page, verdict = _report(SAMPLES / case, tmp_path / "report.html")
+    seen = _selftest(page, tmp_path)  # raises on a script error
+    if verdict.guilty_ranks:
+        assert seen["map_tip"].startswith(f"rank {verdict.guilty_ranks[0]} (guilty)"), seen
+
+
 def test_network_check_sees_a_request_when_a_page_makes_one(tmp_path):
     page = tmp_path / "leaky.html"
     page.write_text('<html><body><img src="http://127.0.0.1:9/x.png"></body></html>')

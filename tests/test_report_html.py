@@ -149,6 +149,25 @@ def test_healthy_report_says_so():
     assert "Every group is in step" in page
 
 
+def test_a_record_without_ops_still_gives_a_page_and_a_trace():
+    import io
+
+    from frtools.analyze.reporters import trace_events
+    from frtools.model.trace import ProcessGroup, RankInfo, Trace, entries_table
+
+    trace = Trace(
+        entries=entries_table([]),
+        ranks={0: RankInfo(0), 1: RankInfo(1)},
+        process_groups={"0": ProcessGroup("0", "default_pg", (0, 1))},
+        world_size=2,
+    )
+    verdict, page = _render(trace)
+    assert _data(page)["timeline"]["ops"] is None
+    buf = io.StringIO()
+    assert trace_events.write(buf, verdict, trace, align(trace)) == 0
+    assert json.loads(buf.getvalue())["traceEvents"][-1]["name"].startswith("verdict: ")
+
+
 @pytest.mark.parametrize("case", sorted(p.name for p in SAMPLES.iterdir() if p.is_dir()))
 def test_report_and_timeline_work_on_every_sample(case, tmp_path):
     """Exit codes as ``analyze``; the page and the trace file are written and readable."""
