@@ -18,6 +18,16 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "analyze",
         "Find the hung collective and the guilty rank.",
     ),
+    "report": (
+        "frtools.commands.report",
+        "report",
+        "Write the verdict and the records around it as one HTML file.",
+    ),
+    "timeline": (
+        "frtools.commands.timeline",
+        "timeline",
+        "Write every rank's last ops as a Perfetto / chrome://tracing file.",
+    ),
     "dump": ("frtools.commands.dump", "dump", "Collect a job's flight records and stacks."),
     "run": ("frtools.commands.run", "run", "Run a command with the recorder on."),
     "demo": ("frtools.commands.demo", "demo", "Hang a small local job on purpose and diagnose it."),

@@ -4,10 +4,11 @@ report to ``-o FILE`` or stdout."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -64,3 +65,81 @@ def write_text(prefix: str, text: str, output: Path | None, **echo: Any) -> None
         output.write_text(text, encoding="utf-8")
     except OSError as e:
         fail(prefix, f"error: cannot write {output}: {e.strerror or e}")
+
+
+# A load is worth a progress bar when it likely takes more than about a second: reading
+# runs at very roughly 100 files or 50 MB a second on a loaded 2-core machine.
+SLOW_LOAD_FILES = 100
+SLOW_LOAD_BYTES = 48 << 20
+
+
+def load_looks_slow(path: Path) -> bool:
+    """True when the dumps under ``path`` are many or large enough to take a second."""
+    try:
+        if path.is_file():
+            return path.stat().st_size >= SLOW_LOAD_BYTES
+        files = size = 0
+        for root, _dirs, names in os.walk(path):
+            for name in names:
+                files += 1
+                with contextlib.suppress(OSError):
+                    size += os.stat(os.path.join(root, name)).st_size
+                if files >= SLOW_LOAD_FILES or size >= SLOW_LOAD_BYTES:
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def progress_wanted(path: Path, human: bool) -> bool:
+    """A progress bar on stderr: only for a person watching a terminal (never in a
+    machine-read format, nor when stderr is a file or a pipe), and only for a slow load."""
+    return human and sys.stderr.isatty() and load_looks_slow(path)
+
+
+@contextlib.contextmanager
+def phase(text: str, enabled: bool) -> Iterator[None]:
+    """A spinner with ``text`` on stderr while a slow step runs (when ``enabled``)."""
+    if not enabled:
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(text):
+        yield
+
+
+def load_and_diagnose(
+    prefix: str,
+    path: Path,
+    *,
+    workers: int | None = None,
+    world_size: int | None = None,
+    progress: bool = False,
+) -> tuple[Any, Any, Any]:
+    """Read the dumps under ``path``, align them once and diagnose: ``(trace, alignment,
+    verdict)``. Unusable input is a one-line error, exit 2."""
+    from frtools.analyze.memory import keep_freed_memory
+    from frtools.analyze.readers import UnusableInput, load_trace
+
+    def import_diagnosis() -> None:  # pandas & co: 0.5 s, while the readers work
+        import frtools.analyze.diagnose  # noqa: F401
+
+    keep_freed_memory()
+    try:
+        trace = load_trace(
+            path,
+            workers=workers,
+            progress=progress,
+            world_size=world_size,
+            meanwhile=import_diagnosis,
+        )
+    except UnusableInput as e:
+        fail(prefix, f"error: {first_line(e, 'unusable input')}")
+    from frtools.analyze.align import align
+    from frtools.analyze.diagnose import diagnose
+
+    with phase("aligning and diagnosing", progress):
+        alignment = align(trace)
+        verdict = diagnose(trace, alignment)
+    return trace, alignment, verdict

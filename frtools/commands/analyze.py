@@ -7,13 +7,20 @@ one line on stderr; ``FRTOOLS_DEBUG=1`` adds the traceback of an internal error.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import click
 
-from frtools.commands._common import OneLineCommand, fail, first_line, run_guarded, write_text
+from frtools.commands._common import (
+    OneLineCommand,
+    load_and_diagnose,
+    progress_wanted,
+    run_guarded,
+    write_text,
+)
 
-FORMATS = ("terminal", "json", "markdown")
+FORMATS = ("terminal", "json", "markdown", "github", "junit")
 
 
 @click.command("analyze", cls=OneLineCommand)
@@ -24,7 +31,9 @@ FORMATS = ("terminal", "json", "markdown")
     type=click.Choice(FORMATS),
     default="terminal",
     show_default=True,
-    help="Report format.",
+    help="Report format: terminal, json (docs/verdict.schema.json), markdown (a CI job "
+    "summary), github (workflow-command annotations at the guilty rank's call site; the "
+    "markdown summary is appended to $GITHUB_STEP_SUMMARY when set), junit (JUnit XML).",
 )
 @click.option(
     "-o",
@@ -69,26 +78,14 @@ def _run(
     workers: int | None,
     world_size: int | None = None,
 ) -> int:
-    from frtools.analyze.memory import keep_freed_memory
-    from frtools.analyze.readers import UnusableInput, load_trace
-
-    def import_diagnosis() -> None:  # pandas & co: 0.5 s, while the readers work
-        import frtools.analyze.diagnose  # noqa: F401
-
-    keep_freed_memory()
-    try:
-        trace = load_trace(
-            path,
-            workers=workers,
-            progress=sys.stderr.isatty() and fmt == "terminal",
-            world_size=world_size,
-            meanwhile=import_diagnosis,
-        )
-    except UnusableInput as e:
-        fail("frtools", f"error: {first_line(e, 'unusable input')}")
-    from frtools.analyze.diagnose import diagnose
-
-    verdict = diagnose(trace)
+    started = time.monotonic()
+    _, _, verdict = load_and_diagnose(
+        "frtools",
+        path,
+        workers=workers,
+        world_size=world_size,
+        progress=progress_wanted(path, human=fmt == "terminal"),
+    )
 
     if fmt == "json":
         from frtools.analyze.reporters import json_report
@@ -98,6 +95,18 @@ def _run(
         from frtools.analyze.reporters import markdown
 
         text = markdown.render(verdict, verbose=verbose)
+    elif fmt == "github":
+        from frtools.analyze.reporters import github, markdown
+
+        text = github.render(verdict)
+        try:
+            github.append_step_summary(markdown.render(verdict, verbose=verbose))
+        except OSError as e:
+            click.echo(f"frtools: warning: cannot append to $GITHUB_STEP_SUMMARY: {e}", err=True)
+    elif fmt == "junit":
+        from frtools.analyze.reporters import junit
+
+        text = junit.render(verdict, name=str(path), time_s=time.monotonic() - started)
     else:
         from frtools.analyze.reporters import terminal
 
