@@ -70,10 +70,9 @@ def decode(raw: bytes | str) -> dict[str, Any]:
 
 def unwrap_store(store: Any) -> Any:
     """The raw store under c10d's PrefixStores (``default_pg/`` and group prefixes)."""
-    for attr in ("_underlying_non_prefix_store", "underlying_store"):
-        inner = getattr(store, attr, None)
-        if inner is not None:
-            return unwrap_store(inner) if inner is not store else inner
+    inner = getattr(store, "underlying_store", None)
+    while inner is not None and inner is not store:
+        store, inner = inner, getattr(inner, "underlying_store", None)
     return store
 
 

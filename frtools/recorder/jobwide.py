@@ -46,6 +46,7 @@ _MAX_FAILURES = 20  # consecutive store errors before the watcher gives up (job 
 
 
 _started: JobWideWatcher | None = None
+_starting = threading.Lock()  # enable()'s starter thread and start_job_wide_watcher() race
 
 
 def _own_connection(store: Any) -> Any:
@@ -255,25 +256,25 @@ def start(
 ) -> JobWideWatcher | None:
     """Start this rank's job-wide dump watcher (a daemon thread); never raises.
 
-    ``store``: the default group's store (``c10d._get_default_store()``; PrefixStores are
-    unwrapped). ``stalled``: the black box's ``stalled`` method, to hand a watchdog stall
+    ``store``: the default group's store (PrefixStores are unwrapped). ``stalled``: the black box's ``stalled`` method, to hand a watchdog stall
     to every rank. Returns None (after one warning) when the watcher cannot start.
     """
     global _started
     if not JOBWIDE.read():
         return None
-    if _started is not None:
-        return _started
-    try:
-        _started = JobWideWatcher(
-            store,
-            rank,
-            blackbox_path,
-            stacks_path,
-            world_size=world_size,
-            stalled=stalled,
-        ).start()
-        return _started
-    except Exception as exc:
-        note(f"rank {rank}: job-wide dumps disabled: {type(exc).__name__}: {exc}")
-        return None
+    with _starting:
+        if _started is not None:
+            return _started
+        try:
+            _started = JobWideWatcher(
+                store,
+                rank,
+                blackbox_path,
+                stacks_path,
+                world_size=world_size,
+                stalled=stalled,
+            ).start()
+            return _started
+        except Exception as exc:
+            note(f"rank {rank}: job-wide dumps disabled: {type(exc).__name__}: {exc}")
+            return None
