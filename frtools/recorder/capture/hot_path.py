@@ -95,30 +95,26 @@ class CallSites:
     an id in the black box's string table: ``lookup()`` (-1: not seen yet) then, on a miss,
     ``miss()`` from the same place.
 
-    ``lookup`` is the native call-site cache's (the frame chain walked in C, keyed by
-    (code object, last instruction)), or a Python walk when it is not built, or a constant 0
-    with stacks off (``FRTOOLS_STACKS=0``); switchable at any time with ``set_enabled``.
+    ``lookup_for(on)`` is the native call-site cache's lookup (the frame chain walked in C,
+    keyed by (code object, last instruction)), or a Python walk when it is not built, or a
+    constant 0 with stacks off (``FRTOOLS_STACKS=0``).
     """
 
-    __slots__ = ("_intern_text", "_lines", "_py_stacks", "_native", "enabled", "lookup")
+    __slots__ = ("_intern_text", "_lines", "_py_stacks", "_native")
 
-    def __init__(self, intern: Callable[[str], int], enabled: bool = True) -> None:
+    def __init__(self, intern: Callable[[str], int]) -> None:
         self._intern_text = intern
         self._lines: dict[Any, str] = {}  # (code, lasti) -> "file:line in name"
         self._py_stacks: dict[tuple, int] = {}
         self._native = _native_cache()
-        self.enabled = enabled
-        self.lookup: Callable[[], int] = _no_stack
-        self.set_enabled(enabled)
 
-    def set_enabled(self, on: bool) -> None:
-        self.enabled = on
+    def lookup_for(self, on: bool) -> Callable[[], int]:
+        """The lookup to use with stacks on or off."""
         if not on:
-            self.lookup = _no_stack
-        elif self._native is not None:
-            self.lookup = self._native.lookup
-        else:
-            self.lookup = self._py_lookup
+            return _no_stack
+        if self._native is not None:
+            return self._native.lookup
+        return self._py_lookup
 
     def miss(self) -> int:
         """First sight of a stack with the native cache: intern its text, remember its id.
@@ -199,7 +195,6 @@ class GroupState:
     __slots__ = (
         "fr",
         "box",
-        "sites",
         "pending",
         "pg",
         "ops",
@@ -210,6 +205,7 @@ class GroupState:
         "cpu",
         "cuda",
         "single",
+        "issue",
         "barrier_backend",
         "maybe_cuda",
         "sizes1",
@@ -220,7 +216,6 @@ class GroupState:
     def __init__(self, recorder: Recorder, ops: list[int], ranks: list[int]) -> None:
         self.fr = recorder
         self.box = recorder.box
-        self.sites = recorder.call_sites
         self.pending = recorder.pending
         self.pg = -1  # index in the black box's process-group table, once registered
         self.ops = ops  # interned "<backend>:<op>" names, by op code
@@ -231,6 +226,9 @@ class GroupState:
         self.cpu: Any = None
         self.cuda: Any = None
         self.single: Any = None  # the one real backend whatever the device, if only one
+        # by op table row: that backend's binding issuing the op, resolved once (None: no
+        # single backend, or not in its binding)
+        self.issue: list[Any] = []
         self.barrier_backend: Any = None
         # a CPU-only torch build never sees a CUDA tensor: no is_cuda check per op
         self.maybe_cuda = bool(torch.backends.cuda.is_built())
@@ -261,10 +259,9 @@ class GroupState:
                 osz, odt = isz, idt
             else:
                 osz, odt = fr.sizes_id(outputs)
-            sites = self.sites
-            sid = sites.lookup()
+            sid = fr.stack_lookup()
             if sid < 0:
-                sid = sites.miss()
+                sid = fr.stack_miss()
             return self.box.record(
                 self.pg, self.ops[op], self.coll_seq, 0, -1, False, isz, osz, idt, odt, sid
             )
@@ -293,10 +290,9 @@ class GroupState:
             sz, dt = fr.sizes_id(tensors)
             ranks = self.ranks
             gpeer = ranks[peer] if 0 <= peer < len(ranks) else peer
-            sites = self.sites
-            sid = sites.lookup()
+            sid = fr.stack_lookup()
             if sid < 0:
-                sid = sites.miss()
+                sid = fr.stack_miss()
             return self.box.record(
                 self.pg, self.ops[op], 0, self.p2p_seq, gpeer, True, sz, sz, dt, dt, sid
             )
@@ -359,33 +355,34 @@ class ArgShape(enum.Enum):
 
 
 def make_override(
-    method: str, shape: ArgShape, op: int, forward: str, base: Callable[..., Any]
+    method: str, shape: ArgShape, op: int, slot: int, forward: str, base: Callable[..., Any]
 ) -> Callable[..., Any]:
-    """The ``method`` override of a RecordingProcessGroup: record op code ``op``, then call
-    ``forward`` on the real backend (``base``, the ProcessGroup method, for call forms the
-    backend's binding does not take).
+    """The ``method`` override of a RecordingProcessGroup: record op code ``op``, then issue
+    the op with the real backend's binding: ``GroupState.issue[slot]`` (resolved once per
+    group), else ``forward`` looked up on the backend of the tensors' device; ``base`` (the
+    ProcessGroup method) for call forms the binding does not take.
 
     The function is named ``method`` (``co_name`` too), with ``self`` first: pybind11's
     trampoline tells a call of the base method *from* the override (run the C++ base) from
     one that should reach the override by the calling frame's code name and first argument.
     """
-    override = _TEMPLATES[shape](op, forward, base)
+    override = _TEMPLATES[shape](op, slot, forward, base)
     override.__name__ = method
     override.__qualname__ = f"RecordingProcessGroup.{method}"
     override.__code__ = override.__code__.replace(co_name=method)
     return override
 
 
-def _tensors(op: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+def _tensors(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
     def override(self: Any, tensors: Any, opts: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.coll(op, tensors, tensors)
         try:
-            backend = st.single or st.pick(tensors)
+            issue = st.issue[slot] or getattr(st.pick(tensors), forward)
             if opts is _NO or args or kwargs:
-                work = getattr(backend, forward)(*_args((tensors,), opts, args), **kwargs)
+                work = issue(*_args((tensors,), opts, args), **kwargs)
             else:
-                work = getattr(backend, forward)(tensors, opts)
+                work = issue(tensors, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = base(self, *_args((tensors,), opts, args), **kwargs)
         if rid >= 0:
@@ -395,18 +392,18 @@ def _tensors(op: int, forward: str, base: Callable[..., Any]) -> Callable[..., A
     return override
 
 
-def _out_in(op: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+def _out_in(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
     def override(
         self: Any, output: Any, input: Any, opts: Any = _NO, *args: Any, **kwargs: Any
     ) -> Any:
         st = self._frs
         rid = st.coll(op, input, output)
         try:
-            backend = st.single or st.pick(input)
+            issue = st.issue[slot] or getattr(st.pick(input), forward)
             if opts is _NO or args or kwargs:
-                work = getattr(backend, forward)(*_args((output, input), opts, args), **kwargs)
+                work = issue(*_args((output, input), opts, args), **kwargs)
             else:
-                work = getattr(backend, forward)(output, input, opts)
+                work = issue(output, input, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = base(self, *_args((output, input), opts, args), **kwargs)
         if rid >= 0:
@@ -416,20 +413,18 @@ def _out_in(op: int, forward: str, base: Callable[..., Any]) -> Callable[..., An
     return override
 
 
-def _out_lists_in(op: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+def _out_lists_in(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
     def override(
         self: Any, output_lists: Any, input_tensors: Any, opts: Any = _NO, *args: Any, **kwargs: Any
     ) -> Any:
         st = self._frs
         rid = st.coll_nested(op, input_tensors, output_lists)
         try:
-            backend = st.single or st.pick(input_tensors)
+            issue = st.issue[slot] or getattr(st.pick(input_tensors), forward)
             if opts is _NO or args or kwargs:
-                work = getattr(backend, forward)(
-                    *_args((output_lists, input_tensors), opts, args), **kwargs
-                )
+                work = issue(*_args((output_lists, input_tensors), opts, args), **kwargs)
             else:
-                work = getattr(backend, forward)(output_lists, input_tensors, opts)
+                work = issue(output_lists, input_tensors, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = base(self, *_args((output_lists, input_tensors), opts, args), **kwargs)
         if rid >= 0:
@@ -439,20 +434,18 @@ def _out_lists_in(op: int, forward: str, base: Callable[..., Any]) -> Callable[.
     return override
 
 
-def _out_in_lists(op: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+def _out_in_lists(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
     def override(
         self: Any, output_tensors: Any, input_lists: Any, opts: Any = _NO, *args: Any, **kwargs: Any
     ) -> Any:
         st = self._frs
         rid = st.coll_nested(op, input_lists, output_tensors)
         try:
-            backend = st.single or st.pick(output_tensors)
+            issue = st.issue[slot] or getattr(st.pick(output_tensors), forward)
             if opts is _NO or args or kwargs:
-                work = getattr(backend, forward)(
-                    *_args((output_tensors, input_lists), opts, args), **kwargs
-                )
+                work = issue(*_args((output_tensors, input_lists), opts, args), **kwargs)
             else:
-                work = getattr(backend, forward)(output_tensors, input_lists, opts)
+                work = issue(output_tensors, input_lists, opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = base(self, *_args((output_tensors, input_lists), opts, args), **kwargs)
         if rid >= 0:
@@ -462,16 +455,16 @@ def _out_in_lists(op: int, forward: str, base: Callable[..., Any]) -> Callable[.
     return override
 
 
-def _no_tensors(op: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+def _no_tensors(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
     def override(self: Any, opts: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.coll(op, (), ())
         try:
-            backend = st.barrier_backend
+            issue = st.issue[slot] or getattr(st.barrier_backend, forward)
             if opts is _NO or args or kwargs:
-                work = getattr(backend, forward)(*_args((), opts, args), **kwargs)
+                work = issue(*_args((), opts, args), **kwargs)
             else:
-                work = getattr(backend, forward)(opts)
+                work = issue(opts)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = base(self, *_args((), opts, args), **kwargs)
         if rid >= 0:
@@ -481,18 +474,18 @@ def _no_tensors(op: int, forward: str, base: Callable[..., Any]) -> Callable[...
     return override
 
 
-def _peer(op: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+def _peer(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
     def override(
         self: Any, tensors: Any, peer: int, tag: Any = _NO, *args: Any, **kwargs: Any
     ) -> Any:
         st = self._frs
         rid = st.p2p(op, tensors, peer)
         try:
-            backend = st.single or st.pick(tensors)
+            issue = st.issue[slot] or getattr(st.pick(tensors), forward)
             if tag is _NO or args or kwargs:
-                work = getattr(backend, forward)(*_args((tensors, peer), tag, args), **kwargs)
+                work = issue(*_args((tensors, peer), tag, args), **kwargs)
             else:
-                work = getattr(backend, forward)(tensors, peer, tag)
+                work = issue(tensors, peer, tag)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = base(self, *_args((tensors, peer), tag, args), **kwargs)
         if rid >= 0:
@@ -502,16 +495,16 @@ def _peer(op: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]
     return override
 
 
-def _any_source(op: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+def _any_source(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
     def override(self: Any, tensors: Any, tag: Any = _NO, *args: Any, **kwargs: Any) -> Any:
         st = self._frs
         rid = st.p2p(op, tensors, -1)
         try:
-            backend = st.single or st.pick(tensors)
+            issue = st.issue[slot] or getattr(st.pick(tensors), forward)
             if tag is _NO or args or kwargs:
-                work = getattr(backend, forward)(*_args((tensors,), tag, args), **kwargs)
+                work = issue(*_args((tensors,), tag, args), **kwargs)
             else:
-                work = getattr(backend, forward)(tensors, tag)
+                work = issue(tensors, tag)
         except (TypeError, AttributeError):  # not in this backend's binding: the group's path
             work = base(self, *_args((tensors,), tag, args), **kwargs)
         if rid >= 0:

@@ -100,6 +100,8 @@ class RecordingProcessGroup(ProcessGroup):
         if st.cpu is None or st.cuda is None or st.cpu is st.cuda:
             st.single = st.cpu or st.cuda
         st.barrier_backend = st.cuda if nccl else (st.cpu or st.cuda)
+        # a single backend's bindings, looked up once instead of per op
+        st.issue = [getattr(st.single, op.forward, None) for op in OPS]
 
     def getBackendName(self) -> str:  # noqa: N802 - C++ virtual name
         return self._fr_backend_name
@@ -129,9 +131,10 @@ class RecordingProcessGroup(ProcessGroup):
 
 
 def _build_overrides() -> None:
-    for op in OPS:
+    for slot, op in enumerate(OPS):
         base = getattr(ProcessGroup, op.method)
-        override = make_override(op.method, op.shape, OP_NAMES.index(op.name), op.forward, base)
+        code = OP_NAMES.index(op.name)
+        override = make_override(op.method, op.shape, code, slot, op.forward, base)
         setattr(RecordingProcessGroup, op.method, override)
 
 

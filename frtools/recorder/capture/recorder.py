@@ -54,9 +54,10 @@ def _succeeded(work: Any) -> bool:
 class Recorder:
     """Everything the hooks share: the black box, the string caches, the failure switch.
 
-    Read by each group's hot path (``GroupState``): ``enabled``, ``box``, ``call_sites``,
-    ``sizes1``/``dtypes1`` (the one-tensor caches, read inline), ``cuda_events``,
-    ``pending`` (CPU works the poller checks) and ``poller`` (None until the first CPU op).
+    Read by each group's hot path (``GroupState``): ``enabled``, ``box``,
+    ``stack_lookup``/``stack_miss`` (``CallSites``), ``sizes1``/``dtypes1`` (the one-tensor
+    caches, read inline), ``cuda_events``, ``pending`` (CPU works the poller checks) and
+    ``poller`` (None until the first CPU op).
     """
 
     def __init__(
@@ -65,7 +66,10 @@ class Recorder:
         self.box = box
         self.enabled = True
         self.cuda_events = cuda_events
-        self.call_sites = CallSites(box.intern, stacks)
+        self.call_sites = CallSites(box.intern)
+        # the calling stack's id (-1: not seen yet; then stack_miss() from the same place)
+        self.stack_miss = self.call_sites.miss
+        self.stack_lookup = self.call_sites.lookup_for(stacks)
         self.sizes1: dict[Any, int] = {}
         self.dtypes1: dict[Any, int] = {}
         self._sizes: dict[Any, int] = {}
@@ -90,7 +94,7 @@ class Recorder:
 
     def set_stacks(self, on: bool) -> None:
         """Record call stacks (``FRTOOLS_STACKS``) or not; switchable at any time."""
-        self.call_sites.set_enabled(on)
+        self.stack_lookup = self.call_sites.lookup_for(on)
 
     # -- interning -------------------------------------------------------------------------
 
