@@ -22,8 +22,7 @@ DIRECT_READ = re.compile(r"(?:environ\.get\(|environ\[|getenv\()\s*[\"']FRTOOLS_
 NOT_YET_THROUGH_CONFIG = {
     "frtools/collect/local.py",  # FRTOOLS_DIR
     "frtools/analyze/readers/torch_pickle.py",  # FRTOOLS_NATIVE_PICKLE
-    "frtools/commands/analyze.py",  # FRTOOLS_DEBUG
-    "frtools/commands/export.py",  # FRTOOLS_DEBUG
+    "frtools/commands/_common.py",  # FRTOOLS_DEBUG
     "frtools/recorder/_native/blackbox.cpp",  # FRTOOLS_CUDART: C++, cannot import Python
 }
 

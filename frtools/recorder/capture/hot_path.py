@@ -28,12 +28,9 @@ from __future__ import annotations
 import enum
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from frtools.recorder.capture.recorder import Recorder
 
 STACK_DEPTH = 32
 
@@ -213,7 +210,8 @@ class GroupState:
         "order",
     )
 
-    def __init__(self, recorder: Recorder, ops: list[int], ranks: list[int]) -> None:
+    def __init__(self, recorder: Any, ops: list[int], ranks: list[int]) -> None:
+        """``recorder``: the process's ``Recorder`` (not imported here: it imports this)."""
         self.fr = recorder
         self.box = recorder.box
         self.pending = recorder.pending
