@@ -55,12 +55,7 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str, burst: int = 50) -> 
 
     def stacks_for(name: str) -> None:
         # exactly what FRTOOLS_STACKS=0 does, switched per block
-        if hasattr(recorder, "set_stacks"):
-            recorder.set_stacks(name != "nostack")
-        else:  # an older frtools (A/B runs against a checkout)
-            recorder.stack_id = capture._no_stack if name == "nostack" else with_stacks
-
-    with_stacks = recorder.stack_id
+        recorder.set_stacks(name != "nostack")
 
     torch.manual_seed(0)
 

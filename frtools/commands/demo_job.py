@@ -114,53 +114,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-
     if not args.no_record:
-        _keep_stack_signal_harmless()
         recorder.enable()
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     if not args.no_record:
-        _start_jobwide()
+        # answer `frtools dump --job-wide` from the first step on, not within 0.2 s
+        recorder.start_job_wide_watcher()
     train(args)
     dist.barrier()
     dist.destroy_process_group()
     return 0
-
-
-def _keep_stack_signal_harmless() -> None:
-    """faulthandler registered with ``chain=True`` re-raises the stack signal to the previous
-    handler; when that is the default action (terminate), a dump request would kill the rank.
-    A no-op Python handler underneath makes the chain harmless."""
-    from frtools.recorder.config import from_env
-
-    try:
-        sig = from_env().stack_signal
-        if signal.getsignal(sig) in (signal.SIG_DFL, None):
-            signal.signal(sig, lambda *_: None)
-    except Exception:
-        pass
-
-
-def _start_jobwide() -> None:
-    """Start the job-wide watcher unless ``enable()`` already did."""
-    from frtools.recorder import jobwide
-
-    if getattr(jobwide, "_started", None):
-        return
-    session = getattr(recorder, "_session", {})
-    path, box = session.get("path"), session.get("box")
-    if not path:
-        return
-    import torch.distributed.distributed_c10d as c10d
-
-    jobwide.start(
-        c10d._get_default_store(),
-        dist.get_rank(),
-        path,
-        os.path.splitext(path)[0] + ".stacks",
-        world_size=dist.get_world_size(),
-        stalled=box.stalled if box is not None else None,
-    )
 
 
 if __name__ == "__main__":

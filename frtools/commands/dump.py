@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from frtools.config import DEFAULT_DIR, DEFAULT_STORE_PREFIX, DIR
 from frtools.formats.manifest import Manifest
 
 _err = Console(stderr=True, highlight=False)
@@ -87,7 +88,7 @@ def print_summary(console: Console, manifest: Manifest, out: Path) -> None:
     "--dir",
     "root",
     type=click.Path(file_okay=False),
-    help="Where the recorder writes (default: $FRTOOLS_DIR or /dev/shm/frtools).",
+    help=f"Where the recorder writes (default: $FRTOOLS_DIR or {DEFAULT_DIR}).",
 )
 @click.option(
     "--job-wide",
@@ -103,7 +104,7 @@ def print_summary(console: Console, manifest: Manifest, out: Path) -> None:
 @click.option(
     "--prefix",
     default=None,
-    help="Key prefix in the store (default: $FRTOOLS_STORE_PREFIX or 'frtools/').",
+    help=f"Key prefix in the store (default: $FRTOOLS_STORE_PREFIX or {DEFAULT_STORE_PREFIX!r}).",
 )
 @click.option(
     "--torch-socket",
@@ -170,9 +171,9 @@ def dump(
             raise SystemExit(2)
         return
 
-    from frtools.collect.local import collect_job, find_jobs, frtools_dir
+    from frtools.collect.local import collect_job, find_jobs
 
-    base = Path(root) if root else frtools_dir()
+    base = Path(root or DIR.read())
     jobs = find_jobs(base)
     if job is not None:
         if job not in jobs:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import click
 
+from frtools.config import DEFAULT_DIR, DIR, JOB_ID, RECORD, STALL_SECONDS
+
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent.parent / "recorder" / "_bootstrap")
 
 
@@ -28,13 +30,13 @@ def recording_env(
     env = dict(os.environ if base is None else base)
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOTSTRAP_DIR]
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *parts])
-    env["FRTOOLS_RECORD"] = "1"
+    env[RECORD.name] = "1"
     if dir is not None:
-        env["FRTOOLS_DIR"] = os.path.abspath(dir)
+        env[DIR.name] = os.path.abspath(dir)
     if stall_seconds is not None:
-        env["FRTOOLS_STALL_SECONDS"] = repr(float(stall_seconds))
+        env[STALL_SECONDS.name] = repr(float(stall_seconds))
     if job_id is not None:
-        env["FRTOOLS_JOB_ID"] = job_id
+        env[JOB_ID.name] = job_id
     return env
 
 
@@ -47,7 +49,7 @@ def recording_env(
     "dir_",
     type=click.Path(file_okay=False),
     default=None,
-    help="Where the black-box files go (FRTOOLS_DIR; default /dev/shm/frtools).",
+    help=f"Where the black-box files go (FRTOOLS_DIR; default {DEFAULT_DIR}).",
 )
 @click.option(
     "--stall-seconds",

@@ -1,7 +1,9 @@
 """The job-wide dump protocol: keys in the job's own TCPStore.
 
-Shared by the requester (``frtools dump --job-wide``, a stalled rank) and every rank's
-watcher thread (``frtools.recorder.jobwide``). All keys sit under one prefix
+Shared by the requester (``frtools.collect.jobwide``: ``frtools dump --job-wide``; a stalled
+rank) and every rank's watcher thread (``frtools.recorder.jobwide``): the keys, the encoding
+of requests, registrations and answers, and gathering the answers into a manifest all live
+here, so neither side imports the other. All keys sit under one prefix
 (``FRTOOLS_STORE_PREFIX``, default ``frtools/``) on the *raw* store, the one
 ``TCPStore(host, port, is_master=False)`` sees, not under c10d's ``default_pg/`` prefix.
 
@@ -19,14 +21,10 @@ watcher thread (``frtools.recorder.jobwide``). All keys sit under one prefix
 from __future__ import annotations
 
 import json
-import os
+import time
 from typing import Any
 
-DEFAULT_PREFIX = "frtools/"
-
-
-def prefix_from_env() -> str:
-    return os.environ.get("FRTOOLS_STORE_PREFIX", DEFAULT_PREFIX)
+from frtools.formats.manifest import Manifest, RankEntry
 
 
 def seq_key(prefix: str) -> str:
@@ -72,10 +70,9 @@ def decode(raw: bytes | str) -> dict[str, Any]:
 
 def unwrap_store(store: Any) -> Any:
     """The raw store under c10d's PrefixStores (``default_pg/`` and group prefixes)."""
-    for attr in ("_underlying_non_prefix_store", "underlying_store"):
-        inner = getattr(store, attr, None)
-        if inner is not None:
-            return unwrap_store(inner) if inner is not store else inner
+    inner = getattr(store, "underlying_store", None)
+    while inner is not None and inner is not store:
+        store, inner = inner, getattr(inner, "underlying_store", None)
     return store
 
 
@@ -84,3 +81,105 @@ def issue_request(store: Any, prefix: str, request: dict[str, Any]) -> int:
     seq = int(store.add(seq_key(prefix), 1))
     store.set(request_key(prefix, seq), encode(request))
     return seq
+
+
+def latest_request(store: Any, prefix: str, after: int) -> tuple[int, dict[str, Any]] | None:
+    """(number, request) of the newest request if it is newer than ``after``, else None."""
+    current = int(store.add(seq_key(prefix), 0))
+    if current > after and store.check([request_key(prefix, current)]):
+        return current, decode(store.get(request_key(prefix, current)))
+    return None
+
+
+def current_seq(store: Any, prefix: str) -> int:
+    """The number of the newest request (0: none yet)."""
+    return int(store.add(seq_key(prefix), 0))
+
+
+def register_rank(
+    store: Any, prefix: str, rank: int, *, host: str, pid: int, blackbox: str
+) -> None:
+    """A rank's watcher says where it runs and where its black box is."""
+    store.set(rank_key(prefix, rank), encode({"host": host, "pid": pid, "blackbox": blackbox}))
+
+
+def set_world_size(store: Any, prefix: str, world_size: int) -> None:
+    store.set(world_size_key(prefix), str(world_size))
+
+
+def post_answer(
+    store: Any,
+    prefix: str,
+    seq: int,
+    rank: int,
+    *,
+    host: str,
+    pid: int,
+    directory: str,
+    files: list[str],
+    blackbox: str,
+) -> None:
+    """A rank's answer to request ``seq``: it wrote ``files`` into ``directory``."""
+    store.set(
+        answer_key(prefix, seq, rank),
+        encode(
+            {
+                "rank": rank,
+                "host": host,
+                "pid": pid,
+                "dir": directory,
+                "files": files,
+                "blackbox": blackbox,
+            }
+        ),
+    )
+    store.add(answered_key(prefix, seq), 1)
+
+
+def gather_answers(
+    store: Any, prefix: str, seq: int, manifest: Manifest, timeout: float
+) -> Manifest:
+    """Wait up to ``timeout`` s for every registered rank to answer request ``seq``, then
+    fill ``manifest`` with who answered and who did not (and where their black box is)."""
+    world = None
+    if store.check([world_size_key(prefix)]):
+        raw = store.get(world_size_key(prefix)).decode()
+        world = int(raw) if raw.isdigit() else None
+    manifest.world_size = manifest.world_size or world
+    deadline = time.monotonic() + timeout
+    while world and time.monotonic() < deadline:
+        if int(store.add(answered_key(prefix, seq), 0)) >= world:
+            break
+        time.sleep(0.1)
+    ranks = range(world) if world else range(0)
+    for rank in ranks:
+        entry = RankEntry(rank=rank)
+        manifest.ranks[rank] = entry
+        if store.check([answer_key(prefix, seq, rank)]):
+            answer = decode(store.get(answer_key(prefix, seq, rank)))
+            entry.host, entry.pid = answer.get("host"), answer.get("pid")
+            entry.answered, entry.alive = True, True
+            entry.files = list(answer.get("files") or [])
+            continue
+        where = "its black box"
+        if store.check([rank_key(prefix, rank)]):
+            reg = decode(store.get(rank_key(prefix, rank)))
+            entry.host, entry.pid = reg.get("host"), reg.get("pid")
+            where = f"its black box {reg.get('blackbox')} on {reg.get('host')}"
+            entry.note = (
+                "did not answer through the store (process gone, or its Python threads "
+                "cannot run, e.g. a thread holds the GIL); "
+                f"{where} is collected by `frtools dump` run on that host"
+            )
+        else:
+            entry.note = "never registered (recorder not enabled on this rank?)"
+    if manifest.ranks_no_answer:
+        manifest.notes.append(
+            "ranks "
+            + ", ".join(map(str, manifest.ranks_no_answer))
+            + " did not answer: run `frtools dump -o DIR` on their hosts to collect their "
+            "black boxes (see each rank's note)"
+        )
+    if not world:
+        manifest.notes.append("no rank has registered in this store (is the recorder on?)")
+    return manifest

@@ -11,7 +11,7 @@ Turn it on in one of three ways:
 The file, ``<FRTOOLS_DIR>/<job_id>/rank_<R>.frt``, is opened at the first process group this
 process creates (when the rank is known). Any failure — no native module, unwritable
 directory, unknown backend — prints one line ``frtools: recording disabled: <reason>`` and
-the job runs on unrecorded. Settings: ``frtools.recorder.config``.
+the job runs on unrecorded. Settings: the ``FRTOOLS_*`` variables of ``frtools.config``.
 
 This module imports neither torch nor the native part until ``enable()`` is called.
 """
@@ -24,28 +24,12 @@ import socket
 import sys
 from typing import Any
 
-__all__ = ["enable", "disable", "is_enabled", "output_path"]
+__all__ = ["enable", "disable", "is_enabled", "output_path", "start_job_wide_watcher"]
 
 _session: dict[str, Any] = {}
 
-
-def _warn(reason: str) -> None:
-    from frtools.recorder.config import truthy
-
-    if _session.get("warned"):
-        return
-    _session["warned"] = True
-    msg = f"frtools: recording disabled: {reason}"
-    if truthy(os.environ.get("FRTOOLS_RECORD")):
-        # launched by `frtools run`: one plain line, not a multi-line Python warning
-        print(msg, file=sys.stderr, flush=True)
-        return
-    import warnings
-
-    try:
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-    except Exception:
-        print(msg, file=sys.stderr, flush=True)
+# the black box's string table (op names, shapes, call stacks: each text once)
+STRINGS_BYTES = 4 << 20
 
 
 def _identity(rank: int, world_size: int, backend: str, job_id: str) -> dict[str, Any]:
@@ -76,42 +60,42 @@ def _identity(rank: int, world_size: int, backend: str, job_id: str) -> dict[str
 
 def _open(rank: int, world_size: int, backend: str) -> Any:
     """Create this rank's black box, stacks file and watchdog; None (after one line) if not."""
+    from frtools.formats.manifest import rank_file_name, stacks_path
     from frtools.recorder import capture
-    from frtools.recorder.config import STRINGS_BYTES
     from frtools.recorder.native import NativeUnavailable, load_native, register_stack_signal
+    from frtools.recorder.notices import note, recording_disabled
 
     cfg = _session["config"]
-    path = cfg.rank_path(rank)
+    path = os.path.join(cfg.job_dir, rank_file_name(rank))
     try:
         native = load_native()
     except NativeUnavailable as exc:
-        _warn(str(exc))
+        recording_disabled(str(exc))
         return None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         identity = json.dumps(_identity(rank, world_size, backend, cfg.job_id))
         box = native.BlackBox(path, cfg.buffer_size, STRINGS_BYTES, identity)
     except Exception as exc:
-        _warn(f"cannot create {path}: {exc}")
+        recording_disabled(f"cannot create {path}: {exc}")
         return None
     try:
-        stacks = open(cfg.rank_path(rank, ".stacks"), "a")  # noqa: SIM115 - kept for the process
+        stacks = open(stacks_path(path), "a")  # noqa: SIM115 - kept for the process
         # chains only to a real earlier handler: chaining to SIGUSR2's default would kill us
         register_stack_signal(cfg.stack_signal, stacks)
         _session["stacks_file"] = stacks
     except Exception as exc:  # stacks are a bonus: record without them
-        print(f"frtools: no stacks file for rank {rank}: {exc}", file=sys.stderr)
+        note(f"no stacks file for rank {rank}: {exc}")
     try:
         box.start_watchdog(cfg.poll_ms, cfg.stall_seconds, cfg.stack_signal)
     except Exception as exc:
-        print(f"frtools: watchdog not started: {exc}", file=sys.stderr)
-    _session["path"] = path
-    _session["box"] = box
-    _start_jobwide_when_ready(rank, world_size, path, box)
+        note(f"watchdog not started: {exc}")
+    _session.update(path=path, box=box, rank=rank, world_size=world_size)
+    _start_jobwide_when_ready()
     return capture.Recorder(box, poll_ms=max(5, min(cfg.poll_ms, 100)), stacks=cfg.stacks)
 
 
-def _start_jobwide_when_ready(rank: int, world_size: int, path: str, box: Any) -> None:
+def _start_jobwide_when_ready() -> None:
     """Start the job-wide dump watcher once the default group (and so its store) exists.
 
     ``_open`` runs while the first group is being built, before ``init_process_group`` has
@@ -122,6 +106,7 @@ def _start_jobwide_when_ready(rank: int, world_size: int, path: str, box: Any) -
     import threading
     import time
 
+    from frtools.recorder.notices import note
     from frtools.recorder.shutdown import before_finalization
 
     stop = threading.Event()
@@ -130,24 +115,14 @@ def _start_jobwide_when_ready(rank: int, world_size: int, path: str, box: Any) -
         try:
             import torch.distributed.distributed_c10d as c10d
 
-            from frtools.recorder import jobwide
-
             deadline = time.monotonic() + 3600
             while not c10d.is_initialized():
                 if time.monotonic() > deadline or stop.wait(0.2):
                     return
-            if stop.is_set():
-                return
-            jobwide.start(
-                c10d._get_default_store(),
-                rank,
-                path,
-                path[: -len(".frt")] + ".stacks",
-                world_size=world_size,
-                stalled=box.stalled,
-            )
-        except Exception as exc:  # the watcher is a bonus: never hurt the job
-            print(f"frtools: job-wide dump watcher not started: {exc}", file=sys.stderr)
+            if not stop.is_set():
+                start_job_wide_watcher()
+        except Exception as exc:  # never hurt the job
+            note(f"job-wide dump watcher not started: {exc}")
 
     starter = threading.Thread(target=wait_then_start, name="frtools-jobwide-start", daemon=True)
 
@@ -158,6 +133,39 @@ def _start_jobwide_when_ready(rank: int, world_size: int, path: str, box: Any) -
 
     before_finalization(stop_starter)
     starter.start()
+
+
+def start_job_wide_watcher() -> bool:
+    """Start this rank's job-wide dump watcher now; returns whether it runs.
+
+    ``enable()`` starts it by itself within 0.2 s of ``init_process_group`` returning (from a
+    background thread); a job that must answer ``frtools dump --job-wide`` from its very
+    first op calls this right after ``init_process_group``. Starting it twice is harmless.
+    False when this process records nothing yet or the watcher cannot start (one line says
+    why).
+    """
+    path, box = _session.get("path"), _session.get("box")
+    if not path:
+        return False
+    from frtools.recorder.notices import note
+
+    try:
+        from frtools.formats.manifest import stacks_path
+        from frtools.recorder import jobwide
+        from frtools.recorder.capture.c10d_internals import default_store
+
+        watcher = jobwide.start(
+            default_store(),
+            _session["rank"],
+            path,
+            stacks_path(path),
+            world_size=_session["world_size"],
+            stalled=box.stalled,
+        )
+    except Exception as exc:  # the watcher is a bonus: never hurt the job
+        note(f"job-wide dump watcher not started: {exc}")
+        return False
+    return watcher is not None
 
 
 def enable(
@@ -171,27 +179,24 @@ def enable(
     Arguments override the ``FRTOOLS_*`` environment variables. Returns False (after one
     warning line) when recording cannot start; the job is never stopped by it.
     """
-    from frtools.recorder.config import ConfigError, from_env
+    from frtools.config import ConfigError, recorder_config
+    from frtools.recorder.notices import recording_disabled
 
     try:
-        cfg = from_env(dir=dir, job_id=job_id, buffer_size=buffer_size, stall_seconds=stall_seconds)
+        cfg = recorder_config(
+            dir=dir, job_id=job_id, buffer_size=buffer_size, stall_seconds=stall_seconds
+        )
     except ConfigError as exc:
-        _warn(str(exc))
+        recording_disabled(str(exc))
         return False
     _session["config"] = cfg
     try:
         from frtools.recorder import capture
 
         capture.install(_open)
-        import torch.distributed.distributed_c10d as c10d
-
-        if c10d.is_initialized() and capture.current_recorder() is None:
-            default = c10d._get_default_group()
-            capture._recorder_for(
-                c10d.get_rank(), c10d.get_world_size(), False, str(c10d.get_backend(default))
-            )
+        capture.open_if_job_running()
     except Exception as exc:
-        _warn(f"{type(exc).__name__}: {exc}")
+        recording_disabled(f"{type(exc).__name__}: {exc}")
         return False
     _session["enabled"] = True
     return True
@@ -213,12 +218,7 @@ def is_enabled() -> bool:
         return False
     from frtools.recorder import capture
 
-    recorder = capture.current_recorder()
-    return (
-        recorder is None
-        and not capture._installed.get("open_failed")
-        or bool(recorder is not None and recorder.enabled)
-    )
+    return capture.recording()
 
 
 def output_path() -> str | None:
@@ -253,7 +253,9 @@ def enable_on_torch_distributed_import() -> None:
                 try:
                     enable()
                 except Exception as exc:  # never break the import of torch
-                    _warn(f"{type(exc).__name__}: {exc}")
+                    from frtools.recorder.notices import recording_disabled
+
+                    recording_disabled(f"{type(exc).__name__}: {exc}")
 
             loader.exec_module = exec_module  # type: ignore[method-assign]
             return spec

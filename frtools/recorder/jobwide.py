@@ -21,7 +21,6 @@ Nothing here may hurt the job: every failure warns once and the thread goes on o
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import os
 import shutil
@@ -33,10 +32,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from frtools.config import DUMP_DIR, JOBWIDE, JOBWIDE_POLL, STORE_PREFIX
 from frtools.formats import store_protocol as protocol
+from frtools.formats.manifest import BOX_SUFFIX, STACKS_SUFFIX, Manifest, rank_file_name
+from frtools.recorder.notices import note
 from frtools.recorder.shutdown import before_finalization
 
-DEFAULT_POLL_S = 0.5
 # how long the rank that saw the stall waits for the others before writing the manifest
 STALL_GATHER_S = 5.0
 # a stall seen by another rank less than this long ago is the same episode
@@ -45,11 +46,7 @@ _MAX_FAILURES = 20  # consecutive store errors before the watcher gives up (job 
 
 
 _started: JobWideWatcher | None = None
-
-
-def _log(msg: str) -> None:
-    with contextlib.suppress(Exception):
-        print(f"frtools: {msg}", file=sys.stderr, flush=True)
+_starting = threading.Lock()  # enable()'s starter thread and start_job_wide_watcher() race
 
 
 def _own_connection(store: Any) -> Any:
@@ -72,14 +69,14 @@ def write_rank_dump(
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     files = []
-    stacks = out / f"rank_{rank}.stacks"
-    tmp = out / f".rank_{rank}.stacks.{os.getpid()}.tmp"
+    stacks = out / rank_file_name(rank, STACKS_SUFFIX)
+    tmp = out / f".{stacks.name}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         faulthandler.dump_traceback(file=f, all_threads=True)
     os.replace(tmp, stacks)
     files.append(stacks.name)
-    dst = out / f"rank_{rank}.frt"
-    tmp = out / f".rank_{rank}.frt.{os.getpid()}.tmp"
+    dst = out / rank_file_name(rank, BOX_SUFFIX)
+    tmp = out / f".{dst.name}.{os.getpid()}.tmp"
     try:
         from frtools.formats.blackbox import copy_consistent
     except ImportError:
@@ -93,8 +90,8 @@ def write_rank_dump(
 
 def default_dump_dir(blackbox_path: str | os.PathLike[str]) -> Path:
     """``FRTOOLS_DUMP_DIR``, else ``dumps/`` next to the black box (``<FRTOOLS_DIR>/<job>``)."""
-    env = os.environ.get("FRTOOLS_DUMP_DIR")
-    return Path(env) if env else Path(blackbox_path).parent / "dumps"
+    configured = DUMP_DIR.read()
+    return Path(configured) if configured else Path(blackbox_path).parent / "dumps"
 
 
 class JobWideWatcher:
@@ -120,8 +117,8 @@ class JobWideWatcher:
         self.world_size = world_size
         self.stalled = stalled
         self.dump_dir = Path(dump_dir) if dump_dir else default_dump_dir(blackbox_path)
-        self.prefix = prefix if prefix is not None else protocol.prefix_from_env()
-        self.poll_s = poll_s or float(os.environ.get("FRTOOLS_JOBWIDE_POLL", DEFAULT_POLL_S))
+        self.prefix = prefix if prefix is not None else STORE_PREFIX.read()
+        self.poll_s = poll_s or JOBWIDE_POLL.read()
         self.host = socket.gethostname()
         self.last_seq = 0
         self.was_stalled = False
@@ -130,15 +127,12 @@ class JobWideWatcher:
 
     def start(self) -> JobWideWatcher:
         p = self.prefix
-        self.last_seq = int(self.store.add(protocol.seq_key(p), 0))
-        self.store.set(
-            protocol.rank_key(p, self.rank),
-            protocol.encode(
-                {"host": self.host, "pid": os.getpid(), "blackbox": self.blackbox_path}
-            ),
+        self.last_seq = protocol.current_seq(self.store, p)
+        protocol.register_rank(
+            self.store, p, self.rank, host=self.host, pid=os.getpid(), blackbox=self.blackbox_path
         )
         if self.world_size:
-            self.store.set(protocol.world_size_key(p), str(self.world_size))
+            protocol.set_world_size(self.store, p, self.world_size)
         self._thread.start()
         before_finalization(lambda: self.stop(join_s=2.0))
         return self
@@ -162,7 +156,7 @@ class JobWideWatcher:
             except Exception as exc:
                 failures += 1
                 if failures == 1 and _job_running() and not _interpreter_ending():
-                    _log(f"rank {self.rank}: job-wide dump watcher: {type(exc).__name__}: {exc}")
+                    note(f"rank {self.rank}: job-wide dump watcher: {type(exc).__name__}: {exc}")
                 if failures >= _MAX_FAILURES:
                     return
 
@@ -172,38 +166,32 @@ class JobWideWatcher:
             if stalled and not self.was_stalled:  # a new stall episode
                 self._on_stall()
             self.was_stalled = stalled
-        p = self.prefix
-        current = int(self.store.add(protocol.seq_key(p), 0))
-        if current > self.last_seq and self.store.check([protocol.request_key(p, current)]):
-            request = protocol.decode(self.store.get(protocol.request_key(p, current)))
-            self.last_seq = current
-            self._answer(current, request)
+        latest = protocol.latest_request(self.store, self.prefix, self.last_seq)
+        if latest is not None:
+            self.last_seq, request = latest
+            self._answer(self.last_seq, request)
 
     def _answer(self, seq: int, request: dict[str, Any]) -> Path:
         directory = Path(request["dir"]) if request.get("dir") else self.dump_dir
         files = write_rank_dump(self.rank, self.blackbox_path, directory)
-        p = self.prefix
-        self.store.set(
-            protocol.answer_key(p, seq, self.rank),
-            protocol.encode(
-                {
-                    "rank": self.rank,
-                    "host": self.host,
-                    "pid": os.getpid(),
-                    "dir": str(directory),
-                    "files": files,
-                    "blackbox": self.blackbox_path,
-                }
-            ),
+        protocol.post_answer(
+            self.store,
+            self.prefix,
+            seq,
+            self.rank,
+            host=self.host,
+            pid=os.getpid(),
+            directory=str(directory),
+            files=files,
+            blackbox=self.blackbox_path,
         )
-        self.store.add(protocol.answered_key(p, seq), 1)
         return directory
 
     def _on_stall(self) -> None:
         p = self.prefix
         if not self._claim_stall():
             files = write_rank_dump(self.rank, self.blackbox_path, self.dump_dir)
-            _log(
+            note(
                 f"rank {self.rank}: stall detected; snapshot and stacks written to "
                 f"{self.dump_dir} ({', '.join(files)})"
             )
@@ -220,7 +208,7 @@ class JobWideWatcher:
         )
         self.last_seq = max(self.last_seq, seq)
         directory = self._answer(seq, {})
-        _log(
+        note(
             f"rank {self.rank}: stall detected; every rank writes its snapshot and stacks "
             f"to {directory} (analyze with: frtools analyze {directory})"
         )
@@ -238,12 +226,9 @@ class JobWideWatcher:
         return (won.decode() if isinstance(won, bytes) else str(won)) == str(now)
 
     def _write_stall_manifest(self, seq: int, directory: Path) -> None:
-        from frtools.collect.jobwide import gather_answers
-        from frtools.formats.manifest import Manifest
-
         job_id = Path(self.blackbox_path).parent.name
         manifest = Manifest(job_id=job_id, mode="stall", world_size=self.world_size)
-        gather_answers(self.store, self.prefix, seq, manifest, STALL_GATHER_S)
+        protocol.gather_answers(self.store, self.prefix, seq, manifest, STALL_GATHER_S)
         manifest.notes.append(f"requested by rank {self.rank} after its watchdog saw a stall")
         manifest.write(directory)
 
@@ -271,25 +256,25 @@ def start(
 ) -> JobWideWatcher | None:
     """Start this rank's job-wide dump watcher (a daemon thread); never raises.
 
-    ``store``: the default group's store (``c10d._get_default_store()``; PrefixStores are
-    unwrapped). ``stalled``: the black box's ``stalled`` method, to hand a watchdog stall
+    ``store``: the default group's store (PrefixStores are unwrapped). ``stalled``: the black box's ``stalled`` method, to hand a watchdog stall
     to every rank. Returns None (after one warning) when the watcher cannot start.
     """
     global _started
-    if os.environ.get("FRTOOLS_JOBWIDE", "1") == "0":
+    if not JOBWIDE.read():
         return None
-    if _started is not None:
-        return _started
-    try:
-        _started = JobWideWatcher(
-            store,
-            rank,
-            blackbox_path,
-            stacks_path,
-            world_size=world_size,
-            stalled=stalled,
-        ).start()
-        return _started
-    except Exception as exc:
-        _log(f"rank {rank}: job-wide dumps disabled: {type(exc).__name__}: {exc}")
-        return None
+    with _starting:
+        if _started is not None:
+            return _started
+        try:
+            _started = JobWideWatcher(
+                store,
+                rank,
+                blackbox_path,
+                stacks_path,
+                world_size=world_size,
+                stalled=stalled,
+            ).start()
+            return _started
+        except Exception as exc:
+            note(f"rank {rank}: job-wide dumps disabled: {type(exc).__name__}: {exc}")
+            return None

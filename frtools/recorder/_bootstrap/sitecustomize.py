@@ -27,10 +27,12 @@ try:
 except Exception as _exc:
     print(f"frtools: the previous sitecustomize failed: {_exc!r}", file=sys.stderr)
 
-if os.environ.get("FRTOOLS_RECORD", "").strip().lower() in ("1", "true", "yes", "on"):
-    try:
+try:
+    from frtools.config import RECORD
+
+    if RECORD.read():
         from frtools.recorder import enable_on_torch_distributed_import
 
         enable_on_torch_distributed_import()
-    except Exception as _exc:
-        print(f"frtools: recording disabled: {_exc!r}", file=sys.stderr)
+except Exception as _exc:
+    print(f"frtools: recording disabled: {_exc!r}", file=sys.stderr)

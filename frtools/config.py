@@ -1,0 +1,308 @@
+"""Every ``FRTOOLS_*`` environment variable: its name, default, meaning and parser.
+
+The base layer: it imports nothing from frtools and only cheap parts of the standard library,
+so every part reads its settings through here — the recorder inside a training process, the
+bootstrap ``sitecustomize`` of every Python process ``frtools run`` starts, the collector,
+the analyzer. README.md's environment table lists the same variables; a test checks that
+every ``FRTOOLS_*`` name in frtools' source is declared here and listed there.
+
+A variable that is unset or blank means its default. ``Setting.read()`` parses the current
+value; a value that cannot be used raises ``ConfigError`` naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections import namedtuple
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+T = TypeVar("T")
+
+DEFAULT_DIR = "/dev/shm/frtools"
+DEFAULT_STORE_PREFIX = "frtools/"
+
+
+class ConfigError(ValueError):
+    """An ``FRTOOLS_*`` value that cannot be used; the message names the variable."""
+
+
+class Setting(Generic[T]):
+    """One environment variable. (A plain class: the bootstrap imports this module in every
+    Python process of a recorded job, and ``dataclasses`` would triple its import time.)"""
+
+    __slots__ = ("name", "default", "shown_default", "meaning", "parse")
+
+    def __init__(
+        self, name: str, default: T, shown_default: str, meaning: str, parse: Callable[[str], T]
+    ) -> None:
+        self.name = name
+        self.default = default  # the value when the variable is unset or blank
+        self.shown_default = shown_default  # the default as README's table shows it
+        self.meaning = meaning
+        self.parse = parse  # the stripped text -> value; ValueError: unusable
+
+    def __repr__(self) -> str:
+        return f"Setting({self.name})"
+
+    def read(self, env: Mapping[str, str] | None = None) -> T:
+        raw = (os.environ if env is None else env).get(self.name, "").strip()
+        if not raw:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{self.name}={raw!r} {exc}") from None
+
+    def is_set(self, env: Mapping[str, str] | None = None) -> bool:
+        return bool((os.environ if env is None else env).get(self.name, "").strip())
+
+
+# -- parsers -------------------------------------------------------------------------------
+
+
+def flag_on(text: str) -> bool:
+    """On only when said so: ``1``, ``true``, ``yes``, ``on``."""
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def flag_off(text: str) -> bool:
+    """On unless turned off: ``0``, ``false``, ``no``, ``off``."""
+    return text.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _text(text: str) -> str:
+    return text
+
+
+def _non_negative(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"is not a {kind.__name__}") from None
+        if value < 0:
+            raise ValueError("must not be negative")
+        return value
+
+    return parse
+
+
+def parse_signal(text: str) -> int:
+    """A signal name (``SIGUSR2``, ``usr2``) or number."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    name = text.upper()
+    if not name.startswith("SIG"):
+        name = "SIG" + name
+    sig = getattr(signal, name, None)
+    if not isinstance(sig, signal.Signals):
+        raise ValueError("is not a signal name or number")
+    return int(sig)
+
+
+# -- the variables -------------------------------------------------------------------------
+
+RECORD: Setting[bool] = Setting(
+    "FRTOOLS_RECORD",
+    False,
+    "unset",
+    "`1`: every Python process with frtools' bootstrap on its path records "
+    "(`frtools run` sets both)",
+    flag_on,
+)
+DIR: Setting[str] = Setting(
+    "FRTOOLS_DIR",
+    DEFAULT_DIR,
+    f"`{DEFAULT_DIR}`",
+    "where black boxes go: `<dir>/<job>/rank_<R>.frt` and `rank_<R>.stacks`",
+    _text,
+)
+JOB_ID: Setting[str | None] = Setting(
+    "FRTOOLS_JOB_ID",
+    None,
+    "`TORCHELASTIC_RUN_ID`, `SLURM_JOB_ID` or `<MASTER_ADDR>-<MASTER_PORT>`",
+    "the job's folder name (see `job_id()`)",
+    _text,
+)
+BUFFER_SIZE: Setting[int] = Setting(
+    "FRTOOLS_BUFFER_SIZE",
+    2000,
+    "`2000`",
+    "ring slots per rank (newest kept), like `TORCH_FR_BUFFER_SIZE`",
+    _non_negative(int),
+)
+STALL_SECONDS: Setting[float] = Setting(
+    "FRTOOLS_STALL_SECONDS",
+    60.0,
+    "`60`",
+    "the watchdog flags a stall when the oldest unfinished op is older; `0` turns it off. "
+    "Well under PyTorch's 10-30 min timeouts, so a hang is flagged long before the job dies",
+    _non_negative(float),
+)
+STACK_SIGNAL: Setting[int] = Setting(
+    "FRTOOLS_STACK_SIGNAL",
+    int(signal.SIGUSR2),
+    "`SIGUSR2`",
+    "signal on which faulthandler appends every thread's stack to `rank_<R>.stacks`",
+    parse_signal,
+)
+STACKS: Setting[bool] = Setting(
+    "FRTOOLS_STACKS",
+    True,
+    "`1`",
+    "`0`: record no Python call site per op (about half the per-op cost)",
+    flag_off,
+)
+POLL_MS: Setting[int] = Setting(
+    "FRTOOLS_POLL_MS",
+    50,
+    "`50`",
+    "how often the native watchdog polls CUDA events, beats and serves dump requests "
+    "(and Python checks CPU ops for completion)",
+    _non_negative(int),
+)
+DUMP_DIR: Setting[str | None] = Setting(
+    "FRTOOLS_DUMP_DIR",
+    None,
+    "`<FRTOOLS_DIR>/<job>/dumps`",
+    "where every rank writes its snapshot and stacks when a stall is detected",
+    _text,
+)
+JOBWIDE: Setting[bool] = Setting(
+    "FRTOOLS_JOBWIDE",
+    True,
+    "`1`",
+    "`0` turns off the in-process watcher for job-wide dump requests",
+    flag_off,
+)
+JOBWIDE_POLL: Setting[float] = Setting(
+    "FRTOOLS_JOBWIDE_POLL",
+    0.5,
+    "`0.5`",
+    "seconds between the watcher's looks at the store",
+    _non_negative(float),
+)
+STORE_PREFIX: Setting[str] = Setting(
+    "FRTOOLS_STORE_PREFIX",
+    DEFAULT_STORE_PREFIX,
+    f"`{DEFAULT_STORE_PREFIX}`",
+    "key prefix of job-wide requests in the job's TCPStore",
+    _text,
+)
+CUDART: Setting[str | None] = Setting(
+    "FRTOOLS_CUDART",
+    None,
+    "torch's loaded copy",
+    "path to libcudart, used only when no loaded copy is found (read by the native core, "
+    "`getenv` in `recorder/_native/blackbox.cpp`)",
+    _text,
+)
+DEBUG: Setting[bool] = Setting(
+    "FRTOOLS_DEBUG",
+    False,
+    "unset",
+    "`1`: show the traceback of an internal error",
+    flag_on,
+)
+NATIVE_PICKLE: Setting[bool] = Setting(
+    "FRTOOLS_NATIVE_PICKLE",
+    True,
+    "`1`",
+    "`0`: read PyTorch pickles with the pure-Python restricted unpickler instead of the "
+    "native parser (same results, ~10x slower; for debugging)",
+    flag_off,
+)
+
+SETTINGS: tuple[Setting[Any], ...] = (
+    RECORD,
+    DIR,
+    JOB_ID,
+    BUFFER_SIZE,
+    STALL_SECONDS,
+    STACK_SIGNAL,
+    STACKS,
+    POLL_MS,
+    DUMP_DIR,
+    JOBWIDE,
+    JOBWIDE_POLL,
+    STORE_PREFIX,
+    CUDART,
+    DEBUG,
+    NATIVE_PICKLE,
+)
+ENV_VARS = tuple(s.name for s in SETTINGS)
+
+
+# -- derived values ------------------------------------------------------------------------
+
+
+def _sanitize(job_id: str) -> str:
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", job_id).strip(".")
+    return cleaned or "job"
+
+
+def job_id(env: Mapping[str, str] | None = None) -> str:
+    """The job's id, the same on every rank of one job (the folder name of its files):
+    ``FRTOOLS_JOB_ID``, else ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``,
+    ``<MASTER_ADDR>-<MASTER_PORT>``, else ``local``."""
+    env = os.environ if env is None else env
+    for name in (JOB_ID.name, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = env.get(name, "").strip()
+        if value and value.lower() != "none":  # torchrun's default run id is "none"
+            return _sanitize(value)
+    addr = env.get("MASTER_ADDR", "").strip()
+    port = env.get("MASTER_PORT", "").strip()
+    if addr or port:
+        return _sanitize(f"{addr or 'localhost'}-{port or '0'}")
+    return "local"
+
+
+class RecorderConfig(
+    namedtuple(
+        "RecorderConfig",
+        "record dir job_id buffer_size stall_seconds stack_signal poll_ms stacks",
+        defaults=(True,),
+    )
+):
+    """The recorder's settings, read once by ``frtools.recorder.enable()``."""
+
+    __slots__ = ()
+    record: bool
+    dir: str
+    job_id: str
+    buffer_size: int
+    stall_seconds: float
+    stack_signal: int
+    poll_ms: int
+    stacks: bool
+
+    @property
+    def job_dir(self) -> str:
+        """``<dir>/<job_id>``: this job's rank files on this host."""
+        return os.path.join(self.dir, self.job_id)
+
+
+def recorder_config(env: Mapping[str, str] | None = None, **overrides: object) -> RecorderConfig:
+    """The recorder's settings from the environment; keyword overrides win (``enable(...)``)."""
+    values: dict[str, object] = {
+        "record": RECORD.read(env),
+        "dir": DIR.read(env),
+        "job_id": job_id(env),
+        "buffer_size": BUFFER_SIZE.read(env),
+        "stall_seconds": STALL_SECONDS.read(env),
+        "stack_signal": STACK_SIGNAL.read(env),
+        "poll_ms": POLL_MS.read(env),
+        "stacks": STACKS.read(env),
+    }
+    for key, value in overrides.items():
+        if value is not None:
+            values[key] = _sanitize(str(value)) if key == "job_id" else value
+    if int(values["buffer_size"]) < 1:  # type: ignore[call-overload]
+        raise ConfigError(f"{BUFFER_SIZE.name} must be at least 1")
+    return RecorderConfig(**values)  # type: ignore[arg-type]

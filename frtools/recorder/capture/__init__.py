@@ -1,0 +1,64 @@
+"""See every c10d op a job issues, and hand each one to the native black box.
+
+How (checked on torch 2.13 with Gloo, 4 ranks; see tests/test_recorder_capture.py): every
+process group the job creates is built through a backend plugin of ours and comes back as a
+``RecordingProcessGroup``, a Python subclass of ``torch.distributed.ProcessGroup`` whose op
+methods record the op, then forward it to the real Gloo/NCCL backend. Because the subclass
+goes through pybind11's trampoline, C++ callers (DDP's reducer) reach those methods too.
+
+* ``install`` — the backend installation: the ``frtools`` plugin, the wrapper around group
+  creation, the creator that builds the real backends.
+* ``process_group`` — ``RecordingProcessGroup``, its op methods built from one table (``OPS``).
+* ``hot_path`` — what runs per op: a group's record and completion steps (``GroupState``),
+  the op-method templates (one per argument shape), the call-site lookup.
+* ``recorder`` — the ``Recorder`` every group of the process shares: the black box, interned
+  texts, the completion poller.
+* ``c10d_internals`` — every use of torch.distributed's private API, in one place.
+
+Per op the Python part is thin: bump the group's counter, look the shapes/dtypes up in small
+dicts and the call stack in the native call-site cache (``frtools.recorder._callsite``; a
+Python walk when it is not built), each text interned once in the black box's string table,
+one ``BlackBox.record()`` call, and completion tracking. The usual call form
+``(tensors, opts)`` goes to the backend binding as is. Measured cost:
+``benchmarks/recorder_overhead.py``, docs/benchmarks.md "Recorder overhead".
+
+What is seen (checked by hand on 4 Gloo ranks): every ``dist.*`` collective, ``send``/``recv``,
+``batch_isend_irecv``, ``_coalescing_manager`` (one ``allreduce_coalesced``), functional
+collectives, DDP (start-up broadcasts, reducer bucket all-reduces) and FSDP2 ``fully_shard``
+(``_all_gather_base`` / ``_reduce_scatter_base``), each with the same ``collective_seq_id`` as
+PyTorch's own recorder assigns. Functional collectives
+(``torch.distributed._functional_collectives``) resolve the group by name in C++ and call its
+virtual op methods; the object registered under that name is the ``RecordingProcessGroup``,
+so they are recorded: ``all_reduce`` as ``all_reduce``, ``all_gather_tensor`` as
+``all_gather_into_tensor_coalesced``, ``reduce_scatter_tensor`` as
+``reduce_scatter_tensor_coalesced`` (what the trampoline receives).
+
+Known limits: ``batch_isend_irecv`` only groups P2P ops for plain ``ProcessGroup`` objects
+(``type(group) is ProcessGroup``), so on a recorded group each P2P op is issued on its own
+(correct, each recorded with its own ``p2p_seq_id``; NCCL then does not fuse them). A group
+whose backend is neither gloo nor nccl is left unwrapped and unrecorded, with one warning.
+"""
+
+from frtools.recorder.capture.install import (
+    BACKEND_NAME,
+    current_recorder,
+    install,
+    open_if_job_running,
+    recording,
+    uninstall,
+)
+from frtools.recorder.capture.process_group import OP_NAMES, OPS, RecordingProcessGroup
+from frtools.recorder.capture.recorder import Recorder
+
+__all__ = [
+    "BACKEND_NAME",
+    "OPS",
+    "OP_NAMES",
+    "Recorder",
+    "RecordingProcessGroup",
+    "current_recorder",
+    "install",
+    "open_if_job_running",
+    "recording",
+    "uninstall",
+]

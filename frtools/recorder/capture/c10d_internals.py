@@ -1,0 +1,111 @@
+"""Every use the recorder makes of torch.distributed beyond its public API, in one place.
+
+torch (checked on 2.13) has no public way to: see every group a job creates before it is
+built (``_new_process_group_helper`` is the one function all of ``init_process_group``,
+``new_group``, ``new_subgroups`` … go through); build a real Gloo/NCCL backend exactly as
+that helper would (sequence numbers, the NCCL split source and color, private option
+fields); attach backends to a Python ``ProcessGroup`` (``_register_backend``,
+``_set_default_backend``); make ``dist.get_backend(group)`` answer the user's backend for a
+group built through the ``frtools`` plugin (``_world``); or reach the default group's store.
+Each function says which private name it needs; a torch release that renames one breaks it
+here, and the recorder then warns once and lets the job run unrecorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import ProcessGroup
+
+
+def group_creation_helper() -> Callable[..., Any]:
+    """``_new_process_group_helper``: the function every group of a job is created by."""
+    return c10d._new_process_group_helper
+
+
+def replace_group_creation_helper(helper: Callable[..., Any]) -> None:
+    c10d._new_process_group_helper = helper
+
+
+def register_backend_plugin(name: str, creator: Callable[..., Any]) -> None:
+    """Register ``creator`` as the c10d backend ``name`` (extended API), once per process.
+    (``register_backend`` is public; whether a name is taken is only in ``_plugins``.)"""
+    if name.upper() not in c10d.Backend._plugins:
+        c10d.Backend.register_backend(name, creator, extended_api=True, devices=["cpu", "cuda"])
+
+
+def device_backend_map(backend: Any) -> dict[str, str]:
+    """device -> backend name (``gloo``, ``nccl`` …) that ``backend`` stands for."""
+    mapping = c10d.BackendConfig(c10d.Backend(str(backend))).get_device_backend_map()
+    return {dev: str(b).lower() for dev, b in mapping.items()}
+
+
+def nccl_split_source() -> Any:
+    """The default group's NCCL backend new groups split from, as the helper would choose
+    (``_get_split_source``); None when it would not split."""
+    if not (c10d.is_initialized() and c10d._get_default_group().bound_device_id):
+        return None
+    try:
+        return c10d._get_split_source(c10d._get_default_group())
+    except Exception:
+        return None
+
+
+def make_backend(
+    backend_str: str, store: Any, rank: int, size: int, timeout: Any, opts: Any, **nccl: Any
+) -> tuple[Any, Any]:
+    """(backend type, real backend) built the way ``_new_process_group_helper`` does:
+    sequence numbers set for the group (``_set_sequence_number_for_group``) and, for NCCL,
+    the options' timeout (``_timeout``), split source and color (``_process_group_color``).
+    ``nccl``: ``backend_options`` (the user's ``ProcessGroupNCCL.Options`` or None) and
+    ``split_from``."""
+    ranks = list(opts.global_ranks_in_group)
+    group_name = opts.group_id
+    if backend_str == "gloo":
+        backend = c10d.ProcessGroupGloo(store, rank, size, timeout=timeout)
+        backend.options.global_ranks_in_group = ranks
+        backend.options.group_name = group_name
+        backend._set_sequence_number_for_group()
+        return ProcessGroup.BackendType.GLOO, backend
+    options = nccl.get("backend_options")
+    if options is None:
+        options = c10d.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+    options._timeout = timeout
+    split_from = nccl.get("split_from")
+    if split_from is not None:
+        options.split_from = split_from
+        options.split_color = c10d._process_group_color(ranks)
+    options.global_ranks_in_group = ranks
+    options.group_name = group_name
+    backend = c10d.ProcessGroupNCCL(store, rank, size, options)
+    backend._set_sequence_number_for_group()
+    return ProcessGroup.BackendType.NCCL, backend
+
+
+def attach_backends(pg: ProcessGroup, backends: list[tuple[str, Any, Any]]) -> None:
+    """Register each (device, backend type, backend) for its device, the first type as the
+    default (``_register_backend``, ``_set_default_backend``): DDP's start-up checks and
+    ``pg._get_backend(device)`` then find the real backends."""
+    first_type = None
+    for device, backend_type, backend in backends:
+        pg._register_backend(torch.device(device), backend_type, backend)
+        first_type = first_type or backend_type
+    if first_type is not None:
+        pg._set_default_backend(first_type)
+
+
+def keep_user_backend(pg: ProcessGroup, backend: Any, prefix_store: Any) -> None:
+    """Record ``backend`` (the user's, not ``frtools``) as the group's in ``_world``, so that
+    ``dist.get_backend(group)`` answers ``gloo``/``nccl``."""
+    world = c10d._world
+    world.pg_map[pg] = (backend, prefix_store)
+    world.pg_backend_config[pg] = str(c10d.BackendConfig(c10d.Backend(str(backend))))
+
+
+def default_store() -> Any:
+    """The default group's store (``_get_default_store``), once ``init_process_group`` ran."""
+    return c10d._get_default_store()

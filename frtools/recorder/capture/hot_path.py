@@ -1,0 +1,523 @@
+"""What runs on every op: record it, forward it to the real backend, track its completion.
+
+* ``GroupState`` — one recorded group's constants and counters in a slotted object (an
+  attribute of the pybind11 ProcessGroup subclass costs several times more to read, and the
+  hot path reads a dozen per op), with the per-op record (``coll``, ``coll_nested``, ``p2p``)
+  and completion (``done``) steps.
+* ``make_override`` — the body of each ProcessGroup op method, one template per argument
+  shape; ``process_group`` builds the 21 overrides from its table with it.
+* ``CallSites`` — the calling Python stack of an op as an interned id.
+
+Frames of this module are frtools' own. The call-site walk skips the innermost frames whose
+code lives in this file — the native cache (``frtools.recorder._callsite``) takes one file
+to skip, and the Python walk does the same — so everything on the stack when a call site is
+looked up (the overrides, the record methods, the miss path) is defined here.
+
+Each override records, then forwards the op to the real backend of the tensors' device
+(``ProcessGroupGloo.allreduce(...)`` …), whose binding releases the GIL while the op is
+issued. Not the ProcessGroup base method: pybind11's trampoline (``WORK_OVERRIDE``) would run
+the C++ base op with the GIL held, so other Python threads stall behind a blocking op, and a
+backend thread that needs the GIL while holding its queue lock deadlocks with it (seen in a
+benchmark). A call form the backend binding does not accept (legacy overloads) raises
+TypeError before anything is issued and takes the base method instead. If recording raises,
+the op is still forwarded.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+STACK_DEPTH = 32
+
+_NO: Any = object()  # "argument not given" (None can be a real argument)
+
+
+def _args(lead: tuple, opts: Any, args: tuple) -> tuple:
+    """Positional arguments of a forwarded call, for the rare call forms (legacy overloads)."""
+    return (*lead, *args) if opts is _NO else (*lead, opts, *args)
+
+
+def _first_tensor(x: Any) -> Any:
+    """The first tensor of a tensor / list / list of lists (for the device check)."""
+    if x.__class__ is list and x and x[0].__class__ is not list:
+        return x[0]
+    while isinstance(x, list | tuple):
+        if not x:
+            return None
+        x = x[0]
+    return x if isinstance(x, torch.Tensor) else None
+
+
+def _flatten(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    out = []
+    for item in x:
+        if isinstance(item, list | tuple):
+            out.extend(item)
+        else:
+            out.append(item)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Call sites
+# --------------------------------------------------------------------------------------
+
+
+def _no_stack() -> int:
+    return 0
+
+
+def _line_of(code: Any, lasti: int) -> int:
+    """Source line of the instruction at byte offset ``lasti`` (what ``f_lineno`` says)."""
+    line = code.co_firstlineno
+    for start, end, lineno in code.co_lines():
+        if start <= lasti < end and lineno is not None:
+            return lineno
+        if start > lasti:
+            break
+        if lineno is not None:
+            line = lineno
+    return line
+
+
+class CallSites:
+    """The calling Python stack of an op, innermost first, frames of this module skipped, as
+    an id in the black box's string table: ``lookup()`` (-1: not seen yet) then, on a miss,
+    ``miss()`` from the same place.
+
+    ``lookup_for(on)`` is the native call-site cache's lookup (the frame chain walked in C,
+    keyed by (code object, last instruction)), or a Python walk when it is not built, or a
+    constant 0 with stacks off (``FRTOOLS_STACKS=0``).
+    """
+
+    __slots__ = ("_intern_text", "_lines", "_py_stacks", "_native")
+
+    def __init__(self, intern: Callable[[str], int]) -> None:
+        self._intern_text = intern
+        self._lines: dict[Any, str] = {}  # (code, lasti) -> "file:line in name"
+        self._py_stacks: dict[tuple, int] = {}
+        self._native = _native_cache()
+
+    def lookup_for(self, on: bool) -> Callable[[], int]:
+        """The lookup to use with stacks on or off."""
+        if not on:
+            return _no_stack
+        if self._native is not None:
+            return self._native.lookup
+        return self._py_lookup
+
+    def miss(self) -> int:
+        """First sight of a stack with the native cache: intern its text, remember its id.
+
+        Called from this module, so the native cache walks the same frames as in lookup().
+        """
+        frame = sys._getframe(1)
+        here = __file__
+        while frame is not None and frame.f_code.co_filename == here:
+            frame = frame.f_back
+        sid = self._intern(frame)
+        native = self._native
+        if native is not None:
+            native.store(sid)
+        return sid
+
+    def _py_lookup(self) -> int:
+        """lookup() without the native cache (no compiler at install time).
+
+        Keyed by a flat tuple of ints — id(code object), last instruction — cheap to build and
+        hash (a code object's own hash is not). Line numbers are only worked out the first
+        time a stack is seen; the code objects are kept referenced by ``_lines`` from then on,
+        so their ids stay theirs.
+        """
+        frame = sys._getframe(1)
+        here = __file__
+        while frame is not None and frame.f_code.co_filename == here:
+            frame = frame.f_back
+        top = frame
+        key = []
+        append = key.append
+        depth = 0
+        while frame is not None and depth < STACK_DEPTH:
+            append(id(frame.f_code))
+            append(frame.f_lasti)
+            frame = frame.f_back
+            depth += 1
+        tkey = tuple(key)
+        sid = self._py_stacks.get(tkey)
+        if sid is None:
+            sid = self._py_stacks[tkey] = self._intern(top)
+        return sid
+
+    def _intern(self, frame: Any) -> int:
+        lines = []
+        known = self._lines
+        depth = 0
+        while frame is not None and depth < STACK_DEPTH:
+            code, lasti = frame.f_code, frame.f_lasti
+            key = (code, lasti)
+            line = known.get(key)
+            if line is None:
+                line = known[key] = f"{code.co_filename}:{_line_of(code, lasti)} in {code.co_name}"
+            lines.append(line)
+            frame = frame.f_back
+            depth += 1
+        return self._intern_text("\n".join(lines))
+
+
+def _native_cache() -> Any:
+    """The native call-site cache, skipping this module's frames; None: stacks in Python."""
+    try:
+        from frtools.recorder._callsite import StackCache
+
+        return StackCache(CallSites.miss.__code__, STACK_DEPTH)
+    except Exception:  # not built (no compiler): the Python walk does the same, slower
+        return None
+
+
+# --------------------------------------------------------------------------------------
+# One group's record and completion steps
+# --------------------------------------------------------------------------------------
+
+
+class GroupState:
+    """One recorded group's constants and counters, and its per-op record path."""
+
+    __slots__ = (
+        "fr",
+        "box",
+        "pending",
+        "pg",
+        "ops",
+        "ranks",
+        "coll_seq",
+        "p2p_seq",
+        "coalescing",
+        "cpu",
+        "cuda",
+        "single",
+        "issue",
+        "barrier_backend",
+        "maybe_cuda",
+        "sizes1",
+        "dtypes1",
+        "order",
+    )
+
+    def __init__(self, recorder: Any, ops: list[int], ranks: list[int]) -> None:
+        """``recorder``: the process's ``Recorder`` (not imported here: it imports this)."""
+        self.fr = recorder
+        self.box = recorder.box
+        self.pending = recorder.pending
+        self.pg = -1  # index in the black box's process-group table, once registered
+        self.ops = ops  # interned "<backend>:<op>" names, by op code
+        self.ranks = ranks
+        self.coll_seq = 0
+        self.p2p_seq = 0
+        self.coalescing = False
+        self.cpu: Any = None
+        self.cuda: Any = None
+        self.single: Any = None  # the one real backend whatever the device, if only one
+        # by op table row: that backend's binding issuing the op, resolved once (None: no
+        # single backend, or not in its binding)
+        self.issue: list[Any] = []
+        self.barrier_backend: Any = None
+        # a CPU-only torch build never sees a CUDA tensor: no is_cuda check per op
+        self.maybe_cuda = bool(torch.backends.cuda.is_built())
+        self.sizes1 = recorder.sizes1
+        self.dtypes1 = recorder.dtypes1
+        # the poller's key for this group's completion order: a token, not this object
+        # (which holds the real backends), so that queued works never hold the last
+        # reference to a process group's backends (their dealloc would run on the poller)
+        self.order = object()
+
+    def coll(self, op: int, inputs: Any, outputs: Any) -> int:
+        """Record one collective; returns the record id (-1: not recorded)."""
+        fr = self.fr
+        if not fr.enabled:
+            return -1
+        try:
+            if not self.coalescing:
+                self.coll_seq += 1
+            if inputs.__class__ is list and len(inputs) == 1:  # the common case, inline
+                t = inputs[0]
+                isz = self.sizes1.get(t.shape)
+                idt = self.dtypes1.get(t.dtype)
+                if isz is None or idt is None:
+                    isz, idt = fr.sizes_id(inputs)
+            else:
+                isz, idt = fr.sizes_id(inputs)
+            if outputs is inputs:
+                osz, odt = isz, idt
+            else:
+                osz, odt = fr.sizes_id(outputs)
+            sid = fr.stack_lookup()
+            if sid < 0:
+                sid = fr.stack_miss()
+            return self.box.record(
+                self.pg, self.ops[op], self.coll_seq, 0, -1, False, isz, osz, idt, odt, sid
+            )
+        except Exception as exc:
+            fr.fail(exc)
+            return -1
+
+    def coll_nested(self, op: int, inputs: Any, outputs: Any) -> int:
+        """coll() for ops taking lists of lists (shapes flattened, as PyTorch's recorder)."""
+        if not self.fr.enabled:
+            return -1
+        try:
+            inputs, outputs = _flatten(inputs), _flatten(outputs)
+        except Exception as exc:
+            self.fr.fail(exc)
+            return -1
+        return self.coll(op, inputs, outputs)
+
+    def p2p(self, op: int, tensors: Any, peer: int) -> int:
+        """Record one send/recv; ``peer`` is group-local (-1: any source)."""
+        fr = self.fr
+        if not fr.enabled:
+            return -1
+        try:
+            self.p2p_seq += 1
+            sz, dt = fr.sizes_id(tensors)
+            ranks = self.ranks
+            gpeer = ranks[peer] if 0 <= peer < len(ranks) else peer
+            sid = fr.stack_lookup()
+            if sid < 0:
+                sid = fr.stack_miss()
+            return self.box.record(
+                self.pg, self.ops[op], 0, self.p2p_seq, gpeer, True, sz, sz, dt, dt, sid
+            )
+        except Exception as exc:
+            fr.fail(exc)
+            return -1
+
+    def pick(self, tensors: Any) -> Any:
+        """The real backend for these tensors' device (as ProcessGroup::getBackend picks)."""
+        t = _first_tensor(tensors)
+        if t is not None and t.is_cuda:
+            return self.cuda or self.cpu
+        return self.cpu or self.cuda
+
+    def done(self, rid: int, work: Any, tensors: Any, order: bool = True) -> None:
+        """Arrange for record ``rid`` to be marked completed once ``work`` is.
+
+        ``order``: collectives of one group complete in issue order, so when one completes,
+        the group's older ones are marked completed too (some Gloo works, e.g. the one of
+        ``reduce_scatter_tensor``, never report completion themselves). False for P2P.
+
+        CUDA ops: start/end events polled by the native watchdog (no GIL). CPU ops: the work
+        is queued for the Recorder's poller thread (completion times are discovery times, as
+        in PyTorch's recorder). Checking in the caller's thread, or a
+        ``Future.add_done_callback`` per op (Gloo's worker thread then takes the GIL at every
+        completion), cost more than the recording itself.
+        """
+        fr = self.fr
+        try:
+            if work is None:
+                self.box.mark_completed(rid)
+                return
+            if self.maybe_cuda and fr.cuda_events:
+                t = _first_tensor(tensors)
+                if t is not None and t.is_cuda:
+                    fr.watch_cuda(rid, work)
+                    return
+            self.pending.append((rid, work, self.order if order else None))
+            if fr.poller is None:
+                fr.start_poller()
+        except Exception as exc:
+            fr.fail(exc)
+
+
+# --------------------------------------------------------------------------------------
+# The op overrides: one template per argument shape
+# --------------------------------------------------------------------------------------
+
+
+class ArgShape(enum.Enum):
+    """Where an op method's tensors and peer are, and which tensors are its input."""
+
+    TENSORS = "(tensors, opts): in place"  # allreduce, broadcast, reduce
+    OUT_IN = "(output, input, opts)"  # _allgather_base, all_to_all_single …
+    OUT_LISTS_IN = "(output lists, input tensors, opts)"  # allgather, gather
+    OUT_IN_LISTS = "(output tensors, input lists, opts)"  # scatter, reduce_scatter
+    NO_TENSORS = "(opts)"  # barrier
+    PEER = "(tensors, peer, tag)"  # send, recv
+    ANY_SOURCE = "(tensors, tag)"  # recv_anysource
+
+
+def make_override(
+    method: str, shape: ArgShape, op: int, slot: int, forward: str, base: Callable[..., Any]
+) -> Callable[..., Any]:
+    """The ``method`` override of a RecordingProcessGroup: record op code ``op``, then issue
+    the op with the real backend's binding: ``GroupState.issue[slot]`` (resolved once per
+    group), else ``forward`` looked up on the backend of the tensors' device; ``base`` (the
+    ProcessGroup method) for call forms the binding does not take.
+
+    The function is named ``method`` (``co_name`` too), with ``self`` first: pybind11's
+    trampoline tells a call of the base method *from* the override (run the C++ base) from
+    one that should reach the override by the calling frame's code name and first argument.
+    """
+    override = _TEMPLATES[shape](op, slot, forward, base)
+    override.__name__ = method
+    override.__qualname__ = f"RecordingProcessGroup.{method}"
+    override.__code__ = override.__code__.replace(co_name=method)
+    return override
+
+
+def _tensors(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+    def override(self: Any, tensors: Any, opts: Any = _NO, *args: Any, **kwargs: Any) -> Any:
+        st = self._frs
+        rid = st.coll(op, tensors, tensors)
+        try:
+            issue = st.issue[slot] or getattr(st.pick(tensors), forward)
+            if opts is _NO or args or kwargs:
+                work = issue(*_args((tensors,), opts, args), **kwargs)
+            else:
+                work = issue(tensors, opts)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = base(self, *_args((tensors,), opts, args), **kwargs)
+        if rid >= 0:
+            st.done(rid, work, tensors)
+        return work
+
+    return override
+
+
+def _out_in(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+    def override(
+        self: Any, output: Any, input: Any, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
+        st = self._frs
+        rid = st.coll(op, input, output)
+        try:
+            issue = st.issue[slot] or getattr(st.pick(input), forward)
+            if opts is _NO or args or kwargs:
+                work = issue(*_args((output, input), opts, args), **kwargs)
+            else:
+                work = issue(output, input, opts)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = base(self, *_args((output, input), opts, args), **kwargs)
+        if rid >= 0:
+            st.done(rid, work, input)
+        return work
+
+    return override
+
+
+def _out_lists_in(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+    def override(
+        self: Any, output_lists: Any, input_tensors: Any, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
+        st = self._frs
+        rid = st.coll_nested(op, input_tensors, output_lists)
+        try:
+            issue = st.issue[slot] or getattr(st.pick(input_tensors), forward)
+            if opts is _NO or args or kwargs:
+                work = issue(*_args((output_lists, input_tensors), opts, args), **kwargs)
+            else:
+                work = issue(output_lists, input_tensors, opts)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = base(self, *_args((output_lists, input_tensors), opts, args), **kwargs)
+        if rid >= 0:
+            st.done(rid, work, input_tensors)
+        return work
+
+    return override
+
+
+def _out_in_lists(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+    def override(
+        self: Any, output_tensors: Any, input_lists: Any, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
+        st = self._frs
+        rid = st.coll_nested(op, input_lists, output_tensors)
+        try:
+            issue = st.issue[slot] or getattr(st.pick(output_tensors), forward)
+            if opts is _NO or args or kwargs:
+                work = issue(*_args((output_tensors, input_lists), opts, args), **kwargs)
+            else:
+                work = issue(output_tensors, input_lists, opts)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = base(self, *_args((output_tensors, input_lists), opts, args), **kwargs)
+        if rid >= 0:
+            st.done(rid, work, output_tensors)
+        return work
+
+    return override
+
+
+def _no_tensors(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+    def override(self: Any, opts: Any = _NO, *args: Any, **kwargs: Any) -> Any:
+        st = self._frs
+        rid = st.coll(op, (), ())
+        try:
+            issue = st.issue[slot] or getattr(st.barrier_backend, forward)
+            if opts is _NO or args or kwargs:
+                work = issue(*_args((), opts, args), **kwargs)
+            else:
+                work = issue(opts)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = base(self, *_args((), opts, args), **kwargs)
+        if rid >= 0:
+            st.done(rid, work, None)
+        return work
+
+    return override
+
+
+def _peer(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+    def override(
+        self: Any, tensors: Any, peer: int, tag: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
+        st = self._frs
+        rid = st.p2p(op, tensors, peer)
+        try:
+            issue = st.issue[slot] or getattr(st.pick(tensors), forward)
+            if tag is _NO or args or kwargs:
+                work = issue(*_args((tensors, peer), tag, args), **kwargs)
+            else:
+                work = issue(tensors, peer, tag)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = base(self, *_args((tensors, peer), tag, args), **kwargs)
+        if rid >= 0:
+            st.done(rid, work, tensors, False)
+        return work
+
+    return override
+
+
+def _any_source(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+    def override(self: Any, tensors: Any, tag: Any = _NO, *args: Any, **kwargs: Any) -> Any:
+        st = self._frs
+        rid = st.p2p(op, tensors, -1)
+        try:
+            issue = st.issue[slot] or getattr(st.pick(tensors), forward)
+            if tag is _NO or args or kwargs:
+                work = issue(*_args((tensors,), tag, args), **kwargs)
+            else:
+                work = issue(tensors, tag)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = base(self, *_args((tensors,), tag, args), **kwargs)
+        if rid >= 0:
+            st.done(rid, work, tensors, False)
+        return work
+
+    return override
+
+
+_TEMPLATES: dict[ArgShape, Callable[..., Callable[..., Any]]] = {
+    ArgShape.TENSORS: _tensors,
+    ArgShape.OUT_IN: _out_in,
+    ArgShape.OUT_LISTS_IN: _out_lists_in,
+    ArgShape.OUT_IN_LISTS: _out_in_lists,
+    ArgShape.NO_TENSORS: _no_tensors,
+    ArgShape.PEER: _peer,
+    ArgShape.ANY_SOURCE: _any_source,
+}
