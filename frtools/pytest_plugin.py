@@ -43,10 +43,12 @@ from typing import Any
 
 import pytest
 
+from frtools.config import DIR, JOB_ID, RECORD
+
 # how long live ranks get to answer a dump request (stacks) at collection
 COLLECT_TIMEOUT = 5.0
 DEFAULT_KEEP_DIR = "frtools-dumps"
-_ENV_KEYS = ("FRTOOLS_RECORD", "FRTOOLS_DIR", "FRTOOLS_JOB_ID", "PYTHONPATH")
+_ENV_KEYS = (RECORD.name, DIR.name, JOB_ID.name, "PYTHONPATH")
 _BOOTSTRAP = str(Path(__file__).resolve().parent / "recorder" / "_bootstrap")
 
 
@@ -111,9 +113,9 @@ class FrtoolsSession:
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [_BOOTSTRAP, *[p for p in parts if p != _BOOTSTRAP]]
         )
-        os.environ["FRTOOLS_RECORD"] = "1"
-        os.environ["FRTOOLS_DIR"] = str(self.live_dir)
-        os.environ["FRTOOLS_JOB_ID"] = job
+        os.environ[RECORD.name] = "1"
+        os.environ[DIR.name] = str(self.live_dir)
+        os.environ[JOB_ID.name] = job
         try:
             yield
         finally:

@@ -20,9 +20,6 @@ DIRECT_READ = re.compile(r"(?:environ\.get\(|environ\[|getenv\()\s*[\"']FRTOOLS_
 # Files that still read their variable straight from os.environ, owned elsewhere; each needs a
 # one-line change to read it through frtools.config (then drop it from here).
 NOT_YET_THROUGH_CONFIG = {
-    "frtools/collect/local.py",  # FRTOOLS_DIR
-    "frtools/analyze/readers/torch_pickle.py",  # FRTOOLS_NATIVE_PICKLE
-    "frtools/commands/_common.py",  # FRTOOLS_DEBUG
     "frtools/recorder/_native/blackbox.cpp",  # FRTOOLS_CUDART: C++, cannot import Python
 }
 

@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from frtools.config import DIR
 from frtools.formats.manifest import Manifest, RankEntry, rank_in_file_name, stacks_path
-
-DEFAULT_DIR = "/dev/shm/frtools"
 
 
 def frtools_dir() -> Path:
-    return Path(os.environ.get("FRTOOLS_DIR") or DEFAULT_DIR)
+    return Path(DIR.read())
 
 
 def find_jobs(root: str | os.PathLike[str] | None = None) -> dict[str, Path]:

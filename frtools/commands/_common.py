@@ -14,6 +14,8 @@ from typing import Any, NoReturn
 
 import click
 
+from frtools.config import DEBUG
+
 USAGE_ERROR = 2
 
 
@@ -50,7 +52,7 @@ def run_guarded(prefix: str, body: Callable[[], int]) -> NoReturn:
     except KeyboardInterrupt:
         fail(prefix, "interrupted")
     except Exception as e:  # noqa: BLE001 - the user gets one line, never a traceback
-        if os.environ.get("FRTOOLS_DEBUG") == "1":
+        if DEBUG.read():
             traceback.print_exc()
         fail(prefix, f"internal error: {type(e).__name__}: {first_line(e)}")
     sys.exit(code)

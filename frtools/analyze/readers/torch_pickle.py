@@ -13,9 +13,10 @@ the Python way, through the restricted unpickler, which owns every error message
 from __future__ import annotations
 
 import gc
-import os
 import pickle
 from pathlib import Path
+
+from frtools.config import NATIVE_PICKLE
 
 from .base import DumpError, RankDump, read_bytes
 from .safe_pickle import RefusedPickle, loads_data
@@ -43,7 +44,7 @@ def sniff(path: Path, head: bytes) -> bool:
 
 def native_available() -> bool:
     """The native parser is built and not turned off with ``FRTOOLS_NATIVE_PICKLE=0``."""
-    return _frpickle is not None and os.environ.get("FRTOOLS_NATIVE_PICKLE", "1") != "0"
+    return _frpickle is not None and NATIVE_PICKLE.read()
 
 
 def read(path: Path) -> RankDump:
