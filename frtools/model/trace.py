@@ -39,6 +39,19 @@ import pyarrow as pa
 
 STATES = ("scheduled", "started", "completed")
 
+# How a rank's process ended (RankInfo.exit_kind), as its recorder saw it:
+# "running"   alive when collected;
+# "clean"     the interpreter finished normally (exit status 0);
+# "exit"      sys.exit / a non-zero exit status, without an uncaught exception;
+# "exception" an uncaught exception (exit_detail: "TypeName: message");
+# "os_exit"   os._exit (exit_detail: the status) — seen where a recorder hooks it;
+# "signal"    a fatal signal it could see (SIGSEGV, SIGABRT …; exit_detail: the name);
+# "killed"    gone without a word: the box was never closed and the pid is gone (SIGKILL,
+#             the OOM killer, a node lost).
+EXIT_KINDS = ("running", "clean", "exit", "exception", "os_exit", "signal", "killed")
+# Endings that are a failure of the rank itself, not of the job around it.
+ABNORMAL_EXITS = ("exit", "exception", "os_exit", "signal", "killed")
+
 # Every string column is dictionary-encoded: a job repeats a few dozen group names, ops,
 # shapes and stacks millions of times. As plain strings the entries cost ~360 bytes each
 # (16,384 ranks x 2,000 entries would be 12 GB; stacks alone ~1 KB each); as dictionaries
@@ -72,6 +85,9 @@ ENTRY_SCHEMA = pa.schema(
         pa.field("thread_name", _DICT),
         pa.field("call_site", _DICT),
         pa.field("stack", _DICT),
+        # how the op failed (a peer closed the connection, a timeout), as the backend said;
+        # null when it did not fail or the recorder cannot tell (PyTorch's FR has no field)
+        pa.field("error", _DICT),
     ]
 )
 ENTRY_COLUMNS = tuple(ENTRY_SCHEMA.names)
@@ -167,6 +183,10 @@ class RankInfo:
     stalled: bool | None = None  # the recorder's watchdog marked a stall
     alive: bool | None = None  # process still running when collected (None: unknown)
     wrapped: bool = False  # the ring buffer dropped older entries
+    # Failure facts (frtools records; None where the recorder cannot tell, e.g. PyTorch FR):
+    exit_kind: str | None = None  # one of EXIT_KINDS
+    exit_detail: str | None = None  # exception "Type: message", signal name, exit status
+    last_heartbeat_ns: int | None = None  # the process was last seen alive (wall clock)
 
     def identity(self) -> dict[str, Any]:
         return {
