@@ -230,6 +230,8 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
     }
     columns = []
     for f in ENTRY_SCHEMA:
-        array = arrays[f.name]
+        array = arrays.get(f.name)
+        if array is None:  # a column this format does not carry yet
+            array = pa.nulls(n, type=f.type)
         columns.append(array if array.type == f.type else array.cast(f.type))
     return pa.Table.from_arrays(columns, schema=ENTRY_SCHEMA)
