@@ -17,8 +17,10 @@ happened (``tests/jobs.py``'s ``stop``), and ``JOB_LIMIT`` bounds the whole run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +35,7 @@ TRAIN = Path(__file__).resolve().parent / "train.py"
 JOB_ID = "corpus"
 
 FR_HANG_SECONDS = 3.0  # train.py's Flight Recorder watchdog dumps after this long idle
+FR_DUMP_GRACE = 6.0  # after a hang is seen, how long the harness waits for those dumps
 HANG_AFTER = 4.5  # the harness calls the job hung after this long without any heartbeat
 STALL_SECONDS = 2.0  # FRTOOLS_STALL_SECONDS: the recorder marks a stall (frtools recorder)
 STARTUP_LIMIT = 90.0  # every rank must have started (torch imported) by then
@@ -119,6 +122,15 @@ def _idle(procs: list[subprocess.Popen], hb: Path) -> float:
     return now - freshest if freshest else 0.0
 
 
+def _ask_for_stacks(procs: list[subprocess.Popen]) -> None:
+    """SIGUSR1: train.py's faulthandler writes every thread's stack into the rank's log."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(0.5)
+
+
 def run_case(case: Case, work: Path) -> CaseRun:
     """Run ``case`` in ``work`` (created); its dumps end in ``work/dumps``."""
     work.mkdir(parents=True, exist_ok=True)
@@ -183,6 +195,15 @@ def run_case(case: Case, work: Path) -> CaseRun:
                 if time.monotonic() - teardown > TEARDOWN_LIMIT:
                     ending = "exited"  # stuck on the way out: ended for our purpose
                     break
+        if fr and ending == "hung":
+            # the in-process watchdogs dump after FR_HANG_SECONDS; give the slow ones time
+            # (a rank holding the GIL never will)
+            deadline = time.monotonic() + FR_DUMP_GRACE
+            while time.monotonic() < deadline and not all(
+                p.poll() is not None or (dumps / f"rank_{r}.pkl").exists()
+                for r, p in enumerate(procs)
+            ):
+                time.sleep(0.1)
         if not fr and ending != "limit":
             # the user's move: collect the job's black boxes (live ones answer with stacks)
             res = _frtools(
@@ -191,6 +212,8 @@ def run_case(case: Case, work: Path) -> CaseRun:
             )  # fmt: skip
             dump_output = res.stdout + res.stderr
     finally:
+        if ending != "exited":
+            _ask_for_stacks(procs)
         stop(procs)
         for log in logs:
             log.close()

@@ -66,8 +66,6 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 SHAPES = ("ddp", "fsdp2", "moe", "pipeline", "multigroup")
@@ -115,9 +113,7 @@ class Runtime:
         self._dumped = False
         self.armed = False  # the watchdog judges only the training steps, not the set-up
         self._touched = 0.0
-        self.hb = (
-            Path(args.heartbeat_dir) / f"rank_{self.rank}.hb" if args.heartbeat_dir else None
-        )
+        self.hb = Path(args.heartbeat_dir) / f"rank_{self.rank}.hb" if args.heartbeat_dir else None
         if self.hb is not None:
             self.hb.parent.mkdir(parents=True, exist_ok=True)
             self.hb.touch()
@@ -155,6 +151,13 @@ class Runtime:
         self.beat()
         yield
         self.beat()
+
+    def steps(self) -> Iterator[int]:
+        """The training loop's steps, 1-based; the stop faults strike at the start of one."""
+        for step in range(1, self.args.steps + 1):
+            self.step = step
+            self.stop_point()
+            yield self.step
 
     def stop_point(self) -> None:
         """The faults that stop a rank where it stands, at the start of the fault step."""
@@ -239,19 +242,20 @@ def mlp(width: int = 64) -> nn.Module:
     )
 
 
-def log_loss(rt: Runtime, loss: torch.Tensor) -> None:
-    """The logging all_reduce of the loss that most training loops do every step; the
-    collective-level faults of ddp/fsdp2 strike here."""
-    value = loss.detach().reshape(1).clone()
-    if rt.now("size"):
-        value = torch.cat([value, value])  # [2] where the peers pass [1]
-    if rt.now("dtype"):
-        value = value.to(torch.float64)
+def log_metrics(rt: Runtime, loss: torch.Tensor, out: torch.Tensor) -> None:
+    """The logging all_reduce most training loops do every step: the loss and a histogram of
+    the predictions, averaged over the ranks. The collective-level faults of ddp and fsdp2
+    strike here: a rank built its histogram with another bin count (``size``) or in float64
+    (``dtype``), or broadcasts where the others all-reduce (``op``)."""
+    bins = 768 if rt.now("size") else 1024
+    metrics = torch.zeros(bins + 1, dtype=torch.float64 if rt.now("dtype") else torch.float32)
+    metrics[0] = loss.detach()
+    metrics[1:] = torch.histc(out.detach().float(), bins=bins, min=-4, max=4)
     with rt.coll():
         if rt.now("op"):
-            dist.broadcast(value, src=0)
+            dist.broadcast(metrics, src=0)
         else:
-            dist.all_reduce(value)
+            dist.all_reduce(metrics)
 
 
 def run_ddp(rt: Runtime) -> None:
@@ -260,19 +264,22 @@ def run_ddp(rt: Runtime) -> None:
         model = DDP(mlp(), bucket_cap_mb=0.02)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rt.rank)
-    for rt.step in range(1, rt.args.steps + 1):
-        rt.stop_point()
+    for _ in rt.steps():
         x = torch.randn(16, 32, generator=gen)
         y = torch.randn(16, 8, generator=gen)
-        loss = nn.functional.mse_loss(model(x), y)
+        out = model(x)
+        loss = nn.functional.mse_loss(out, y)
         with rt.coll():  # the reducer all-reduces the gradient buckets during backward
             loss.backward()
         opt.step()
         opt.zero_grad()
-        log_loss(rt, loss)
+        log_metrics(rt, loss, out)
 
 
 def run_fsdp2(rt: Runtime) -> None:
+    from torch.distributed.device_mesh import init_device_mesh  # imported by main()
+    from torch.distributed.fsdp import fully_shard
+
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (rt.world,))
     model = mlp()
@@ -282,8 +289,7 @@ def run_fsdp2(rt: Runtime) -> None:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rt.rank)
-    for rt.step in range(1, rt.args.steps + 1):
-        rt.stop_point()
+    for _ in rt.steps():
         x = torch.randn(16, 32, generator=gen)
         y = torch.randn(16, 8, generator=gen)
         with rt.coll():  # FSDP2 all-gathers each layer's parameters
@@ -293,7 +299,7 @@ def run_fsdp2(rt: Runtime) -> None:
             loss.backward()
         opt.step()
         opt.zero_grad()
-        log_loss(rt, loss)
+        log_metrics(rt, loss, out)
 
 
 def run_moe(rt: Runtime) -> None:
@@ -318,8 +324,7 @@ def run_moe(rt: Runtime) -> None:
     tokens, hidden = 16, 32
     gen = torch.Generator().manual_seed(1000 + rt.rank)
     expert = torch.randn(hidden, hidden, generator=gen) / hidden
-    for rt.step in range(1, rt.args.steps + 1):
-        rt.stop_point()
+    for _ in rt.steps():
         # sequence-parallel activations gathered over the expert-parallel group
         local = torch.randn(tokens, hidden, generator=gen)
         full = torch.empty(tokens * ep_size, hidden)
@@ -359,9 +364,10 @@ def run_moe(rt: Runtime) -> None:
         expert_grad = torch.randn(hidden, hidden, generator=gen)
         if rt.now("dtype"):
             expert_grad = expert_grad.to(torch.float64)
-        stats = torch.randn(16, generator=gen)  # aux-loss / load-balancing statistics
+        # router statistics (per-expert load, aux losses) averaged over the world
+        stats = torch.randn(4096, generator=gen)
         if rt.now("size"):
-            stats = torch.randn(12, generator=gen)
+            stats = torch.randn(3072, generator=gen)
         if rt.now("order"):  # the world statistics before the data-parallel gradients
             with rt.coll():
                 dist.all_reduce(stats)
@@ -385,8 +391,7 @@ def run_pipeline(rt: Runtime) -> None:
     gen = torch.Generator().manual_seed(rt.rank)
     weight = torch.randn(32, 32, generator=gen) / 32
     micro = 2
-    for rt.step in range(1, rt.args.steps + 1):
-        rt.stop_point()
+    for _ in rt.steps():
         acts = []
         for mb in range(micro):
             act = torch.randn(8, 32, generator=gen) if stage == 0 else torch.empty(8, 32)
@@ -403,9 +408,7 @@ def run_pipeline(rt: Runtime) -> None:
             grad = torch.ones(8, 32) if stage == last else torch.empty(8, 32)
             if stage < last:
                 with rt.coll():
-                    for work in dist.batch_isend_irecv(
-                        [dist.P2POp(dist.irecv, grad, stage + 1)]
-                    ):
+                    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, grad, stage + 1)]):
                         work.wait()
             grad = grad * (1 - act * act)
             grad_sq += (grad * grad).sum()
@@ -443,8 +446,7 @@ def run_multigroup(rt: Runtime) -> None:
     dp_size = dist.get_world_size(dp_group)
     shard_len = 2048
     gen = torch.Generator().manual_seed(rt.rank)
-    for rt.step in range(1, rt.args.steps + 1):
-        rt.stop_point()
+    for _ in rt.steps():
         activations = torch.randn(16, 256, generator=gen)
         if not rt.now("skip"):
             with rt.coll():
@@ -505,8 +507,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.fr_dir is not None:
         Path(args.fr_dir).mkdir(parents=True, exist_ok=True)
 
+    import faulthandler
+
+    if args.shape == "fsdp2":  # seconds on a loaded machine: before the heartbeat starts
+        import torch.distributed.fsdp  # noqa: F401
+
+    # the harness asks for every thread's stack (into this rank's log) before it kills a hung
+    # job: where each rank stood, for whoever reads the log
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     rt = Runtime(args)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    if args.fr_dir is not None:
+        # the first dump imports half of torch (dynamo, inductor): seconds on a loaded
+        # machine. Pay that now, not while the watchdog should be dumping a hang.
+        torch._C._distributed_c10d._dump_fr_trace()
     rt.beat()
     rt.start_watchdog()
     try:
