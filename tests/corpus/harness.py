@@ -109,17 +109,22 @@ def _env() -> dict[str, str]:
 
 
 def _idle(procs: list[subprocess.Popen], hb: Path) -> float:
-    """Seconds since the freshest heartbeat of any live rank still training; 0 while one has
-    not started, or when every live rank is past its training loop (tearing down)."""
-    now, freshest = time.time(), 0.0
-    for rank, p in enumerate(procs):
-        if p.poll() is not None or (hb / f"rank_{rank}.done").exists():
-            continue
+    """Seconds since any rank last made progress (its heartbeat file), while some live rank
+    is still training; 0 while a rank has not started, or when every live rank is past its
+    training loop (tearing down, or blocked in the final barrier)."""
+    training = [
+        r for r, p in enumerate(procs) if p.poll() is None and not (hb / f"rank_{r}.done").exists()
+    ]
+    if not training:
+        return 0.0
+    freshest = 0.0
+    for rank in range(len(procs)):
         try:
             freshest = max(freshest, (hb / f"rank_{rank}.hb").stat().st_mtime)
         except FileNotFoundError:
-            return 0.0
-    return now - freshest if freshest else 0.0
+            if rank in training:
+                return 0.0  # not started yet
+    return time.time() - freshest if freshest else 0.0
 
 
 def _ask_for_stacks(procs: list[subprocess.Popen]) -> None:

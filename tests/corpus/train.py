@@ -510,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     import faulthandler
 
     if args.shape == "fsdp2":  # seconds on a loaded machine: before the heartbeat starts
-        import torch.distributed.fsdp  # noqa: F401
+        import importlib
+
+        importlib.import_module("torch.distributed.fsdp")
 
     # the harness asks for every thread's stack (into this rank's log) before it kills a hung
     # job: where each rank stood, for whoever reads the log
