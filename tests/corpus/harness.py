@@ -8,8 +8,9 @@ ended after a bounded time, its dumps in one directory ready for ``frtools analy
   train.py`` (the recorder on through the bootstrap ``sitecustomize``); when the job has
   ended or hung, ``frtools dump corpus --dir REC -o DUMPS`` collects it, as a user would.
 
-A hang is seen from outside, as an on-call engineer sees it: every live rank's heartbeat file
-(``train.py --heartbeat-dir``) is older than ``HANG_AFTER`` seconds. Then (fr) the in-process
+A hang is seen from outside, as an on-call engineer sees it: once every rank is training
+(its heartbeat file ``train.py --heartbeat-dir`` exists: set-up is over), no rank has made
+progress for ``HANG_AFTER`` seconds. Then (fr) the in-process
 watchdogs have already dumped, or (frtools) ``frtools dump`` collects the live job; then every
 rank's process group is SIGKILLed. Every process is gone when ``run_case`` returns, whatever
 happened (``tests/jobs.py``'s ``stop``), and ``JOB_LIMIT`` bounds the whole run.

@@ -23,7 +23,7 @@ MASTER_PORT); ``tests/corpus/harness.py`` does that, one process per rank. Shape
 Faults (``--fault``) strike rank ``--fault-rank`` at step ``--fault-step`` (1-based):
 
 * ``compute``   hangs in user code (``time.sleep``) before the step's first collective;
-* ``gil``       a C call that never releases the GIL (libc ``sleep`` through ``ctypes.PyDLL``);
+* ``gil``       a C call that never returns nor releases the GIL (``ctypes.PyDLL``);
 * ``sigkill``   ``os.kill(getpid(), SIGKILL)``;  ``segfault``: ``faulthandler._sigsegv()``;
 * ``exception`` raises ``RuntimeError("CUDA error: an illegal memory access ...")``, uncaught;
 * ``exit``      ``os._exit(1)`` (its sockets close with it: Gloo fails its peers' next op);
@@ -110,10 +110,19 @@ class Runtime:
         self.faulty = self.rank == args.fault_rank
         self._last = time.monotonic()
         self._lock = threading.Lock()
-        self._dumped = False
-        self.armed = False  # the watchdog judges only the training steps, not the set-up
+        self._dumped_idle = False  # the watchdog dumped since the last progress
+        self.armed = False  # hangs are judged during the training steps, not the set-up
         self._touched = 0.0
         self.hb = Path(args.heartbeat_dir) / f"rank_{self.rank}.hb" if args.heartbeat_dir else None
+
+    def arm(self) -> None:
+        """Training starts: from now on no progress means a hang, for the watchdog and (the
+        heartbeat file appears) for the harness. Set-up (imports, rendezvous, groups, the
+        first Flight Recorder dump's imports) can take many seconds on a loaded machine."""
+        if self.armed:
+            return
+        self.armed = True
+        self.beat()
         if self.hb is not None:
             self.hb.parent.mkdir(parents=True, exist_ok=True)
             self.hb.touch()
@@ -122,6 +131,7 @@ class Runtime:
     def beat(self) -> None:
         now = time.monotonic()
         self._last = now
+        self._dumped_idle = False
         if self.hb is not None and now - self._touched > 0.1:
             self._touched = now
             with contextlib.suppress(OSError):
@@ -154,6 +164,7 @@ class Runtime:
 
     def steps(self) -> Iterator[int]:
         """The training loop's steps, 1-based; the stop faults strike at the start of one."""
+        self.arm()
         for step in range(1, self.args.steps + 1):
             self.step = step
             self.stop_point()
@@ -161,7 +172,6 @@ class Runtime:
 
     def stop_point(self) -> None:
         """The faults that stop a rank where it stands, at the start of the fault step."""
-        self.armed = True
         self.beat()
         if not (self.faulty and self.step == self.args.fault_step):
             return
@@ -175,9 +185,7 @@ class Runtime:
             while True:  # "stuck in compute": a data-dependent loop that never ends
                 time.sleep(1.0)
         if fault == "gil":
-            import ctypes
-
-            ctypes.PyDLL(None).sleep(3600)  # holds the GIL: no thread of ours runs
+            hold_gil_forever()
         if fault == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if fault == "segfault":
@@ -194,15 +202,13 @@ class Runtime:
 
     # -- PyTorch Flight Recorder dumps -------------------------------------------------------
     def dump(self, why: str) -> None:
-        """Write this rank's Flight Recorder dump once (atomically: a killed writer leaves a
-        ``.tmp``, never a half dump under the final name)."""
+        """Write this rank's Flight Recorder dump (atomically: a killed writer leaves a
+        ``.tmp``, never a half dump under the final name). A later dump replaces an earlier
+        one: a watchdog dump of a slow moment is superseded by the end-of-run dump."""
         out = self.args.fr_dir
         if out is None:
             return
         with self._lock:
-            if self._dumped:
-                return
-            self._dumped = True
             data = torch._C._distributed_c10d._dump_fr_trace()
             out = Path(out)
             tmp = out / f".rank_{self.rank}.pkl.{os.getpid()}.tmp"
@@ -218,12 +224,25 @@ class Runtime:
             return
 
         def watch() -> None:
-            while not self._dumped:
+            while True:
                 time.sleep(0.1)
-                if self.armed and self.idle() > self.args.hang_seconds:
+                if self.armed and not self._dumped_idle and self.idle() > self.args.hang_seconds:
+                    self._dumped_idle = True
                     self.dump(f"no progress for {self.args.hang_seconds:g}s")
 
         threading.Thread(target=watch, name="fr-watchdog", daemon=True).start()
+
+
+def hold_gil_forever() -> None:
+    """A C call that never returns and never releases the GIL (``ctypes.PyDLL`` keeps it):
+    relocking a plain pthread mutex. Not ``sleep``: a signal (the harness's or frtools'
+    stack request) ends a sleep early, and the rank would go on training."""
+    import ctypes
+
+    libc = ctypes.PyDLL(None)
+    mutex = ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)  # a normal mutex: blocks forever, restarted after signals
 
 
 def is_collective_error(exc: BaseException) -> bool:
@@ -509,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import faulthandler
 
-    if args.shape == "fsdp2":  # seconds on a loaded machine: before the heartbeat starts
+    if args.shape == "fsdp2":  # seconds on a loaded machine: imported during set-up
         import importlib
 
         importlib.import_module("torch.distributed.fsdp")
@@ -520,10 +539,12 @@ def main(argv: list[str] | None = None) -> int:
     rt = Runtime(args)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     if args.fr_dir is not None:
-        # the first dump imports half of torch (dynamo, inductor): seconds on a loaded
-        # machine. Pay that now, not while the watchdog should be dumping a hang.
-        torch._C._distributed_c10d._dump_fr_trace()
-    rt.beat()
+        # The first dump with entries imports torch._dynamo to symbolize their stacks (800
+        # modules, seconds on a loaded machine): pay that now, not while the watchdog
+        # should be dumping a hang.
+        import importlib
+
+        importlib.import_module("torch._dynamo")
     rt.start_watchdog()
     try:
         RUNNERS[args.shape](rt)
@@ -538,7 +559,6 @@ def main(argv: list[str] | None = None) -> int:
     # give it a moment so that a healthy run's last op does not read as pending.
     time.sleep(0.2)
     rt.dump("finished")
-    rt.beat()
     dist.barrier()  # leave together: an early exit resets the peers' connections
     dist.destroy_process_group()
     return 0
