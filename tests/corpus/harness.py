@@ -78,6 +78,8 @@ def train_args(case: Case, fr_dir: Path | None, hb: Path) -> list[str]:
         str(case.fault_rank if case.fault_rank is not None else -1),
         "--fault-step",
         str(case.fault_step),
+        "--fault-at",
+        case.fault_at,
         "--steps",
         str(case.steps),
         "--heartbeat-dir",

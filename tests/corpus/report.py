@@ -58,10 +58,11 @@ def judge(case: Case, rc: int, report: dict | None) -> list[str]:
     guilty = tuple(sorted(g["rank"] for g in verdict.get("guilty", [])))
     if guilty != tuple(sorted(case.guilty)):
         problems.append(f"guilty {list(guilty)}, expected {list(case.guilty)}")
-    if case.group is not None:
+    if case.groups is not None:
         pg = verdict.get("process_group") or {}
-        if tuple(pg.get("ranks") or ()) != case.group:
-            problems.append(f"group {pg.get('ranks')}, expected {list(case.group)}")
+        if tuple(pg.get("ranks") or ()) not in case.groups:
+            want = " or ".join(str(list(g)) for g in case.groups)
+            problems.append(f"group {pg.get('ranks')}, expected {want}")
     if rc != case.exit_code:
         problems.append(f"exit code {rc}, expected {case.exit_code}")
     return problems

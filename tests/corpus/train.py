@@ -22,7 +22,9 @@ MASTER_PORT); ``tests/corpus/harness.py`` does that, one process per rank. Shape
 
 Faults (``--fault``) strike rank ``--fault-rank`` at step ``--fault-step`` (1-based):
 
-* ``compute``   hangs in user code (``time.sleep``) before the step's first collective;
+* ``compute``   hangs in user code (``time.sleep``) before the step's first collective (the
+                stopping faults strike there; ``--fault-at reduce``, pipeline only: after the
+                step's send/recv, before its world all-reduces);
 * ``gil``       a C call that never returns nor releases the GIL (``ctypes.PyDLL``);
 * ``sigkill``   ``os.kill(getpid(), SIGKILL)``;  ``segfault``: ``faulthandler._sigsegv()``;
 * ``exception`` raises ``RuntimeError("CUDA error: an illegal memory access ...")``, uncaught;
@@ -170,10 +172,11 @@ class Runtime:
             self.stop_point()
             yield self.step
 
-    def stop_point(self) -> None:
-        """The faults that stop a rank where it stands, at the start of the fault step."""
+    def stop_point(self, where: str = "step") -> None:
+        """The faults that stop a rank where it stands: at the start of the fault step, or
+        (``--fault-at reduce``, pipeline) after the step's P2P, before its all-reduces."""
         self.beat()
-        if not (self.faulty and self.step == self.args.fault_step):
+        if where != self.args.fault_at or not (self.faulty and self.step == self.args.fault_step):
             return
         fault = self.args.fault
         if fault not in STOPS:
@@ -435,6 +438,7 @@ def run_pipeline(rt: Runtime) -> None:
                 with rt.coll():
                     for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, grad, stage - 1)]):
                         work.wait()
+        rt.stop_point("reduce")
         with rt.coll():
             if rt.now("op"):
                 dist.broadcast(grad_sq, src=0)
@@ -512,6 +516,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault", choices=FAULTS, default="none")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=3)
+    parser.add_argument(
+        "--fault-at",
+        choices=("step", "reduce"),
+        default="step",
+        help="where compute/gil/kill/... strike: the start of the step, or (pipeline only) "
+        "after the step's send/recv, before its world all-reduces",
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--straggle-ms", type=float, default=30.0)
     parser.add_argument("--fr-dir", default=None, help="PyTorch Flight Recorder dumps go here")
