@@ -53,7 +53,7 @@ class CaseRun:
     case: str
     dumps: str
     ending: str  # "exited" (every rank ended by itself), "hung", "limit" (JOB_LIMIT)
-    returncodes: dict[int, int | None]  # None: killed by the harness
+    returncodes: dict[int, int | None]  # None: still running when the harness killed the job
     dumped_ranks: list[int]  # ranks with a file in ``dumps``
     wall_s: float
     dump_output: str = ""
@@ -220,17 +220,15 @@ def run_case(case: Case, work: Path) -> CaseRun:
             )  # fmt: skip
             dump_output = res.stdout + res.stderr
     finally:
+        killed = [r for r, p in enumerate(procs) if p.poll() is None]
         if ending != "exited":
-            _ask_for_stacks(procs)
+            _ask_for_stacks([p for r, p in enumerate(procs)
+                             if r in killed and not (hb / f"rank_{r}.done").exists()])  # fmt: skip
         stop(procs)
         for log in logs:
             log.close()
     wall = time.monotonic() - t0
-    returncodes = {r: (None if p.returncode == -9 and ending != "exited" else p.returncode)
-                   for r, p in enumerate(procs)}  # fmt: skip
-    for r, p in enumerate(procs):
-        if ending == "exited":
-            returncodes[r] = p.returncode
+    returncodes = {r: (None if r in killed else p.returncode) for r, p in enumerate(procs)}
     suffix = ".pkl" if fr else ".frt"
     dumped = sorted(
         int(p.name[len("rank_") : -len(suffix)]) for p in dumps.glob(f"rank_*{suffix}")
