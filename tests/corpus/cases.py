@@ -87,10 +87,11 @@ CASES: tuple[Case, ...] = (
     Case("ddp8-size-r7-fr", "ddp", "size", 7, 8, "fr", "inconclusive", (),
          "8-rank DDP; at step 13 rank 7 all-reduces a 769-float metrics vector where its peers "
          "pass 1025 (world all_reduce #31). Gloo aborts rank 7 (gloo::EnforceNotMet, SIGABRT): "
-         "no dump. Its ring neighbours 0 and 6 leave the op with a connection error, retired "
-         "(completed in pg_status); ranks 1-5 stay blocked in #31. Without --world-size "
-         "nothing in the 7 dumps (rank_0..rank_6, no gap) says an 8th rank exists, so no rank "
-         "can be named; but 5 ranks are blocked in an op every rank with a dump issued and 2 "
+         "no dump. Ranks that exchange with it (its ring neighbours 0 and 6, sometimes more) "
+         "leave the op with a connection error, retired (completed in pg_status); the others "
+         "stay blocked in #31 (5 of 7 in one run, 3 in another). Without --world-size nothing "
+         "in the 7 dumps (rank_0..rank_6, no gap) says an 8th rank exists, so no rank can be "
+         "named; but ranks are blocked in an op every rank with a dump issued and others "
          "retired: 'healthy' would be false. inconclusive (exit 1).",
          steps=15, fault_step=13, reported=True),
     Case("ddp8-size-r7-fr-ws", "ddp", "size", 7, 8, "fr", "dead", (7,),
