@@ -49,8 +49,11 @@ def test_real_job_gets_its_verdict(case: Case, corpus_runs) -> None:  # noqa: AN
     run = corpus_runs(case)
     assert run.ending != "limit", f"the job did not end or hang in time\n{run.tail()}"
     outcome = evaluate(case, run)
-    assert outcome.right, (
-        f"{case.id}: expected {case.expected}, frtools said {outcome.got} "
-        f"(exit {outcome.rc}): {outcome.headline}\n  " + "\n  ".join(outcome.problems) + "\n"
-        f"what should happen: {case.why}\njob: {run.summary()}"
-    )
+    if not outcome.right:
+        pytest.fail(
+            f"{case.id}: expected {case.expected}, frtools said {outcome.got} "
+            f"(exit {outcome.rc}): {outcome.headline}\n  "
+            + "\n  ".join(outcome.problems)
+            + f"\nwhat should happen: {case.why}\njob: {run.summary()}",
+            pytrace=False,
+        )
