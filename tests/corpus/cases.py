@@ -85,7 +85,7 @@ CASES: tuple[Case, ...] = (
          "all_reduce fails with a connection error.",
          steps=25, fault_step=20, reported=True),
     Case("ddp8-size-r7-fr", "ddp", "size", 7, 8, "fr", "inconclusive", (),
-         "8-rank DDP; at step 13 rank 7 all-reduces a 769-float metrics vector where its peers "
+         "8-rank DDP; at step 9 rank 7 all-reduces a 769-float metrics vector where its peers "
          "pass 1025 (world all_reduce #31). Gloo aborts rank 7 (gloo::EnforceNotMet, SIGABRT): "
          "no dump. Ranks that exchange with it (its ring neighbours 0 and 6, sometimes more) "
          "leave the op with a connection error, retired (completed in pg_status); the others "
@@ -93,7 +93,7 @@ CASES: tuple[Case, ...] = (
          "in the 7 dumps (rank_0..rank_6, no gap) says an 8th rank exists, so no rank can be "
          "named; but ranks are blocked in an op every rank with a dump issued and others "
          "retired: 'healthy' would be false. inconclusive (exit 1).",
-         steps=15, fault_step=13, reported=True),
+         steps=11, fault_step=9, reported=True),
     Case("ddp8-size-r7-fr-ws", "ddp", "size", 7, 8, "fr", "dead", (7,),
          "The same dumps analyzed with --world-size 8 (the user knows it): rank 7 has no dump "
          "and every blocked rank waits for it in world all_reduce #31. Its sizes are not "

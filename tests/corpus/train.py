@@ -283,7 +283,7 @@ def log_metrics(rt: Runtime, loss: torch.Tensor, out: torch.Tensor) -> None:
 def run_ddp(rt: Runtime) -> None:
     torch.manual_seed(0)
     with rt.coll():  # DDP's constructor broadcasts the parameters
-        model = DDP(mlp(), bucket_cap_mb=0.02)
+        model = DDP(mlp(), bucket_cap_mb=0.008)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rt.rank)
     for _ in rt.steps():
