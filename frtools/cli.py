@@ -37,6 +37,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Convert recordings to PyTorch dump format.",
     ),
     "export": ("frtools.commands.export", "export", "Export the aligned entries to Parquet."),
+    "history": (
+        "frtools.commands.history",
+        "history",
+        "List recorded incidents; rank hosts and GPUs by how often they were guilty.",
+    ),
     "synth": (
         "frtools.commands.synth",
         "synth",

@@ -218,6 +218,14 @@ NATIVE_PICKLE: Setting[bool] = Setting(
     "native parser (same results, ~10x slower; for debugging)",
     flag_off,
 )
+HISTORY: Setting[str | None] = Setting(
+    "FRTOOLS_HISTORY",
+    None,
+    "unset",
+    "an incident catalog (SQLite file): every `frtools analyze` records its verdict there, "
+    "and `frtools history` reads it when given no path (as `--history PATH`)",
+    _text,
+)
 
 SETTINGS: tuple[Setting[Any], ...] = (
     RECORD,
@@ -235,6 +243,7 @@ SETTINGS: tuple[Setting[Any], ...] = (
     CUDART,
     DEBUG,
     NATIVE_PICKLE,
+    HISTORY,
 )
 ENV_VARS = tuple(s.name for s in SETTINGS)
 

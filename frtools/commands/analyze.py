@@ -55,6 +55,15 @@ FORMATS = ("terminal", "json", "markdown", "github", "junit")
     help="The job's number of ranks, when the dumps cannot say it (Gloo): a rank that left "
     "no dump is then seen even if it is the highest.",
 )
+@click.option(
+    "--history",
+    "catalog",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also record the verdict in this incident catalog (SQLite; default: "
+    "$FRTOOLS_HISTORY); `frtools history` ranks the hosts that keep being guilty. A catalog "
+    "that cannot take it is a warning, never another exit code.",
+)
 def analyze(
     path: Path,
     fmt: str,
@@ -62,12 +71,13 @@ def analyze(
     verbose: bool,
     workers: int | None,
     world_size: int | None,
+    catalog: Path | None,
 ) -> None:
     """Find the hung collective and the guilty rank in the dumps under PATH.
 
     Exit code 0: healthy; 1: a problem was found; 2: unusable input or usage error.
     """
-    run_guarded("frtools", lambda: _run(path, fmt, output, verbose, workers, world_size))
+    run_guarded("frtools", lambda: _run(path, fmt, output, verbose, workers, world_size, catalog))
 
 
 def _run(
@@ -77,9 +87,13 @@ def _run(
     verbose: bool,
     workers: int | None,
     world_size: int | None = None,
+    catalog: Path | None = None,
 ) -> int:
+    from frtools.commands.history import catalog_for, record_verdict
+
     started = time.monotonic()
-    _, _, verdict = load_and_diagnose(
+    catalog = catalog_for(catalog)
+    trace, _, verdict = load_and_diagnose(
         "frtools",
         path,
         workers=workers,
@@ -116,8 +130,12 @@ def _run(
             Console(width=min(Console().width, 100) if sys.stdout.isatty() else 100).print(
                 terminal.renderable(verdict, verbose)
             )
-            return verdict.exit_code
-        text = terminal.render(verdict, verbose=verbose)
+            text = None
+        else:
+            text = terminal.render(verdict, verbose=verbose)
 
-    write_text("frtools", text, output)
+    if text is not None:
+        write_text("frtools", text, output)
+    if catalog is not None:  # after the verdict is out: a failing catalog only warns
+        record_verdict(catalog, verdict, trace, path)
     return verdict.exit_code

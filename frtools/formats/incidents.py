@@ -1,0 +1,753 @@
+"""The incident catalog: every verdict ``frtools analyze --history FILE`` gave, in one SQLite
+file, so that ``frtools history`` can name the hosts and GPUs that keep being guilty.
+
+SQLite (standard library), not DuckDB: several jobs may finish at once and each ``analyze``
+writes its record from its own process. SQLite serializes writer processes with file locks
+(``BEGIN IMMEDIATE`` and a busy timeout: a writer waits for the one before it) and, in WAL
+mode, lets readers go on while one writes; DuckDB allows one writing process per file.
+The catalog lives on a local file system: WAL needs shared memory between the processes that
+open it, which network file systems do not give.
+
+Schema version 1 (``SCHEMA_VERSION``; docs/history.md shows the whole schema):
+
+* ``schema_version`` — one row per schema version applied to the file, with the catalog's
+  kind (``CATALOG_KIND``). The file's version is the highest. A later frtools migrates a
+  file forward inside the writer's transaction (``_MIGRATIONS``); a file of a newer version
+  is refused, never rewritten.
+* ``incidents`` — one row per analyzed dump set: the job, the times, the verdict's kind,
+  headline, group, op, call site, the frtools version and the verdict document (JSON).
+  A dump set analyzed again (same files, same sizes and mtimes: ``fingerprint``) stays one
+  incident: its verdict is replaced by the newest and ``analyses`` counts the runs, so
+  ``analyze`` and ``report`` of the same dumps do not make a host look twice as guilty.
+* ``guilty`` — one row per guilty rank of an incident: rank, host, device, device_id, the
+  GPU identity ``frtools history`` ranks by (``gpu_identity``), pid, call site, reason.
+
+A catalog is data another process wrote: readers open it read-only (``mode=ro``), refuse a
+file that is not SQLite or not a catalog of a known version, use no function or view its
+schema may declare, cut every text they read (``TEXT_LIMIT``) and stop a query that runs
+longer than ``QUERY_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sqlite3
+import stat
+import time
+import urllib.parse
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from frtools import __version__
+
+CATALOG_KIND = "frtools-incident-catalog"
+SCHEMA_VERSION = 1
+APPLICATION_ID = 0x46524943  # "FRIC" in the SQLite header: `file` and tools can tell
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+BUSY_TIMEOUT_S = 10.0  # a writer waits this long for the one before it
+QUERY_SECONDS = 20.0  # a reader gives up on a query that runs longer (a hostile file)
+TEXT_LIMIT = 512  # characters kept of any text field a reader lists
+DOCUMENT_LIMIT = 16 << 20  # bytes of a stored verdict document
+GUILTY_LIMIT = 10_000  # guilty ranks stored per incident
+
+HEALTHY = "healthy"
+
+_SCHEMA_V1 = (
+    """CREATE TABLE schema_version (
+        version INTEGER PRIMARY KEY,
+        kind TEXT NOT NULL,
+        applied_ns INTEGER NOT NULL,
+        frtools_version TEXT NOT NULL
+    )""",
+    """CREATE TABLE incidents (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        fingerprint TEXT NOT NULL UNIQUE,
+        job_id TEXT NOT NULL,
+        job_id_source TEXT NOT NULL,
+        path TEXT NOT NULL,
+        recorded_ns INTEGER NOT NULL,
+        analyzed_ns INTEGER NOT NULL,
+        analyses INTEGER NOT NULL DEFAULT 1,
+        dump_ns INTEGER,
+        analyzed_on TEXT,
+        kind TEXT NOT NULL,
+        headline TEXT NOT NULL,
+        confidence REAL,
+        pg_name TEXT,
+        pg_desc TEXT,
+        op TEXT,
+        collective_seq_id INTEGER,
+        p2p_seq_id INTEGER,
+        call_site TEXT,
+        frtools_version TEXT NOT NULL,
+        verdict_json TEXT NOT NULL
+    )""",
+    "CREATE INDEX incidents_by_time ON incidents (recorded_ns)",
+    "CREATE INDEX incidents_by_job ON incidents (job_id)",
+    """CREATE TABLE guilty (
+        incident_id INTEGER NOT NULL REFERENCES incidents (id) ON DELETE CASCADE,
+        rank INTEGER NOT NULL,
+        host TEXT,
+        device TEXT,
+        device_id TEXT,
+        gpu TEXT,
+        pid INTEGER,
+        local_rank INTEGER,
+        call_site TEXT,
+        reason TEXT,
+        PRIMARY KEY (incident_id, rank)
+    )""",
+    "CREATE INDEX guilty_by_host ON guilty (host)",
+    "CREATE INDEX guilty_by_gpu ON guilty (gpu)",
+)
+
+# version -> statements that bring a file of the version before it up to it
+_MIGRATIONS: dict[int, tuple[str, ...]] = {}
+
+
+def _schema_columns() -> dict[str, set[str]]:
+    """Every table of the current schema and its columns, as SQLite itself reads the schema
+    (what a file of this version must have)."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        for statement in _SCHEMA_V1:
+            conn.execute(statement)
+        tables = [
+            r[0]
+            for r in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'"
+            )
+        ]
+        return {t: {str(r[1]) for r in conn.execute(f"PRAGMA table_info({t})")} for t in tables}
+    finally:
+        conn.close()
+
+
+class CatalogError(Exception):
+    """A catalog that cannot be used; the message is one line that names the file."""
+
+
+# -- the records ---------------------------------------------------------------------------
+
+
+def gpu_identity(host: str | None, device: str | None, device_id: str | None) -> str | None:
+    """What names one physical GPU across jobs: its UUID / PCI id when known, else
+    ``host/device`` (``node7/cuda:3``); ``None`` when neither says which GPU it was."""
+    if device_id:
+        return device_id
+    if host and device and device != "cpu":
+        return f"{host}/{device}"
+    return None
+
+
+@dataclass
+class GuiltyRecord:
+    rank: int
+    host: str | None = None
+    device: str | None = None
+    device_id: str | None = None
+    pid: int | None = None
+    local_rank: int | None = None
+    call_site: str | None = None
+    reason: str = ""
+
+    @property
+    def gpu(self) -> str | None:
+        return gpu_identity(self.host, self.device, self.device_id)
+
+
+@dataclass
+class IncidentRecord:
+    """One analysis of one dump set, as the catalog stores it."""
+
+    fingerprint: str  # which dump files (dump_fingerprint): the same files are one incident
+    job_id: str
+    job_id_source: str  # "manifest", "snapshot" or "path"
+    path: str  # the analyzed path
+    kind: str
+    headline: str
+    verdict_document: dict[str, Any]
+    confidence: float | None = None
+    guilty: list[GuiltyRecord] = field(default_factory=list)
+    pg_name: str | None = None
+    pg_desc: str | None = None
+    op: str | None = None
+    collective_seq_id: int | None = None
+    p2p_seq_id: int | None = None
+    call_site: str | None = None
+    dump_ns: int | None = None  # when the dumps were taken, as the ranks' clocks said
+    analyzed_ns: int = field(default_factory=time.time_ns)
+    analyzed_on: str = field(default_factory=socket.gethostname)
+    frtools_version: str = __version__
+
+
+def dump_fingerprint(job_id: str, files: Iterable[str | os.PathLike[str]]) -> str:
+    """A digest of the job and its dump files (absolute path, size, mtime): the same files
+    analyzed again give the same fingerprint; rewritten or other files give another."""
+    digest = hashlib.sha256(job_id.encode("utf-8", "replace"))
+    for name in sorted({os.path.abspath(f) for f in files}):
+        try:
+            st = os.stat(name)
+            facts = f"{st.st_size}:{st.st_mtime_ns}"
+        except OSError:
+            facts = "?"
+        digest.update(f"\0{name}\0{facts}".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
+
+
+def iso_utc(ns: int | None) -> str | None:
+    """``2026-11-30T18:07:35Z`` (UTC, ISO-8601, seconds) or None."""
+    if ns is None:
+        return None
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ns / 1e9))
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+# -- writing -------------------------------------------------------------------------------
+
+
+def record_incident(
+    path: str | os.PathLike[str], incident: IncidentRecord, *, timeout_s: float = BUSY_TIMEOUT_S
+) -> int:
+    """Add ``incident`` to the catalog at ``path`` (created when absent); its id.
+
+    One transaction per record, serialized with other writer processes by SQLite's lock
+    (waiting up to ``timeout_s``). ``CatalogError`` when the file cannot take it: not SQLite,
+    somebody else's database, a newer catalog version, locked past the timeout, read-only,
+    disk full.
+    """
+    path = Path(path)
+    _refuse_non_catalog_file(path, creating=True)
+    _create_private(path)
+    try:
+        conn = sqlite3.connect(str(path), timeout=timeout_s, isolation_level=None)
+    except sqlite3.Error as e:
+        raise CatalogError(_reason(path, e)) from None
+    try:
+        conn.execute("PRAGMA trusted_schema = OFF")
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = _catalog_version(conn, path)
+            if version is None:
+                _create_schema(conn)
+            elif version < SCHEMA_VERSION:
+                _migrate(conn, version)
+            incident_id = _upsert(conn, incident)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        _use_wal(conn)
+        return incident_id
+    except sqlite3.Error as e:
+        raise CatalogError(_reason(path, e)) from None
+    finally:
+        conn.close()
+
+
+def _create_private(path: Path) -> None:
+    """Create the catalog file for this user alone (0600) if it does not exist yet."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    except OSError as e:
+        raise CatalogError(f"{path}: cannot create the catalog: {e.strerror or e}") from None
+    os.close(fd)
+
+
+def _create_schema(conn: sqlite3.Connection) -> None:
+    for statement in _SCHEMA_V1:
+        conn.execute(statement)
+    conn.execute(
+        "INSERT INTO schema_version VALUES (?, ?, ?, ?)",
+        (SCHEMA_VERSION, CATALOG_KIND, time.time_ns(), __version__),
+    )
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _migrate(conn: sqlite3.Connection, version: int) -> None:
+    for target in range(version + 1, SCHEMA_VERSION + 1):
+        for statement in _MIGRATIONS[target]:
+            conn.execute(statement)
+        conn.execute(
+            "INSERT INTO schema_version VALUES (?, ?, ?, ?)",
+            (target, CATALOG_KIND, time.time_ns(), __version__),
+        )
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _use_wal(conn: sqlite3.Connection) -> None:
+    """WAL: readers never wait for a writer. Set once per file, by whoever can; a writer that
+    finds the file busy leaves it to the next."""
+    try:
+        if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            conn.execute("PRAGMA journal_mode = WAL")
+    except sqlite3.Error:
+        pass
+
+
+def _document_text(document: dict[str, Any]) -> str:
+    text = json.dumps(document, separators=(",", ":"), default=str)
+    if len(text) > DOCUMENT_LIMIT:  # thousands of inputs listed: keep the verdict, count them
+        slim = {k: v for k, v in document.items() if k != "inputs"}
+        slim["inputs_omitted"] = len(document.get("inputs") or ())
+        text = json.dumps(slim, separators=(",", ":"), default=str)[:DOCUMENT_LIMIT]
+    return text
+
+
+def _upsert(conn: sqlite3.Connection, incident: IncidentRecord) -> int:
+    values = {
+        "job_id": incident.job_id,
+        "job_id_source": incident.job_id_source,
+        "path": incident.path,
+        "analyzed_ns": incident.analyzed_ns,
+        "dump_ns": incident.dump_ns,
+        "analyzed_on": incident.analyzed_on,
+        "kind": incident.kind,
+        "headline": incident.headline,
+        "confidence": incident.confidence,
+        "pg_name": incident.pg_name,
+        "pg_desc": incident.pg_desc,
+        "op": incident.op,
+        "collective_seq_id": incident.collective_seq_id,
+        "p2p_seq_id": incident.p2p_seq_id,
+        "call_site": incident.call_site,
+        "frtools_version": incident.frtools_version,
+        "verdict_json": _document_text(incident.verdict_document),
+    }
+    row = conn.execute(
+        "SELECT id FROM incidents WHERE fingerprint = ?", (incident.fingerprint,)
+    ).fetchone()
+    if row is None:
+        columns = ["fingerprint", "recorded_ns", *values]
+        conn.execute(
+            f"INSERT INTO incidents ({', '.join(columns)}) "
+            f"VALUES ({', '.join('?' * len(columns))})",
+            (incident.fingerprint, incident.analyzed_ns, *values.values()),
+        )
+        incident_id = int(conn.execute("SELECT last_insert_rowid()").fetchone()[0])
+    else:  # the same dumps again: one incident, its newest verdict
+        incident_id = int(row[0])
+        conn.execute(
+            f"UPDATE incidents SET {', '.join(f'{k} = ?' for k in values)}, "
+            "analyses = analyses + 1 WHERE id = ?",
+            (*values.values(), incident_id),
+        )
+        conn.execute("DELETE FROM guilty WHERE incident_id = ?", (incident_id,))
+    conn.executemany(
+        "INSERT OR IGNORE INTO guilty VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            (incident_id, g.rank, g.host, g.device, g.device_id, g.gpu, g.pid, g.local_rank)
+            + (g.call_site, g.reason)
+            for g in incident.guilty[:GUILTY_LIMIT]
+        ],
+    )
+    return incident_id
+
+
+# -- checking a file -----------------------------------------------------------------------
+
+
+def _reason(path: Path, error: BaseException) -> str:
+    """One line for an SQLite error, naming the file."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    lowered = text.lower()
+    if "locked" in lowered or "busy" in lowered:
+        text = "locked by another process (gave up waiting)"
+    elif "readonly" in lowered or "read-only" in lowered:
+        text = "read-only (cannot write the catalog)"
+    elif "not a database" in lowered:
+        text = "not an SQLite database (corrupt or encrypted header)"
+    elif "malformed" in lowered:
+        text = "corrupt SQLite file (database disk image is malformed)"
+    elif "interrupted" in lowered:
+        text = f"a query ran longer than {QUERY_SECONDS:.0f} s (too large or hostile)"
+    elif "full" in lowered:
+        text = "disk full"
+    return f"{path}: {text}"
+
+
+def _refuse_non_catalog_file(path: Path, *, creating: bool) -> None:
+    """Refuse, before SQLite touches it, a path that is not a regular file holding SQLite.
+    An empty file is a catalog yet to be created, when ``creating``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if creating:
+            return
+        raise CatalogError(f"{path}: no such file") from None
+    except OSError as e:
+        raise CatalogError(f"{path}: cannot read: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CatalogError(f"{path}: not a regular file")
+    if st.st_size == 0:
+        if creating:
+            return
+        raise CatalogError(f"{path}: empty file, not an frtools incident catalog")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except OSError as e:
+        raise CatalogError(f"{path}: cannot read: {e.strerror or e}") from None
+    if head != SQLITE_MAGIC:
+        raise CatalogError(f"{path}: not an SQLite file, so not an frtools incident catalog")
+
+
+def _catalog_version(conn: sqlite3.Connection, path: Path) -> int | None:
+    """The file's schema version; None for an empty database (a new catalog).
+    ``CatalogError`` for somebody else's database or a version this frtools does not know."""
+    objects = {
+        str(name): str(kind)
+        for name, kind in conn.execute(
+            "SELECT name, type FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' LIMIT 1000"
+        )
+    }
+    if not objects:
+        return None
+    if objects.get("schema_version") != "table":
+        raise CatalogError(f"{path}: an SQLite database, but not an frtools incident catalog")
+    rows = conn.execute("SELECT kind, version FROM schema_version LIMIT 1000").fetchall()
+    if not rows or any(kind != CATALOG_KIND for kind, _ in rows):
+        raise CatalogError(f"{path}: an SQLite database, but not an frtools incident catalog")
+    versions = [v for _, v in rows]
+    if not all(isinstance(v, int) for v in versions):
+        raise CatalogError(f"{path}: corrupt catalog: schema versions {versions[:5]!r}")
+    version = max(versions)
+    if version > SCHEMA_VERSION:
+        raise CatalogError(
+            f"{path}: written by a newer frtools (catalog schema {version}; "
+            f"this frtools knows up to {SCHEMA_VERSION})"
+        )
+    if version < 1:
+        raise CatalogError(f"{path}: corrupt catalog: schema version {version}")
+    if version == SCHEMA_VERSION:
+        for table, needed in _schema_columns().items():
+            if objects.get(table) != "table":
+                raise CatalogError(f"{path}: corrupt catalog: no table {table}")
+            have = {str(r[1]) for r in conn.execute(f"PRAGMA table_info({table})")}
+            if not needed <= have:
+                missing = ", ".join(sorted(needed - have)[:5])
+                raise CatalogError(f"{path}: corrupt catalog: {table} lacks {missing}")
+    return version
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """Which incidents a question is about: recorded at or after ``since_ns`` (None: all),
+    of job ``job`` (None: every job)."""
+
+    since_ns: int | None = None
+    job: str | None = None
+
+    def where(self, alias: str = "i") -> tuple[str, list[Any]]:
+        clauses, params = ["1"], []
+        if self.since_ns is not None:
+            clauses.append(f"{alias}.recorded_ns >= ?")
+            params.append(self.since_ns)
+        if self.job is not None:
+            clauses.append(f"{alias}.job_id = ?")
+            params.append(self.job)
+        return " AND ".join(clauses), params
+
+
+@dataclass
+class StoredGuilty:
+    rank: int
+    host: str | None
+    device: str | None
+    device_id: str | None
+    gpu: str | None
+    call_site: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "host": self.host,
+            "device": self.device,
+            "device_id": self.device_id,
+            "gpu": self.gpu,
+            "call_site": self.call_site,
+        }
+
+
+@dataclass
+class StoredIncident:
+    """One incident as a reader lists it (texts cut at ``TEXT_LIMIT``)."""
+
+    id: int
+    recorded_ns: int
+    analyzed_ns: int
+    analyses: int
+    dump_ns: int | None
+    job_id: str
+    job_id_source: str
+    path: str
+    kind: str
+    headline: str
+    confidence: float | None
+    pg_name: str | None
+    pg_desc: str | None
+    op: str | None
+    collective_seq_id: int | None
+    p2p_seq_id: int | None
+    call_site: str | None
+    frtools_version: str
+    guilty: list[StoredGuilty] = field(default_factory=list)
+    guilty_total: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "time": iso_utc(self.recorded_ns),
+            "last_analyzed": iso_utc(self.analyzed_ns),
+            "analyses": self.analyses,
+            "dump_time": iso_utc(self.dump_ns),
+            "job_id": self.job_id,
+            "job_id_source": self.job_id_source,
+            "path": self.path,
+            "kind": self.kind,
+            "headline": self.headline,
+            "confidence": self.confidence,
+            "process_group": None
+            if self.pg_name is None
+            else {"name": self.pg_name, "desc": self.pg_desc},
+            "op": self.op,
+            "collective_seq_id": self.collective_seq_id,
+            "p2p_seq_id": self.p2p_seq_id,
+            "call_site": self.call_site,
+            "guilty": [g.to_dict() for g in self.guilty],
+            "guilty_total": self.guilty_total,
+            "frtools_version": self.frtools_version,
+        }
+
+
+@dataclass
+class Offender:
+    """A host or a GPU and the incidents of the window that blamed it."""
+
+    name: str  # the host name, or the GPU identity
+    incidents: int
+    first_ns: int
+    last_ns: int
+    kinds: list[str]
+    host: str | None = None  # for a GPU: its host and device, as last seen
+    device: str | None = None
+    evidence: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _cut(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > TEXT_LIMIT:
+        return value[: TEXT_LIMIT - 1] + "…"
+    if isinstance(value, bytes):  # a hostile file may put blobs where text belongs
+        return _cut(value.decode("utf-8", "replace"))
+    return value
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) else None
+
+
+class CatalogReader:
+    """A catalog opened read-only. Every method reads a bounded amount."""
+
+    def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
+        self.path = path
+        self._conn = conn
+
+    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        deadline = time.monotonic() + QUERY_SECONDS
+        self._conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+        try:
+            return [tuple(_cut(v) for v in row) for row in self._conn.execute(sql, params)]
+        except sqlite3.Error as e:
+            raise CatalogError(_reason(self.path, e)) from None
+        finally:
+            self._conn.set_progress_handler(None, 0)
+
+    def count_by_kind(self, window: Window) -> dict[str, int]:
+        where, params = window.where()
+        rows = self._rows(
+            f"SELECT kind, COUNT(*) FROM incidents i WHERE {where} "
+            "GROUP BY kind ORDER BY COUNT(*) DESC LIMIT 100",
+            params,
+        )
+        return {str(kind): int(n) for kind, n in rows}
+
+    def count_all(self) -> int:
+        return int(self._rows("SELECT COUNT(*) FROM incidents")[0][0])
+
+    def incidents(self, window: Window, limit: int, guilty_limit: int = 16) -> list[StoredIncident]:
+        """The newest ``limit`` incidents of the window, newest first, with up to
+        ``guilty_limit`` guilty ranks each."""
+        where, params = window.where()
+        rows = self._rows(
+            "SELECT id, recorded_ns, analyzed_ns, analyses, dump_ns, job_id, job_id_source, "
+            "path, kind, headline, confidence, pg_name, pg_desc, op, collective_seq_id, "
+            "p2p_seq_id, call_site, frtools_version, "
+            "(SELECT COUNT(*) FROM guilty g WHERE g.incident_id = i.id) "
+            f"FROM incidents i WHERE {where} ORDER BY recorded_ns DESC, id DESC LIMIT ?",
+            [*params, limit],
+        )
+        found = []
+        for row in rows:
+            (iid, rec, ana, n, dump, job, job_src, path, kind, head, conf, pg, desc, op, cseq,
+             pseq, site, version, total) = row  # fmt: skip
+            found.append(
+                StoredIncident(
+                    id=int(iid),
+                    recorded_ns=int(rec),
+                    analyzed_ns=int(ana),
+                    analyses=int(n),
+                    dump_ns=_int(dump),
+                    job_id=str(job),
+                    job_id_source=str(job_src),
+                    path=str(path),
+                    kind=str(kind),
+                    headline=str(head),
+                    confidence=conf if isinstance(conf, float | int) else None,
+                    pg_name=pg,
+                    pg_desc=desc,
+                    op=op,
+                    collective_seq_id=_int(cseq),
+                    p2p_seq_id=_int(pseq),
+                    call_site=site,
+                    frtools_version=str(version),
+                    guilty_total=int(total),
+                )
+            )
+        for incident in found:
+            incident.guilty = [
+                StoredGuilty(_int(r[0]) or 0, r[1], r[2], r[3], r[4], r[5])
+                for r in self._rows(
+                    "SELECT rank, host, device, device_id, gpu, call_site FROM guilty "
+                    "WHERE incident_id = ? ORDER BY rank LIMIT ?",
+                    (incident.id, guilty_limit),
+                )
+            ]
+        return found
+
+    def offenders(
+        self, by: str, window: Window, limit: int, evidence_limit: int = 20
+    ) -> list[Offender]:
+        """Hosts (``by="host"``) or GPUs (``by="gpu"``) by how many incidents of the window
+        blamed them, most first (then most recent); each with up to ``evidence_limit`` of
+        those incidents, newest first."""
+        if by not in ("host", "gpu"):
+            raise ValueError(by)
+        where, params = window.where()
+        rows = self._rows(
+            f"SELECT g.{by}, COUNT(DISTINCT i.id) AS n, MIN(i.recorded_ns), "
+            "MAX(i.recorded_ns) AS last FROM guilty g JOIN incidents i ON i.id = g.incident_id "
+            f"WHERE {where} AND g.{by} IS NOT NULL AND g.{by} != '' "
+            f"GROUP BY g.{by} ORDER BY n DESC, last DESC, g.{by} LIMIT ?",
+            [*params, limit],
+        )
+        found = []
+        for name, n, first, last in rows:
+            evidence_rows = self._rows(
+                "SELECT i.id, i.kind, i.recorded_ns, i.job_id, "
+                "GROUP_CONCAT(g.rank), MAX(g.host), MAX(g.device) "
+                "FROM guilty g JOIN incidents i ON i.id = g.incident_id "
+                f"WHERE {where} AND g.{by} = ? GROUP BY i.id "
+                "ORDER BY i.recorded_ns DESC, i.id DESC LIMIT ?",
+                [*params, name, evidence_limit],
+            )
+            kinds = self._rows(
+                "SELECT DISTINCT i.kind FROM guilty g JOIN incidents i ON i.id = g.incident_id "
+                f"WHERE {where} AND g.{by} = ? ORDER BY i.kind LIMIT 20",
+                [*params, name],
+            )
+            offender = Offender(
+                name=str(name),
+                incidents=int(n),
+                first_ns=int(first),
+                last_ns=int(last),
+                kinds=[str(k) for (k,) in kinds],
+            )
+            for iid, kind, rec, job, ranks, host, device in evidence_rows:
+                if offender.host is None:
+                    offender.host, offender.device = host, device
+                offender.evidence.append(
+                    {
+                        "incident": int(iid),
+                        "kind": str(kind),
+                        "time": iso_utc(int(rec)),
+                        "job_id": str(job),
+                        "ranks": sorted(int(r) for r in str(ranks or "").split(",") if r),
+                    }
+                )
+            found.append(offender)
+        return found
+
+    def verdict_document(self, incident_id: int) -> dict[str, Any] | None:
+        """The verdict document stored with an incident (None: no such incident)."""
+        rows = self._rows(
+            "SELECT substr(verdict_json, 1, ?) FROM incidents WHERE id = ?",
+            (DOCUMENT_LIMIT, incident_id),
+        )
+        if not rows:
+            return None
+        conn_text = rows[0][0]
+        try:
+            document = json.loads(conn_text if isinstance(conn_text, str) else "")
+        except ValueError:
+            raise CatalogError(
+                f"{self.path}: incident {incident_id}: the stored verdict is not JSON"
+            ) from None
+        if not isinstance(document, dict):
+            raise CatalogError(f"{self.path}: incident {incident_id}: no verdict document")
+        return document
+
+
+@contextmanager
+def open_catalog(
+    path: str | os.PathLike[str], *, timeout_s: float = 5.0
+) -> Iterator[CatalogReader]:
+    """The catalog at ``path``, read-only; ``CatalogError`` when it is missing, not SQLite,
+    not a catalog, of a newer version, corrupt or locked."""
+    path = Path(path)
+    _refuse_non_catalog_file(path, creating=False)
+    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=timeout_s, isolation_level=None)
+    except sqlite3.Error as e:
+        raise CatalogError(_reason(path, e)) from None
+    try:
+        deadline = time.monotonic() + QUERY_SECONDS
+        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+        try:
+            conn.execute("PRAGMA trusted_schema = OFF")
+            conn.execute("PRAGMA query_only = ON")
+            conn.execute("PRAGMA cell_size_check = ON")
+            if _catalog_version(conn, path) is None:
+                raise CatalogError(f"{path}: an empty SQLite database, not an incident catalog")
+        except sqlite3.Error as e:
+            raise CatalogError(_reason(path, e)) from None
+        finally:
+            conn.set_progress_handler(None, 0)
+        yield CatalogReader(path, conn)
+    finally:
+        conn.close()
+
+
+def integrity_problems(path: str | os.PathLike[str]) -> list[str]:
+    """``PRAGMA integrity_check`` of a catalog (an empty list: intact)."""
+    with open_catalog(path) as catalog:
+        rows = catalog._rows("PRAGMA integrity_check(100)")
+    return [str(r[0]) for r in rows if r[0] != "ok"]
