@@ -570,11 +570,14 @@ class CatalogReader:
         self.path = path
         self._conn = conn
 
-    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    def _rows(
+        self, sql: str, params: Sequence[Any] = (), *, cut: bool = True
+    ) -> list[tuple[Any, ...]]:
         deadline = time.monotonic() + QUERY_SECONDS
         self._conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
         try:
-            return [tuple(_cut(v) for v in row) for row in self._conn.execute(sql, params)]
+            rows = self._conn.execute(sql, params)
+            return [tuple(_cut(v) for v in row) for row in rows] if cut else rows.fetchall()
         except sqlite3.Error as e:
             raise CatalogError(_reason(self.path, e)) from None
         finally:
@@ -700,12 +703,13 @@ class CatalogReader:
         rows = self._rows(
             "SELECT substr(verdict_json, 1, ?) FROM incidents WHERE id = ?",
             (DOCUMENT_LIMIT, incident_id),
+            cut=False,
         )
         if not rows:
             return None
-        conn_text = rows[0][0]
+        text = rows[0][0]
         try:
-            document = json.loads(conn_text if isinstance(conn_text, str) else "")
+            document = json.loads(text if isinstance(text, str) else "")
         except ValueError:
             raise CatalogError(
                 f"{self.path}: incident {incident_id}: the stored verdict is not JSON"
