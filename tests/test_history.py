@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -273,6 +275,33 @@ def test_a_writer_locked_out_past_its_timeout_gives_up_and_readers_go_on(tmp_pat
     finally:
         holder.execute("ROLLBACK")
         holder.close()
+
+
+def test_a_reader_without_write_access_to_the_folder_still_reads():
+    """A scheduler with read access only cannot create the WAL's -shm file beside the
+    catalog; with no writer at work the file alone is read."""
+    folder = Path(tempfile.mkdtemp(prefix="frtools-ro-"))
+    try:
+        catalog = folder / "incidents.sqlite"
+        record_incident(catalog, incident(1))
+        catalog.chmod(0o644)
+        folder.chmod(0o555)  # root ignores it: the child reads as nobody then
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                if os.geteuid() == 0:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                with open_catalog(catalog) as c:
+                    code = 0 if c.count_by_kind(Window()) == {"missing": 1} else 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        folder.chmod(0o755)
+        shutil.rmtree(folder)
 
 
 # -- a catalog that fails never costs the verdict ---------------------------------------------

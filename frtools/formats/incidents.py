@@ -30,6 +30,7 @@ longer than ``QUERY_SECONDS``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -112,6 +113,7 @@ _SCHEMA_V1 = (
 _MIGRATIONS: dict[int, tuple[str, ...]] = {}
 
 
+@functools.cache
 def _schema_columns() -> dict[str, set[str]]:
     """Every table of the current schema and its columns, as SQLite itself reads the schema
     (what a file of this version must have)."""
@@ -719,6 +721,30 @@ class CatalogReader:
         return document
 
 
+def _connect_read_only(path: Path, timeout_s: float, immutable: bool) -> sqlite3.Connection:
+    """A read-only connection whose first queries have checked that the file is a catalog."""
+    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
+    conn = sqlite3.connect(
+        uri + ("&immutable=1" if immutable else ""),
+        uri=True,
+        timeout=timeout_s,
+        isolation_level=None,
+    )
+    try:
+        deadline = time.monotonic() + QUERY_SECONDS
+        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+        conn.execute("PRAGMA trusted_schema = OFF")
+        conn.execute("PRAGMA query_only = ON")
+        conn.execute("PRAGMA cell_size_check = ON")
+        if _catalog_version(conn, path) is None:
+            raise CatalogError(f"{path}: an empty SQLite database, not an incident catalog")
+        conn.set_progress_handler(None, 0)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 @contextmanager
 def open_catalog(
     path: str | os.PathLike[str], *, timeout_s: float = 5.0
@@ -727,24 +753,24 @@ def open_catalog(
     not a catalog, of a newer version, corrupt or locked."""
     path = Path(path)
     _refuse_non_catalog_file(path, creating=False)
-    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
     try:
-        conn = sqlite3.connect(uri, uri=True, timeout=timeout_s, isolation_level=None)
+        try:
+            conn = _connect_read_only(path, timeout_s, immutable=False)
+        except sqlite3.OperationalError as e:
+            # A WAL file read by a user who may not create its -shm beside it (a scheduler
+            # with read access only): when no writer has a WAL open, the file alone is whole.
+            wal = Path(f"{path}-wal")
+            if "readonly" not in str(e) and "unable to open" not in str(e):
+                raise
+            if wal.exists() and wal.stat().st_size > 0:
+                raise CatalogError(
+                    f"{path}: being written, and reading it needs write access to its folder "
+                    "(SQLite's -shm file)"
+                ) from None
+            conn = _connect_read_only(path, timeout_s, immutable=True)
     except sqlite3.Error as e:
         raise CatalogError(_reason(path, e)) from None
     try:
-        deadline = time.monotonic() + QUERY_SECONDS
-        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
-        try:
-            conn.execute("PRAGMA trusted_schema = OFF")
-            conn.execute("PRAGMA query_only = ON")
-            conn.execute("PRAGMA cell_size_check = ON")
-            if _catalog_version(conn, path) is None:
-                raise CatalogError(f"{path}: an empty SQLite database, not an incident catalog")
-        except sqlite3.Error as e:
-            raise CatalogError(_reason(path, e)) from None
-        finally:
-            conn.set_progress_handler(None, 0)
         yield CatalogReader(path, conn)
     finally:
         conn.close()
