@@ -407,6 +407,20 @@ def test_hostile_texts_and_views_are_bounded_or_refused(tmp_path):
 # -- the window, GPUs, healthy incidents -------------------------------------------------------
 
 
+def test_a_huge_verdict_document_is_kept_short_and_still_json(tmp_path):
+    catalog = tmp_path / "big.sqlite"
+    document = {
+        "schema_version": "1.1",
+        "verdict": {"kind": "missing", "headline": "h", "waiting": list(range(10))},
+        "inputs": [{"path": "x" * 100, "status": "ok"}] * 200_000,  # ~24 MB
+    }
+    record_incident(catalog, incident(1, verdict_document=document))
+    with open_catalog(catalog) as c:
+        kept = c.verdict_document(1)
+    assert kept["verdict"]["kind"] == "missing" and "inputs" not in kept
+    assert "truncated" in kept
+
+
 def test_since_counts_only_the_window(tmp_path):
     catalog = tmp_path / "window.sqlite"
     now = time.time_ns()

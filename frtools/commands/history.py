@@ -227,7 +227,7 @@ class _Findings:
             "kind": OUTPUT_KIND,
             "schema_version": OUTPUT_VERSION,
             "tool": {"name": "frtools", "version": __version__},
-            "catalog": str(self.path),
+            "catalog": os.path.abspath(self.path),
             "generated": iso_utc(time.time_ns()),
             "window": {"since": iso_utc(self.window.since_ns), "job": self.window.job},
             "min_incidents": min_incidents,
@@ -317,7 +317,7 @@ def _renderable(found: _Findings, min_incidents: int, hosts: bool, gpus: bool, l
         if len(offenders) > 1:
             text += f", and {len(offenders) - 1} more {what}(s) in {min_incidents} or more"
         head.append(" REPEAT ", style="bold white on red")
-        head.append(f" {text} {window}: drain", style="bold red")
+        head.append(f" {text} {window}: drain candidate", style="bold red")
     else:
         head.append(" OK ", style="bold white on green")
         head.append(

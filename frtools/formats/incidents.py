@@ -302,12 +302,28 @@ def _use_wal(conn: sqlite3.Connection) -> None:
 
 
 def _document_text(document: dict[str, Any]) -> str:
+    """The verdict document as compact JSON, under ``DOCUMENT_LIMIT``: a job of many
+    thousand ranks lists its inputs and waiting ranks, which the verdict can do without."""
     text = json.dumps(document, separators=(",", ":"), default=str)
-    if len(text) > DOCUMENT_LIMIT:  # thousands of inputs listed: keep the verdict, count them
-        slim = {k: v for k, v in document.items() if k != "inputs"}
-        slim["inputs_omitted"] = len(document.get("inputs") or ())
-        text = json.dumps(slim, separators=(",", ":"), default=str)[:DOCUMENT_LIMIT]
-    return text
+    if len(text) <= DOCUMENT_LIMIT:
+        return text
+    verdict = document.get("verdict") if isinstance(document.get("verdict"), dict) else {}
+    slim = {
+        **{k: v for k, v in document.items() if k not in ("inputs", "verdict")},
+        "verdict": {k: v for k, v in verdict.items() if k not in ("waiting", "groups")},
+        "truncated": "inputs, waiting ranks and rank groups left out (too large)",
+    }
+    text = json.dumps(slim, separators=(",", ":"), default=str)
+    if len(text) <= DOCUMENT_LIMIT:
+        return text
+    return json.dumps(
+        {
+            "schema_version": document.get("schema_version"),
+            "verdict": {"kind": verdict.get("kind"), "headline": verdict.get("headline")},
+            "truncated": "the verdict document was too large to keep",
+        },
+        default=str,
+    )
 
 
 def _upsert(conn: sqlite3.Connection, incident: IncidentRecord) -> int:
