@@ -285,6 +285,10 @@ def _where_text(incident: StoredIncident) -> str:
     return " · ".join(parts) or "-"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _kinds_text(by_kind: dict[str, int]) -> str:
     return ", ".join(f"{kind} {n}" for kind, n in by_kind.items() if kind != HEALTHY)
 
@@ -310,8 +314,8 @@ def _renderable(found: _Findings, min_incidents: int, hosts: bool, gpus: bool, l
         head.append(f" No incidents recorded {window}", style="bold")
         if found.in_catalog:
             head.append(f" ({found.in_catalog} in the catalog: --since all)", style="dim")
-    elif drain_hosts or drain_gpus:
-        offenders, what = (drain_hosts, "host") if drain_hosts else (drain_gpus, "GPU")
+    elif (drain_hosts and hosts) or (drain_gpus and gpus):
+        offenders, what = (drain_hosts, "host") if drain_hosts and hosts else (drain_gpus, "GPU")
         top = offenders[0]
         text = f"{what} {top.name} was guilty in {top.incidents} of {found.total} incidents"
         if len(offenders) > 1:
@@ -319,14 +323,14 @@ def _renderable(found: _Findings, min_incidents: int, hosts: bool, gpus: bool, l
         head.append(" REPEAT ", style="bold white on red")
         head.append(f" {text} {window}: drain candidate", style="bold red")
     else:
+        noun = "host or GPU" if hosts and gpus else "host" if hosts else "GPU"
         head.append(" OK ", style="bold white on green")
         head.append(
-            f" No host or GPU guilty in {min_incidents} or more of {found.total} incidents "
-            f"{window}",
+            f" No {noun} guilty in {min_incidents} or more of {found.total} incidents {window}",
             style="bold green",
         )
     parts.append(head)
-    summary = f"{found.total} incidents: {found.problems} problems"
+    summary = f"{_count(found.total, 'incident')}: {_count(found.problems, 'problem')}"
     if found.problems:
         summary += f" ({_kinds_text(found.by_kind)})"
     summary += f", {found.healthy} healthy · {found.path}"
@@ -336,7 +340,8 @@ def _renderable(found: _Findings, min_incidents: int, hosts: bool, gpus: bool, l
         parts.append(Text(""))
         parts.append(Text(title, style="bold"))
         if not offenders:
-            parts.append(Text("  none guilty", style="dim"))
+            known = "GPU" if gpu else "host"
+            parts.append(Text(f"  none: no guilty rank with a known {known}", style="dim"))
             return
         table = Table(box=None, padding=(0, 1), header_style="dim")
         table.add_column("gpu" if gpu else "host", no_wrap=gpu, overflow="fold")
