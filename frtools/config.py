@@ -23,8 +23,23 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-DEFAULT_DIR = "/dev/shm/frtools"
 DEFAULT_STORE_PREFIX = "frtools/"
+
+
+def default_dir(uid: int | None = None) -> str:
+    """The recorder's folder when ``FRTOOLS_DIR`` is unset: one per user, ``/dev/shm/frtools-<uid>``
+    (``$TMPDIR`` or ``/tmp`` where there is no ``/dev/shm``). /dev/shm is shared by every
+    user of a host: each user's jobs get a folder of their own (0700), so that neither can
+    plant files in the other's nor read its records. ``frtools dump`` run by the same user
+    finds them there."""
+    if uid is None:
+        getuid = getattr(os, "getuid", None)
+        uid = getuid() if getuid is not None else 0
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else (os.environ.get("TMPDIR") or "/tmp")
+    return os.path.join(base, f"frtools-{uid}")
+
+
+DEFAULT_DIR = default_dir()  # this process's user's; README shows it as /dev/shm/frtools-<uid>
 
 
 class ConfigError(ValueError):
@@ -92,6 +107,17 @@ def _non_negative(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+def parse_group(text: str) -> int:
+    """A group of this host, by name or number -> its gid."""
+    import grp
+
+    text = text.strip()
+    try:
+        return grp.getgrnam(text).gr_gid if not text.isdigit() else grp.getgrgid(int(text)).gr_gid
+    except (KeyError, OverflowError):
+        raise ValueError("is not a group on this host") from None
+
+
 def parse_signal(text: str) -> int:
     """A signal name (``SIGUSR2``, ``usr2``) or number."""
     text = text.strip()
@@ -119,8 +145,10 @@ RECORD: Setting[bool] = Setting(
 DIR: Setting[str] = Setting(
     "FRTOOLS_DIR",
     DEFAULT_DIR,
-    f"`{DEFAULT_DIR}`",
-    "where black boxes go: `<dir>/<job>/rank_<R>.frt` and `rank_<R>.stacks`",
+    "`/dev/shm/frtools-<uid>`",
+    "where black boxes go: `<dir>/<job>/rank_<R>.frt` and `rank_<R>.stacks`; the default is "
+    "per user (created 0700). A folder you name may be shared (like `/tmp`), but the job "
+    "folder inside must be yours, not a link, not writable by others: else recording is off",
     _text,
 )
 JOB_ID: Setting[str | None] = Setting(
@@ -171,8 +199,28 @@ DUMP_DIR: Setting[str | None] = Setting(
     "FRTOOLS_DUMP_DIR",
     None,
     "`<FRTOOLS_DIR>/<job>/dumps`",
-    "where every rank writes its snapshot and stacks when a stall is detected",
+    "where every rank writes its snapshot and stacks on a stall or a job-wide request (never "
+    "where a request says); must be the user's own folder. Across hosts: the same folder on "
+    "a shared file system, for every rank and for `frtools dump --job-wide`",
     _text,
+)
+DUMP_INTERVAL: Setting[float] = Setting(
+    "FRTOOLS_DUMP_INTERVAL",
+    5.0,
+    "`5`",
+    "a rank writes at most one snapshot per this many seconds for job-wide requests and stall "
+    "hand-offs (one copy per rank, replaced); a request in between is answered with the last "
+    "copy. `0`: no limit",
+    _non_negative(float),
+)
+SHARE_GROUP: Setting[int | None] = Setting(
+    "FRTOOLS_SHARE_GROUP",
+    None,
+    "unset",
+    "a group (name or gid) whose members may read the records: folders 0750 and files 0640 "
+    "with that group, for a collector running as another user (ops, root needs none). Unset: "
+    "folders 0700, files 0600",
+    parse_group,
 )
 JOBWIDE: Setting[bool] = Setting(
     "FRTOOLS_JOBWIDE",
@@ -237,6 +285,8 @@ SETTINGS: tuple[Setting[Any], ...] = (
     STACKS,
     POLL_MS,
     DUMP_DIR,
+    DUMP_INTERVAL,
+    SHARE_GROUP,
     JOBWIDE,
     JOBWIDE_POLL,
     STORE_PREFIX,
@@ -254,6 +304,11 @@ ENV_VARS = tuple(s.name for s in SETTINGS)
 def _sanitize(job_id: str) -> str:
     cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", job_id).strip(".")
     return cleaned or "job"
+
+
+def job_folder_name(job_id: str) -> str:
+    """A job id as the one folder name it gets (no ``/``, no leading dot)."""
+    return _sanitize(job_id)
 
 
 def job_id(env: Mapping[str, str] | None = None) -> str:
@@ -275,8 +330,8 @@ def job_id(env: Mapping[str, str] | None = None) -> str:
 class RecorderConfig(
     namedtuple(
         "RecorderConfig",
-        "record dir job_id buffer_size stall_seconds stack_signal poll_ms stacks",
-        defaults=(True,),
+        "record dir job_id buffer_size stall_seconds stack_signal poll_ms stacks share_gid",
+        defaults=(True, None),
     )
 ):
     """The recorder's settings, read once by ``frtools.recorder.enable()``."""
@@ -290,6 +345,7 @@ class RecorderConfig(
     stack_signal: int
     poll_ms: int
     stacks: bool
+    share_gid: int | None  # FRTOOLS_SHARE_GROUP's gid: folders 0750, files 0640 with it
 
     @property
     def job_dir(self) -> str:
@@ -308,6 +364,7 @@ def recorder_config(env: Mapping[str, str] | None = None, **overrides: object) -
         "stack_signal": STACK_SIGNAL.read(env),
         "poll_ms": POLL_MS.read(env),
         "stacks": STACKS.read(env),
+        "share_gid": SHARE_GROUP.read(env),
     }
     for key, value in overrides.items():
         if value is not None:

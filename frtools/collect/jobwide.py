@@ -1,23 +1,29 @@
 """``frtools dump --job-wide``: ask every rank, on every host, through the job's TCPStore.
 
 The requester connects to the store torchrun / ``init_process_group`` already runs (as a
-client), publishes a request naming a shared directory, and waits (bounded) for the ranks'
-watcher threads (``frtools.recorder.jobwide``) to write their snapshots and stacks there.
-Ranks that do not answer are named in the manifest with the host and path of their black
-box, which ``frtools dump`` run on that host still collects.
+client), publishes a request (a number and a label, no place), and waits (bounded) for the
+ranks' watcher threads (``frtools.recorder.jobwide``) to write their snapshots and stacks
+into their own dump folders; then it copies them from there. Ranks that do not answer are
+named in the manifest with the host and path of their black box, which ``frtools dump`` run
+on that host still collects.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from frtools.config import STORE_PREFIX
+from frtools.config import DIR, DUMP_DIR, STORE_PREFIX, job_folder_name
 from frtools.formats import store_protocol as protocol
-from frtools.formats.manifest import Manifest
+from frtools.formats.manifest import Manifest, RankEntry
+
+# a rank's copy bigger than this is not copied (a black box of 2**20 slots is ~140 MB)
+MAX_COPY_BYTES = 1 << 32
 
 
 class StoreUnavailable(Exception):
@@ -59,8 +65,17 @@ def dump_job_wide(
     timeout: float = 5.0,
     job_id: str | None = None,
 ) -> Manifest:
-    """Ask every rank of the job behind ``store_addr`` to write its snapshot and stacks
-    into ``out_dir`` (a directory every host can write: a shared file system)."""
+    """Ask every rank of the job behind ``store_addr`` to write its snapshot and stacks into
+    its own dump folder (``FRTOOLS_DUMP_DIR``, default ``<FRTOOLS_DIR>/<job>/dumps``), then
+    copy what this user can read from there into ``out_dir``.
+
+    The request names no place: the store is not authenticated, so nothing read from it may
+    choose where a rank writes, nor what this command reads. A rank's files are read from
+    this command's own idea of where it writes (``FRTOOLS_DUMP_DIR``; with ``job_id``,
+    ``<FRTOOLS_DIR>/<job>/dumps``) or from the folder the rank's answer names, but only when
+    that folder is this user's own (checked like the recorder's) — on one host, or on a
+    shared file system that every host mounts at the same path.
+    """
     prefix = prefix if prefix is not None else STORE_PREFIX.read()
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -70,14 +85,94 @@ def dump_job_wide(
         store,
         prefix,
         {
-            "dir": str(out),
+            "kind": "request",
             "reason": "frtools dump --job-wide",
             "by": f"pid {os.getpid()}",
             "time_ns": time.time_ns(),
         },
     )
     manifest = Manifest(job_id=job_id or store_addr, mode="job-wide")
-    protocol.gather_answers(store, prefix, seq, manifest, timeout)
+    answers: dict[int, dict[str, Any]] = {}
+    protocol.gather_answers(store, prefix, seq, manifest, timeout, answers)
+    for rank, answer in sorted(answers.items()):
+        _collect_rank(manifest.ranks[rank], answer, out, job_id)
+    unread = [r for r in manifest.ranks_answered if not manifest.ranks[r].files]
+    if unread:
+        manifest.notes.append(
+            "ranks "
+            + ", ".join(map(str, unread))
+            + " wrote their snapshot into their own dump folder, which this command cannot "
+            "read here: run `frtools dump` on their hosts, or give every rank and this command "
+            "the same FRTOOLS_DUMP_DIR on a shared file system"
+        )
     manifest.elapsed_s = time.monotonic() - started
     manifest.write(out)
     return manifest
+
+
+def _candidate_dirs(answer: dict[str, Any], job_id: str | None) -> list[Path]:
+    """Where a rank's copy may be, this command's configuration first; the folder the answer
+    names (untrusted) last, to be checked before use."""
+    dirs = []
+    configured = DUMP_DIR.read()
+    if configured:
+        dirs.append(Path(configured))
+    if job_id:
+        dirs.append(Path(DIR.read()) / job_folder_name(job_id) / "dumps")
+    named = answer.get("dir")
+    if isinstance(named, str) and named and "\0" not in named:
+        dirs.append(Path(named))
+    return dirs
+
+
+def _own_private_dir(path: Path) -> bool:
+    """A folder of this user's that nobody else can write: absolute, no link anywhere in its
+    path, owned by us, not writable by group or others."""
+    try:
+        if not path.is_absolute() or os.path.realpath(path) != os.path.normpath(path):
+            return False
+        st = os.lstat(path)
+    except (OSError, ValueError):
+        return False
+    return (
+        stat.S_ISDIR(st.st_mode)
+        and st.st_uid == os.geteuid()
+        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
+
+
+def _copy_own_file(src: Path, dst: Path) -> bool:
+    """Copy a regular file of ours (never through a link, never a FIFO), bounded by
+    ``MAX_COPY_BYTES``; False when ``src`` is not such a file."""
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > MAX_COPY_BYTES:
+            return False
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as w:
+            shutil.copyfileobj(f, w)
+    os.replace(tmp, dst)
+    return True
+
+
+def _collect_rank(entry: RankEntry, answer: dict[str, Any], out: Path, job_id: str | None) -> None:
+    """Copy one answered rank's files into ``out``; ``entry.files`` lists what was copied."""
+    names = protocol.answer_files(answer, entry.rank)
+    entry.files = []
+    for directory in _candidate_dirs(answer, job_id):
+        if not _own_private_dir(directory):
+            continue
+        if directory.resolve() == out:
+            entry.files = [n for n in names if (out / n).is_file()]
+        else:
+            entry.files = [n for n in names if _copy_own_file(directory / n, out / n)]
+        if entry.files:
+            return
+    where = answer.get("dir") if isinstance(answer.get("dir"), str) else "its dump folder"
+    entry.note = "; ".join(
+        x for x in (entry.note, f"wrote into {where} on {entry.host}, not readable here") if x
+    )

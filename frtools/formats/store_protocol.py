@@ -8,11 +8,18 @@ here, so neither side imports the other. All keys sit under one prefix
 ``TCPStore(host, port, is_master=False)`` sees, not under c10d's ``default_pg/`` prefix.
 
 * ``<P>dump_seq`` — counter; a requester ``add``s 1 and gets its request's number.
-* ``<P>dump/<seq>`` — the request, JSON: ``dir`` (where to write; null: each rank's own
-  ``FRTOOLS_DUMP_DIR``), ``reason``, ``by``, ``time_ns``.
+* ``<P>dump/<seq>`` — the request, JSON: ``kind`` (``request``, ``stall``), ``reason``,
+  ``by``, ``time_ns``: a label, nothing more. It names no place: every rank writes into its
+  own ``FRTOOLS_DUMP_DIR`` (a ``dir`` key, which older versions sent, is ignored).
 * ``<P>dump/<seq>/answered`` — counter of ranks that wrote their snapshot and stacks.
-* ``<P>dump/<seq>/rank/<R>`` — one rank's answer, JSON: rank, host, pid, dir, files.
-* ``<P>rank/<R>`` — a rank's registration when its watcher starts: host, pid, blackbox.
+* ``<P>dump/<seq>/rank/<R>`` — one rank's answer, JSON: rank, host, pid, dir (where it
+  wrote, for the user to read; a collector checks it before reading there), files,
+  copy_seq (the request its copy was written for: an earlier one when rate limited), note.
+* ``<P>rank/<R>`` — a rank's registration when its watcher starts: host, pid, blackbox, job.
+
+The store has no authentication: anyone who can reach it can write these keys. What a rank
+reads from it is a request number and a label; what a collector reads from it is shown, or
+checked against its own configuration before any file is read.
 * ``<P>world_size`` — the job's world size, set by every watcher.
 * ``<P>stall_claim`` — time (ns) of the last stall request; the first rank to see a stall
   swaps in its time (``compare_set``) and issues the request.
@@ -24,7 +31,10 @@ import json
 import time
 from typing import Any
 
-from frtools.formats.manifest import Manifest, RankEntry
+from frtools.formats.manifest import BOX_SUFFIX, STACKS_SUFFIX, Manifest, RankEntry, rank_file_name
+
+# a world size read from the store above this is not believed (the store is not authenticated)
+MAX_WORLD_SIZE = 1 << 20
 
 
 def seq_key(prefix: str) -> str:
@@ -97,10 +107,13 @@ def current_seq(store: Any, prefix: str) -> int:
 
 
 def register_rank(
-    store: Any, prefix: str, rank: int, *, host: str, pid: int, blackbox: str
+    store: Any, prefix: str, rank: int, *, host: str, pid: int, blackbox: str, job: str = ""
 ) -> None:
-    """A rank's watcher says where it runs and where its black box is."""
-    store.set(rank_key(prefix, rank), encode({"host": host, "pid": pid, "blackbox": blackbox}))
+    """A rank's watcher says where it runs, where its black box is and its job id."""
+    store.set(
+        rank_key(prefix, rank),
+        encode({"host": host, "pid": pid, "blackbox": blackbox, "job": job}),
+    )
 
 
 def set_world_size(store: Any, prefix: str, world_size: int) -> None:
@@ -118,8 +131,11 @@ def post_answer(
     directory: str,
     files: list[str],
     blackbox: str,
+    copy_seq: int | None = None,
+    note: str = "",
 ) -> None:
-    """A rank's answer to request ``seq``: it wrote ``files`` into ``directory``."""
+    """A rank's answer to request ``seq``: ``files`` are in ``directory`` (written for request
+    ``copy_seq``: ``seq``, or an earlier one when rate limited, as ``note`` says)."""
     store.set(
         answer_key(prefix, seq, rank),
         encode(
@@ -130,21 +146,44 @@ def post_answer(
                 "dir": directory,
                 "files": files,
                 "blackbox": blackbox,
+                "copy_seq": seq if copy_seq is None else copy_seq,
+                "note": note,
             }
         ),
     )
     store.add(answered_key(prefix, seq), 1)
 
 
+def _text(value: object) -> str | None:
+    return value[:256] if isinstance(value, str) else None
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def answer_files(answer: dict[str, Any], rank: int) -> list[str]:
+    """The files an answer names, kept only when they are this rank's own file names."""
+    own = {rank_file_name(rank, BOX_SUFFIX), rank_file_name(rank, STACKS_SUFFIX)}
+    files = answer.get("files")
+    return [f for f in files if f in own] if isinstance(files, list) else []
+
+
 def gather_answers(
-    store: Any, prefix: str, seq: int, manifest: Manifest, timeout: float
+    store: Any,
+    prefix: str,
+    seq: int,
+    manifest: Manifest,
+    timeout: float,
+    answers: dict[int, dict[str, Any]] | None = None,
 ) -> Manifest:
     """Wait up to ``timeout`` s for every registered rank to answer request ``seq``, then
-    fill ``manifest`` with who answered and who did not (and where their black box is)."""
+    fill ``manifest`` with who answered and who did not (and where their black box is).
+    ``answers`` receives each rank's answer as read (untrusted: anyone can write the store)."""
     world = None
     if store.check([world_size_key(prefix)]):
-        raw = store.get(world_size_key(prefix)).decode()
-        world = int(raw) if raw.isdigit() else None
+        raw = store.get(world_size_key(prefix)).decode(errors="replace")
+        world = int(raw) if raw.isdigit() and 0 < int(raw) <= MAX_WORLD_SIZE else None
     manifest.world_size = manifest.world_size or world
     deadline = time.monotonic() + timeout
     while world and time.monotonic() < deadline:
@@ -157,15 +196,18 @@ def gather_answers(
         manifest.ranks[rank] = entry
         if store.check([answer_key(prefix, seq, rank)]):
             answer = decode(store.get(answer_key(prefix, seq, rank)))
-            entry.host, entry.pid = answer.get("host"), answer.get("pid")
+            entry.host, entry.pid = _text(answer.get("host")), _int(answer.get("pid"))
             entry.answered, entry.alive = True, True
-            entry.files = list(answer.get("files") or [])
+            entry.files = answer_files(answer, rank)
+            entry.note = _text(answer.get("note")) or ""
+            if answers is not None:
+                answers[rank] = answer
             continue
         where = "its black box"
         if store.check([rank_key(prefix, rank)]):
             reg = decode(store.get(rank_key(prefix, rank)))
-            entry.host, entry.pid = reg.get("host"), reg.get("pid")
-            where = f"its black box {reg.get('blackbox')} on {reg.get('host')}"
+            entry.host, entry.pid = _text(reg.get("host")), _int(reg.get("pid"))
+            where = f"its black box {_text(reg.get('blackbox'))} on {entry.host}"
             entry.note = (
                 "did not answer through the store (process gone, or its Python threads "
                 "cannot run, e.g. a thread holds the GIL); "

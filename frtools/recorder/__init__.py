@@ -24,6 +24,8 @@ import socket
 import sys
 from typing import Any
 
+from frtools.recorder import private
+
 __all__ = ["enable", "disable", "is_enabled", "output_path", "start_job_wide_watcher"]
 
 _session: dict[str, Any] = {}
@@ -73,14 +75,27 @@ def _open(rank: int, world_size: int, backend: str) -> Any:
         recording_disabled(str(exc))
         return None
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        access = _prepare_job_dir(cfg, rank)
+    except OSError as exc:
+        recording_disabled(str(exc) if isinstance(exc, private.Unsafe) else f"{cfg.job_dir}: {exc}")
+        return None
+    try:
         identity = json.dumps(_identity(rank, world_size, backend, cfg.job_id))
-        box = native.BlackBox(path, cfg.buffer_size, STRINGS_BYTES, identity)
+        # a new file, never through what is at the path (see frtools.recorder.private)
+        box = native.BlackBox(
+            path,
+            cfg.buffer_size,
+            STRINGS_BYTES,
+            identity,
+            mode=access.file_mode,
+            gid=-1 if access.gid is None else access.gid,
+        )
     except Exception as exc:
         recording_disabled(f"cannot create {path}: {exc}")
         return None
     try:
-        stacks = open(stacks_path(path), "a")  # noqa: SIM115 - kept for the process
+        fd = private.create_file(str(stacks_path(path)), access, os.O_WRONLY | os.O_APPEND)
+        stacks = os.fdopen(fd, "a")  # kept for the process
         # chains only to a real earlier handler: chaining to SIGUSR2's default would kill us
         register_stack_signal(cfg.stack_signal, stacks)
         _session["stacks_file"] = stacks
@@ -90,9 +105,31 @@ def _open(rank: int, world_size: int, backend: str) -> Any:
         box.start_watchdog(cfg.poll_ms, cfg.stall_seconds, cfg.stack_signal)
     except Exception as exc:
         note(f"watchdog not started: {exc}")
-    _session.update(path=path, box=box, rank=rank, world_size=world_size)
+    _session.update(path=path, box=box, rank=rank, world_size=world_size, access=access)
     _start_jobwide_when_ready()
     return capture.Recorder(box, poll_ms=max(5, min(cfg.poll_ms, 100)), stacks=cfg.stacks)
+
+
+def _prepare_job_dir(cfg: Any, rank: int) -> private.Access:
+    """This job's folder, ours and private (see ``frtools.recorder.private``); the modes its
+    files get. A share group this user cannot give files to leaves them private (one note)."""
+    from frtools.config import DEFAULT_DIR
+    from frtools.recorder.notices import note
+
+    default_root = os.path.abspath(cfg.dir) == os.path.abspath(DEFAULT_DIR)
+    access = private.access_for(cfg.share_gid)
+    try:
+        private.prepare_job_dir(cfg.dir, cfg.job_dir, access, default_root=default_root)
+    except PermissionError as exc:
+        if access.gid is None or isinstance(exc, private.Unsafe):
+            raise
+        note(
+            f"rank {rank}: cannot give the records to group {access.gid} ({exc}); "
+            "they stay private to this user"
+        )
+        access = private.PRIVATE
+        private.prepare_job_dir(cfg.dir, cfg.job_dir, access, default_root=default_root)
+    return access
 
 
 def _start_jobwide_when_ready() -> None:
@@ -161,6 +198,8 @@ def start_job_wide_watcher() -> bool:
             stacks_path(path),
             world_size=_session["world_size"],
             stalled=box.stalled,
+            access=_session.get("access"),
+            job_id=_session["config"].job_id,
         )
     except Exception as exc:  # the watcher is a bonus: never hurt the job
         note(f"job-wide dump watcher not started: {exc}")

@@ -7,12 +7,19 @@ calls) and the local black box's stall flag:
 
 * a **dump request** (``frtools dump --job-wide``, or another rank's stall) → write this
   rank's snapshot (``rank_<R>.frt``, a consistent copy of the live black box) and all
-  threads' Python stacks (``rank_<R>.stacks``) into the requested directory, and record the
+  threads' Python stacks (``rank_<R>.stacks``) into its own dump folder, and record the
   answer in the store;
-* a **stall** (the native watchdog set the header's stall flag) → write the same into
-  ``FRTOOLS_DUMP_DIR`` (default ``<FRTOOLS_DIR>/<job>/dumps``), and, for the first rank to
-  notice, ask every other rank to do the same, wait briefly for their answers and write
-  ``manifest.json`` there. One line on stderr names the directory.
+* a **stall** (the native watchdog set the header's stall flag) → write the same there, and,
+  for the first rank to notice, ask every other rank to do the same, wait briefly for their
+  answers and write ``manifest.json`` there. One line on stderr names the directory.
+
+The dump folder is the rank's own configuration's: ``FRTOOLS_DUMP_DIR``, default
+``<FRTOOLS_DIR>/<job>/dumps``, a folder of this user's (``frtools.recorder.private``). The
+store has no authentication: whoever reaches it can ask for dumps, so nothing read from it
+chooses a path (a ``dir`` in a request is ignored), temporary files get unpredictable names
+(``mkstemp``), and a rank writes at most one copy per ``FRTOOLS_DUMP_INTERVAL`` seconds — a
+request in between is answered with the last copy — into fixed names (``rank_<R>.frt``,
+``rank_<R>.stacks``: one copy per rank, the older one replaced).
 
 A rank whose Python threads cannot run (another thread holds the GIL) cannot answer here;
 its black box stays on its host, where ``frtools dump`` (per host) still collects it.
@@ -21,20 +28,23 @@ Nothing here may hurt the job: every failure warns once and the thread goes on o
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from frtools.config import DUMP_DIR, JOBWIDE, JOBWIDE_POLL, STORE_PREFIX
+from frtools.config import DUMP_DIR, DUMP_INTERVAL, JOBWIDE, JOBWIDE_POLL, STORE_PREFIX
 from frtools.formats import store_protocol as protocol
 from frtools.formats.manifest import BOX_SUFFIX, STACKS_SUFFIX, Manifest, rank_file_name
+from frtools.recorder import private
 from frtools.recorder.notices import note
 from frtools.recorder.shutdown import before_finalization
 
@@ -61,29 +71,49 @@ def _own_connection(store: Any) -> Any:
 
 
 def write_rank_dump(
-    rank: int, blackbox_path: str | os.PathLike[str], directory: str | os.PathLike[str]
+    rank: int,
+    blackbox_path: str | os.PathLike[str],
+    directory: str | os.PathLike[str],
+    access: private.Access = private.PRIVATE,
 ) -> list[str]:
-    """Write this process's snapshot and all threads' stacks into ``directory``; returns the
-    file names written. Called from a Python thread, so faulthandler writes the stacks
-    directly (the main thread shows where it stands)."""
+    """Write this process's snapshot and all threads' stacks into ``directory`` (a folder of
+    ours: see ``prepare_dump_dir``); returns the file names written. Called from a Python
+    thread, so faulthandler writes the stacks directly (the main thread shows where it
+    stands). Each file is written under a ``mkstemp`` name and renamed over the last copy:
+    a reader sees the old copy or the new one, and nothing at a guessable name is opened."""
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     files = []
     stacks = out / rank_file_name(rank, STACKS_SUFFIX)
-    tmp = out / f".{stacks.name}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        faulthandler.dump_traceback(file=f, all_threads=True)
-    os.replace(tmp, stacks)
+    fd, tmp = tempfile.mkstemp(prefix=f".{stacks.name}.", suffix=".tmp", dir=out)
+    try:
+        private.set_file_access(fd, access)
+        with os.fdopen(fd, "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        os.replace(tmp, stacks)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     files.append(stacks.name)
     dst = out / rank_file_name(rank, BOX_SUFFIX)
-    tmp = out / f".{dst.name}.{os.getpid()}.tmp"
+    # copy_consistent writes through names of its own: give it a private folder to write in
+    work = tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=out)
     try:
-        from frtools.formats.blackbox import copy_consistent
-    except ImportError:
-        shutil.copyfile(blackbox_path, tmp)
-    else:
-        copy_consistent(str(blackbox_path), str(tmp))
-    os.replace(tmp, dst)
+        tmp = os.path.join(work, dst.name)
+        try:
+            from frtools.formats.blackbox import copy_consistent
+        except ImportError:
+            shutil.copyfile(blackbox_path, tmp)
+        else:
+            copy_consistent(str(blackbox_path), tmp)
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            private.set_file_access(fd, access)
+        finally:
+            os.close(fd)
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     files.append(dst.name)
     return files
 
@@ -109,6 +139,9 @@ class JobWideWatcher:
         dump_dir: str | os.PathLike[str] | None = None,
         prefix: str | None = None,
         poll_s: float | None = None,
+        access: private.Access | None = None,
+        job_id: str | None = None,
+        interval_s: float | None = None,
     ) -> None:
         self.store = _own_connection(store)
         self.rank = rank
@@ -116,9 +149,17 @@ class JobWideWatcher:
         self.stacks_path = str(stacks_path) if stacks_path else None
         self.world_size = world_size
         self.stalled = stalled
+        # where this rank writes, from its own configuration only (never from the store)
+        self.dump_dir_named = bool(dump_dir) or DUMP_DIR.is_set()
         self.dump_dir = Path(dump_dir) if dump_dir else default_dump_dir(blackbox_path)
+        self.access = access or private.PRIVATE
+        self.job_id = job_id or Path(self.blackbox_path).parent.name
         self.prefix = prefix if prefix is not None else STORE_PREFIX.read()
         self.poll_s = poll_s or JOBWIDE_POLL.read()
+        self.interval_s = DUMP_INTERVAL.read() if interval_s is None else interval_s
+        self.copy_seq: int | None = None  # the request whose copy is in dump_dir
+        self.copy_time = 0.0  # time.monotonic() of that copy
+        self.copy_files: list[str] = []
         self.host = socket.gethostname()
         self.last_seq = 0
         self.was_stalled = False
@@ -129,7 +170,13 @@ class JobWideWatcher:
         p = self.prefix
         self.last_seq = protocol.current_seq(self.store, p)
         protocol.register_rank(
-            self.store, p, self.rank, host=self.host, pid=os.getpid(), blackbox=self.blackbox_path
+            self.store,
+            p,
+            self.rank,
+            host=self.host,
+            pid=os.getpid(),
+            blackbox=self.blackbox_path,
+            job=self.job_id,
         )
         if self.world_size:
             protocol.set_world_size(self.store, p, self.world_size)
@@ -171,9 +218,30 @@ class JobWideWatcher:
             self.last_seq, request = latest
             self._answer(self.last_seq, request)
 
+    def _write_copy(self, seq: int) -> tuple[list[str], str]:
+        """This rank's snapshot and stacks in its dump folder for request ``seq``, unless a
+        copy was written less than ``interval_s`` ago (then that one stands). Returns the
+        files and a note (empty when written now)."""
+        now = time.monotonic()
+        if (
+            self.copy_seq is not None
+            and self.interval_s > 0
+            and now - self.copy_time < self.interval_s
+            and all((self.dump_dir / name).exists() for name in self.copy_files)
+        ):
+            return self.copy_files, (
+                f"rate limited (FRTOOLS_DUMP_INTERVAL={self.interval_s:g}): the copy written "
+                f"{now - self.copy_time:.1f} s ago for request {self.copy_seq} stands"
+            )
+        private.prepare_dump_dir(str(self.dump_dir), self.access, named=self.dump_dir_named)
+        files = write_rank_dump(self.rank, self.blackbox_path, self.dump_dir, self.access)
+        self.copy_seq, self.copy_time, self.copy_files = seq, time.monotonic(), files
+        return files, ""
+
     def _answer(self, seq: int, request: dict[str, Any]) -> Path:
-        directory = Path(request["dir"]) if request.get("dir") else self.dump_dir
-        files = write_rank_dump(self.rank, self.blackbox_path, directory)
+        # a request is a knock on the door: what it says ("dir" or anything else) chooses
+        # nothing; this rank writes where its own configuration says
+        files, why = self._write_copy(seq)
         protocol.post_answer(
             self.store,
             self.prefix,
@@ -181,16 +249,18 @@ class JobWideWatcher:
             self.rank,
             host=self.host,
             pid=os.getpid(),
-            directory=str(directory),
+            directory=str(self.dump_dir),
             files=files,
             blackbox=self.blackbox_path,
+            copy_seq=self.copy_seq if self.copy_seq is not None else seq,
+            note=why,
         )
-        return directory
+        return self.dump_dir
 
     def _on_stall(self) -> None:
         p = self.prefix
         if not self._claim_stall():
-            files = write_rank_dump(self.rank, self.blackbox_path, self.dump_dir)
+            files, _ = self._write_copy(protocol.current_seq(self.store, p))
             note(
                 f"rank {self.rank}: stall detected; snapshot and stacks written to "
                 f"{self.dump_dir} ({', '.join(files)})"
@@ -200,7 +270,7 @@ class JobWideWatcher:
             self.store,
             p,
             {
-                "dir": None,
+                "kind": "stall",
                 "reason": f"stall detected on rank {self.rank}",
                 "by": f"rank {self.rank} on {self.host}",
                 "time_ns": time.time_ns(),
@@ -226,8 +296,7 @@ class JobWideWatcher:
         return (won.decode() if isinstance(won, bytes) else str(won)) == str(now)
 
     def _write_stall_manifest(self, seq: int, directory: Path) -> None:
-        job_id = Path(self.blackbox_path).parent.name
-        manifest = Manifest(job_id=job_id, mode="stall", world_size=self.world_size)
+        manifest = Manifest(job_id=self.job_id, mode="stall", world_size=self.world_size)
         protocol.gather_answers(self.store, self.prefix, seq, manifest, STALL_GATHER_S)
         manifest.notes.append(f"requested by rank {self.rank} after its watchdog saw a stall")
         manifest.write(directory)
@@ -253,6 +322,8 @@ def start(
     *,
     world_size: int | None = None,
     stalled: Callable[[], bool] | None = None,
+    access: private.Access | None = None,
+    job_id: str | None = None,
 ) -> JobWideWatcher | None:
     """Start this rank's job-wide dump watcher (a daemon thread); never raises.
 
@@ -273,6 +344,8 @@ def start(
                 stacks_path,
                 world_size=world_size,
                 stalled=stalled,
+                access=access,
+                job_id=job_id,
             ).start()
             return _started
         except Exception as exc:

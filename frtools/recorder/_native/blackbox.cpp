@@ -274,6 +274,19 @@ struct Box {
   pid_t owner_pid = 0;
   uint64_t fork_generation = 0;
 
+  // The process's own copies of every size, cursor and counter it acts on. The header
+  // carries them for readers, but anyone who can write the file can change the header under
+  // us: what the header says is published, never read back (a corrupted header can spoil
+  // the record's content, never this process's memory).
+  uint64_t strings_cap = 0;          // bytes of the string area (header: strings_bytes)
+  uint64_t strings_used = 0;         // bytes in use (header: strings_used), under intern_mutex
+  uint32_t string_count = 0;         // strings interned (header: string_count)
+  uint32_t pg_capacity = 0;          // rows of the pg table (header: pg_capacity)
+  uint32_t pg_count = 0;             // rows published (header: pg_count), atomic
+  uint64_t next_rid = 0;             // records claimed (header: next_record_id), atomic
+  uint32_t stalled_now = 0;          // header: stalled, atomic
+  int64_t stall_rid = -1;            // header: stall_record_id
+
   std::mutex intern_mutex;
   std::unordered_map<std::string, uint32_t> interned;
   std::unordered_map<std::string, int32_t> pg_by_name;
@@ -295,6 +308,7 @@ struct Box {
   uint64_t stall_cursor = 0;
 
   Slot* slot_for(int64_t rid) { return &slots[uint64_t(rid) % capacity]; }
+  bool pg_published(int32_t pg) { return pg >= 0 && uint32_t(pg) < aload(&pg_count); }
 
   uint32_t intern(const char* s, size_t n) {
     if (n == 0) return kStrNone;
@@ -302,18 +316,20 @@ struct Box {
     std::string key(s, n);
     auto it = interned.find(key);
     if (it != interned.end()) return it->second;
-    uint64_t used = hdr->strings_used;
-    uint64_t need = 4 + n;
+    uint64_t used = strings_used;
+    uint64_t need = 4 + uint64_t(n);
     uint64_t aligned = (need + 3) & ~uint64_t(3);
-    if (used + aligned > hdr->strings_bytes || used + aligned > 0xFFFFFFF0ull) {
+    if (n > 0xFFFFFFF0ull || used + aligned > strings_cap || used + aligned > 0xFFFFFFF0ull) {
       __atomic_add_fetch(&hdr->strings_dropped, 1u, __ATOMIC_RELAXED);
       return kStrFull;
     }
     uint8_t* at = strings + used;
     memcpy(at + 4, s, n);
     astore(reinterpret_cast<uint32_t*>(at), uint32_t(n));
-    astore(&hdr->strings_used, used + aligned);
-    astore(&hdr->string_count, hdr->string_count + 1);
+    strings_used = used + aligned;
+    ++string_count;
+    astore(&hdr->strings_used, strings_used);
+    astore(&hdr->string_count, string_count);
     uint32_t id = uint32_t(used);
     interned.emplace(std::move(key), id);
     return id;
@@ -322,7 +338,8 @@ struct Box {
   int64_t record(int32_t pg, uint32_t op, int64_t coll, int64_t p2p, int32_t peer, bool is_p2p,
                  uint32_t in_sizes, uint32_t out_sizes, uint32_t in_dtypes, uint32_t out_dtypes,
                  uint32_t stack) {
-    int64_t rid = int64_t(__atomic_fetch_add(&hdr->next_record_id, 1, __ATOMIC_ACQ_REL));
+    int64_t rid = int64_t(__atomic_fetch_add(&next_rid, 1, __ATOMIC_ACQ_REL));
+    __atomic_fetch_add(&hdr->next_record_id, 1, __ATOMIC_RELEASE);  // published, not read
     int64_t t = now_ns();
     Slot* s = slot_for(rid);
     uint64_t locked = slot_lock(s);
@@ -347,7 +364,7 @@ struct Box {
     s->flags = 0;
     s->thread_name = 0;
     slot_unlock(s, locked);
-    if (pg >= 0 && uint32_t(pg) < aload(&hdr->pg_count)) {
+    if (pg_published(pg)) {
       if (is_p2p) {
         atomic_max(&pgs[pg].last_enqueued_p2p, p2p);
       } else {
@@ -382,7 +399,7 @@ struct Box {
       }
     }
     slot_unlock(s, locked);
-    if (pg >= 0 && uint32_t(pg) < aload(&hdr->pg_count)) {
+    if (pg_published(pg)) {
       if (is_p2p) {
         if (state == kCompleted) atomic_max(&pgs[pg].last_completed_p2p, p2p);
       } else if (state == kStarted) {
@@ -489,7 +506,7 @@ struct Box {
   }
 
   void check_stall() {
-    uint64_t next = aload(&hdr->next_record_id);
+    uint64_t next = aload(&next_rid);
     uint64_t lo = next > capacity ? next - capacity : 0;
     if (stall_cursor < lo) stall_cursor = lo;
     int64_t oldest_rid = -1, oldest_t = 0;
@@ -518,12 +535,15 @@ struct Box {
     }
     int64_t now = now_ns();
     if (oldest_rid >= 0 && double(now - oldest_t) / 1e9 > stall_seconds) {
-      if (!aload(&hdr->stalled) || aload(&hdr->stall_record_id) != oldest_rid) {
+      if (!aload(&stalled_now) || stall_rid != oldest_rid) {
+        stall_rid = oldest_rid;
         astore(&hdr->stall_record_id, oldest_rid);
         astore(&hdr->stall_time_ns, now);
       }
+      astore(&stalled_now, 1u);
       astore(&hdr->stalled, 1u);
     } else {
+      astore(&stalled_now, 0u);
       astore(&hdr->stalled, 0u);
     }
   }
@@ -629,17 +649,64 @@ PyObject* closed_error() {
   return nullptr;
 }
 
+// Create the black-box file as a new file of ours, never through what is already at the path.
+// O_EXCL|O_NOFOLLOW: a symlink, FIFO or file planted at the path is not opened (nor
+// truncated, nor followed); whatever non-directory is there (a stale box of an earlier run
+// with the same job id and rank, most often) is unlinked and the file created anew, once.
+// The new file must be a regular file owned by this user; its mode is set exactly (the umask
+// does not widen nor narrow it) and, with gid >= 0, its group. Returns the fd, or -1 with
+// errno set.
+int create_private_file(const char* path, mode_t mode, long long gid) {
+  const int flags = O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
+  int fd = open(path, flags, mode);
+  if (fd < 0 && errno == EEXIST) {
+    struct stat st;
+    if (lstat(path, &st) != 0) return -1;
+    if (S_ISDIR(st.st_mode)) {
+      errno = EISDIR;
+      return -1;
+    }
+    if (unlink(path) != 0) return -1;
+    fd = open(path, flags, mode);
+  }
+  if (fd < 0) return -1;
+  struct stat st;
+  int e = 0;
+  if (fstat(fd, &st) != 0) {
+    e = errno;
+  } else if (!S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
+    e = EPERM;
+  } else if (fchmod(fd, mode) != 0) {
+    e = errno;
+  } else if (gid >= 0 && fchown(fd, uid_t(-1), gid_t(gid)) != 0) {
+    e = errno;
+  } else {
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    return fd;
+  }
+  close(fd);
+  errno = e;
+  return -1;
+}
+
 int BlackBox_init(BlackBoxObject* self, PyObject* args, PyObject* kwargs) {
   static const char* kwlist[] = {"path", "capacity", "strings_bytes", "identity_json",
-                                 "pg_capacity", nullptr};
+                                 "pg_capacity", "mode", "gid", nullptr};
   const char* path = nullptr;
   long long capacity = 0, strings_bytes = 0;
   const char* identity = nullptr;
   Py_ssize_t identity_len = 0;
   long long pg_capacity = kDefaultPgCapacity;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sLLs#|L", const_cast<char**>(kwlist), &path,
+  int mode = 0600;
+  long long gid = -1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sLLs#|LiL", const_cast<char**>(kwlist), &path,
                                    &capacity, &strings_bytes, &identity, &identity_len,
-                                   &pg_capacity)) {
+                                   &pg_capacity, &mode, &gid)) {
+    return -1;
+  }
+  if (mode & ~0666) {
+    PyErr_SetString(PyExc_ValueError, "mode may only hold read/write permission bits (0666)");
     return -1;
   }
   if (capacity <= 0 || capacity > (1LL << 28)) {
@@ -669,7 +736,7 @@ int BlackBox_init(BlackBoxObject* self, PyObject* args, PyObject* kwargs) {
   uint64_t file_bytes = strings_offset + uint64_t(strings_bytes);
   file_bytes = (file_bytes + 4095) & ~uint64_t(4095);
 
-  int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = create_private_file(path, mode_t(mode), gid);
   if (fd < 0) {
     PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
     return -1;
@@ -698,6 +765,9 @@ int BlackBox_init(BlackBoxObject* self, PyObject* args, PyObject* kwargs) {
   b->slots = reinterpret_cast<Slot*>(b->mem + slots_offset);
   b->strings = b->mem + strings_offset;
   b->capacity = uint32_t(capacity);
+  b->strings_cap = uint64_t(strings_bytes);
+  b->strings_used = kStringsReserved;
+  b->pg_capacity = uint32_t(pg_capacity);
   b->owner_pid = getpid();
   b->fork_generation = g_fork_generation;
 
@@ -806,8 +876,8 @@ PyObject* BlackBox_add_process_group(BlackBoxObject* self, PyObject* args) {
   std::lock_guard<std::mutex> lock(b->intern_mutex);
   auto it = b->pg_by_name.find(key);
   if (it != b->pg_by_name.end()) return PyLong_FromLong(it->second);
-  uint32_t count = b->hdr->pg_count;
-  if (count >= b->hdr->pg_capacity) {
+  uint32_t count = b->pg_count;
+  if (count >= b->pg_capacity) {
     PyErr_Format(PyExc_OverflowError, "process-group table full (%u groups)", count);
     return nullptr;
   }
@@ -821,6 +891,7 @@ PyObject* BlackBox_add_process_group(BlackBoxObject* self, PyObject* args) {
   e->last_completed_collective = 0;
   e->last_enqueued_p2p = 0;
   e->last_completed_p2p = 0;
+  astore(&b->pg_count, count + 1);
   astore(&b->hdr->pg_count, count + 1);
   b->pg_by_name.emplace(std::move(key), int32_t(count));
   return PyLong_FromLong(long(count));
@@ -1001,7 +1072,7 @@ PyObject* BlackBox_fake_event_set(BlackBoxObject* self, PyObject* args) {
 PyObject* BlackBox_stalled(BlackBoxObject* self, PyObject*) {
   Box* b = open_box(self);
   if (!b) Py_RETURN_FALSE;
-  return PyBool_FromLong(aload(&b->hdr->stalled) != 0);
+  return PyBool_FromLong(aload(&b->stalled_now) != 0);
 }
 
 PyObject* BlackBox_close(BlackBoxObject* self, PyObject*) {
@@ -1027,7 +1098,7 @@ PyObject* BlackBox_get_closed(BlackBoxObject* self, void*) {
 
 PyObject* BlackBox_get_records(BlackBoxObject* self, void*) {
   Box* b = open_box(self);
-  return PyLong_FromUnsignedLongLong(b ? aload(&b->hdr->next_record_id) : 0);
+  return PyLong_FromUnsignedLongLong(b ? aload(&b->next_rid) : 0);
 }
 
 PyMethodDef BlackBox_methods[] = {
@@ -1109,8 +1180,9 @@ PyMODINIT_FUNC PyInit__blackbox(void) {
   BlackBoxType.tp_basicsize = sizeof(BlackBoxObject);
   BlackBoxType.tp_flags = Py_TPFLAGS_DEFAULT;
   BlackBoxType.tp_doc =
-      "BlackBox(path, capacity, strings_bytes, identity_json, pg_capacity=1024): a ring buffer "
-      "of c10d ops in a memory-mapped file.";
+      "BlackBox(path, capacity, strings_bytes, identity_json, pg_capacity=1024, mode=0o600, "
+      "gid=-1): a ring buffer of c10d ops in a memory-mapped file, created as a new file (what "
+      "is at the path is replaced, never followed) with exactly this mode (and group).";
   BlackBoxType.tp_new = PyType_GenericNew;
   BlackBoxType.tp_init = (initproc)BlackBox_init;
   BlackBoxType.tp_dealloc = (destructor)BlackBox_dealloc;
