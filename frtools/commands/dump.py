@@ -88,12 +88,14 @@ def print_summary(console: Console, manifest: Manifest, out: Path) -> None:
     "--dir",
     "root",
     type=click.Path(file_okay=False),
-    help=f"Where the recorder writes (default: $FRTOOLS_DIR or {DEFAULT_DIR}).",
+    help=f"Where the recorder writes (default: $FRTOOLS_DIR or {DEFAULT_DIR}, this user's own).",
 )
 @click.option(
     "--job-wide",
     is_flag=True,
-    help="Ask every rank on every host through the job's TCPStore (needs --store; -o on a shared file system).",
+    help="Ask every rank on every host through the job's TCPStore (needs --store). Ranks write into "
+    "their own FRTOOLS_DUMP_DIR; what this user can read of it is copied into -o (across hosts: "
+    "the same FRTOOLS_DUMP_DIR on a shared file system, for the job and for this command).",
 )
 @click.option(
     "--store",
@@ -148,7 +150,7 @@ def dump(
 
     \b
     frtools dump [JOB] -o DIR                     this host's ranks (live or dead)
-    frtools dump --job-wide --store H:P -o DIR    every rank, through the job's store
+    frtools dump --job-wide [JOB] --store H:P -o DIR    every rank, through the job's store
     frtools dump --torch-socket '/tmp/ws_*.sock' -o DIR   PyTorch's own recorder
     """
     console = Console(highlight=False)

@@ -49,7 +49,7 @@ def recording_env(
     "dir_",
     type=click.Path(file_okay=False),
     default=None,
-    help=f"Where the black-box files go (FRTOOLS_DIR; default {DEFAULT_DIR}).",
+    help=f"Where the black-box files go (FRTOOLS_DIR; default {DEFAULT_DIR}, this user's own).",
 )
 @click.option(
     "--stall-seconds",
