@@ -8,8 +8,9 @@ Turn it on in one of three ways:
   ``sitecustomize`` calls ``enable()`` as soon as ``torch.distributed`` is imported.
 * ``frtools run [--dir D] -- CMD ...`` does the above for every Python process of CMD.
 
-The file, ``<FRTOOLS_DIR>/<job_id>/rank_<R>.frt``, is opened at the first process group this
-process creates (when the rank is known). Any failure — no native module, unwritable
+The file, ``<FRTOOLS_DIR>/<job_id>/rank_<R>.frt`` (default ``FRTOOLS_DIR``:
+``/dev/shm/frtools-<uid>``), is created at the first process group this process creates (when
+the rank is known): private to this user, new, never through a link (``recorder.private``). Any failure — no native module, unwritable
 directory, unknown backend — prints one line ``frtools: recording disabled: <reason>`` and
 the job runs on unrecorded. Settings: the ``FRTOOLS_*`` variables of ``frtools.config``.
 
@@ -77,7 +78,7 @@ def _open(rank: int, world_size: int, backend: str) -> Any:
     try:
         access = _prepare_job_dir(cfg, rank)
     except OSError as exc:
-        recording_disabled(str(exc) if isinstance(exc, private.Unsafe) else f"{cfg.job_dir}: {exc}")
+        recording_disabled(f"cannot create {path}: {exc}")
         return None
     try:
         identity = json.dumps(_identity(rank, world_size, backend, cfg.job_id))
