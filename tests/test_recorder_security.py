@@ -558,3 +558,46 @@ def test_a_second_users_job_on_the_same_host_records(shared_tmp, users):
         shutil.rmtree(theirs, ignore_errors=True)
         with contextlib.suppress(OSError):
             theirs.parent.rmdir()  # the other user's per-user folder, when nothing else is in it
+
+
+# -- the collector reads only from folders of its own user ---------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_job_wide_collector_reads_no_folder_the_store_names_unless_it_is_its_own(
+    tmp_path, monkeypatch
+):
+    """An answer in the store names the folder a rank wrote into; `frtools dump --job-wide`
+    reads from it only when it is the user's own private folder (not through a link, not
+    writable by others), and copies only the rank's own file names, never links."""
+    from frtools.collect.jobwide import _collect_rank
+    from frtools.formats.manifest import RankEntry
+
+    for name in ("FRTOOLS_DUMP_DIR", "FRTOOLS_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    secret = _victim_file(tmp_path)
+    good = _private_dir(tmp_path / "good")
+    (good / "rank_0.frt").write_bytes(b"box")
+    (good / "rank_0.stacks").symlink_to(secret)  # a link is never copied
+    (good / "passwd").write_bytes(b"not a rank file")
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    (open_dir / "rank_0.frt").write_bytes(b"planted")
+    linked = tmp_path / "linked"
+    linked.symlink_to(good)
+
+    def collect(where: Path) -> RankEntry:
+        out = tmp_path / f"out-{where.name}"
+        out.mkdir()
+        entry = RankEntry(rank=0, host="h", answered=True)
+        _collect_rank(entry, {"dir": str(where), "files": ["passwd", "rank_0.frt"]}, out, None)
+        return entry
+
+    entry = collect(good)
+    assert entry.files == ["rank_0.frt"]
+    assert sorted(p.name for p in (tmp_path / "out-good").iterdir()) == ["rank_0.frt"]
+    for bad in (open_dir, linked, tmp_path / "missing", Path("relative")):
+        entry = collect(bad)
+        assert entry.files == [] and "not readable here" in entry.note
+        assert not any((tmp_path / f"out-{bad.name}").iterdir())

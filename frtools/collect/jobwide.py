@@ -20,7 +20,13 @@ from typing import Any
 
 from frtools.config import DIR, DUMP_DIR, STORE_PREFIX, job_folder_name
 from frtools.formats import store_protocol as protocol
-from frtools.formats.manifest import Manifest, RankEntry
+from frtools.formats.manifest import (
+    BOX_SUFFIX,
+    STACKS_SUFFIX,
+    Manifest,
+    RankEntry,
+    rank_file_name,
+)
 
 # a rank's copy bigger than this is not copied (a black box of 2**20 slots is ~140 MB)
 MAX_COPY_BYTES = 1 << 32
@@ -110,39 +116,49 @@ def dump_job_wide(
     return manifest
 
 
-def _candidate_dirs(answer: dict[str, Any], job_id: str | None) -> list[Path]:
-    """Where a rank's copy may be, this command's configuration first; the folder the answer
-    names (untrusted) last, to be checked before use."""
+def _candidate_dirs(answer: dict[str, Any], job_id: str | None) -> list[tuple[Path, bool]]:
+    """Where a rank's copy may be, as (folder, named by this command's own configuration):
+    ``FRTOOLS_DUMP_DIR``, ``<FRTOOLS_DIR>/<JOB>/dumps``, then the folder the answer names
+    (read from the store: untrusted, checked before use)."""
     dirs = []
     configured = DUMP_DIR.read()
     if configured:
-        dirs.append(Path(configured))
+        dirs.append((Path(configured), True))
     if job_id:
-        dirs.append(Path(DIR.read()) / job_folder_name(job_id) / "dumps")
+        dirs.append((Path(DIR.read()) / job_folder_name(job_id) / "dumps", True))
     named = answer.get("dir")
     if isinstance(named, str) and named and "\0" not in named:
-        dirs.append(Path(named))
+        dirs.append((Path(named), False))
     return dirs
 
 
-def _own_private_dir(path: Path) -> bool:
-    """A folder of this user's that nobody else can write: absolute, no link anywhere in its
-    path, owned by us, not writable by group or others."""
+def _folder_owner(path: Path, configured: bool) -> int | None:
+    """The owner of a folder the copies may be read from, or None when it may not be.
+
+    A folder from this command's configuration only has to be a directory (its files must
+    then belong to its owner: root collecting a user's job); one named by the store must be
+    this user's own: absolute, no link anywhere in its path, owned by us, writable by nobody
+    else — so a store client cannot make us read anything of someone else's."""
     try:
+        if configured:
+            st = os.stat(path)
+            return st.st_uid if stat.S_ISDIR(st.st_mode) else None
         if not path.is_absolute() or os.path.realpath(path) != os.path.normpath(path):
-            return False
+            return None
         st = os.lstat(path)
     except (OSError, ValueError):
-        return False
-    return (
+        return None
+    if (
         stat.S_ISDIR(st.st_mode)
         and st.st_uid == os.geteuid()
         and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    )
+    ):
+        return st.st_uid
+    return None
 
 
-def _copy_own_file(src: Path, dst: Path) -> bool:
-    """Copy a regular file of ours (never through a link, never a FIFO), bounded by
+def _copy_file_of(owner: int, src: Path, dst: Path) -> bool:
+    """Copy a regular file of ``owner``'s (never through a link, never a FIFO), bounded by
     ``MAX_COPY_BYTES``; False when ``src`` is not such a file."""
     try:
         fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -150,7 +166,7 @@ def _copy_own_file(src: Path, dst: Path) -> bool:
         return False
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > MAX_COPY_BYTES:
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or st.st_size > MAX_COPY_BYTES:
             return False
         tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as w:
@@ -160,19 +176,21 @@ def _copy_own_file(src: Path, dst: Path) -> bool:
 
 
 def _collect_rank(entry: RankEntry, answer: dict[str, Any], out: Path, job_id: str | None) -> None:
-    """Copy one answered rank's files into ``out``; ``entry.files`` lists what was copied."""
-    names = protocol.answer_files(answer, entry.rank)
+    """Copy one answered rank's files into ``out``; ``entry.files`` lists what was copied.
+    The names are the rank's own (``rank_<R>.frt``, ``rank_<R>.stacks``), never the store's."""
+    names = [rank_file_name(entry.rank, BOX_SUFFIX), rank_file_name(entry.rank, STACKS_SUFFIX)]
     entry.files = []
-    for directory in _candidate_dirs(answer, job_id):
-        if not _own_private_dir(directory):
+    for directory, configured in _candidate_dirs(answer, job_id):
+        owner = _folder_owner(directory, configured)
+        if owner is None:
             continue
         if directory.resolve() == out:
             entry.files = [n for n in names if (out / n).is_file()]
         else:
-            entry.files = [n for n in names if _copy_own_file(directory / n, out / n)]
+            entry.files = [n for n in names if _copy_file_of(owner, directory / n, out / n)]
         if entry.files:
             return
     where = answer.get("dir") if isinstance(answer.get("dir"), str) else "its dump folder"
     entry.note = "; ".join(
-        x for x in (entry.note, f"wrote into {where} on {entry.host}, not readable here") if x
+        x for x in (entry.note, f"wrote into {where[:300]} on {entry.host}, not readable here") if x
     )

@@ -132,10 +132,10 @@ def prepare_root(root: str, access: Access, *, default: bool) -> None:
         _named_dir(root, access)
         with contextlib.suppress(FileExistsError):
             os.mkdir(root, 0o700)
-            with contextlib.suppress(OSError):
-                os.chmod(root, access.dir_mode)
+            with contextlib.suppress(OSError):  # opened to the group only when it is its
                 if access.gid is not None:
                     os.chown(root, -1, access.gid)
+                os.chmod(root, access.dir_mode)
     _shared_parent_ok(root)
 
 
