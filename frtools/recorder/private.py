@@ -23,7 +23,17 @@ import os
 import stat
 from typing import NamedTuple
 
-__all__ = ["Access", "Unsafe", "access_for", "create_file", "prepare_dump_dir", "prepare_job_dir"]
+__all__ = [
+    "PRIVATE",
+    "Access",
+    "Unsafe",
+    "access_for",
+    "create_file",
+    "prepare_dump_dir",
+    "prepare_job_dir",
+    "prepare_root",
+    "set_file_access",
+]
 
 
 class Unsafe(OSError):
