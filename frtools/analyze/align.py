@@ -19,6 +19,9 @@ Rules (see docs/verdict.md):
 * **P2P.** ``p2p_seq_id`` counts per rank per group, not per peer pair, so it is not matched
   across ranks. Instead, within a group, the k-th send from r to p (in record order) matches
   the k-th recv at p from r. A pair whose either side wrapped is marked ``uncertain``.
+* **Agreement.** ``sig`` is equal on two members iff every attribute that the op's family
+  requires to agree does (``frtools.model.ops.SEMANTICS``): an all_to_all's per-rank split
+  sizes, a gather's root output, a coalesced block of sends are not compared.
 
 Everything is columnar (pandas over the Arrow entries); the only Python loops are per rank
 or per group.
@@ -34,7 +37,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from frtools.model.ops import P2P_OPS
+from frtools.model.ops import ATTRIBUTES, OP, P2P_OPS, OpFamily, family_of, parts_must_agree
 from frtools.model.trace import ProcessGroup, Trace
 
 SIGNATURE_COLUMNS = ("op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes")
@@ -55,6 +58,7 @@ _LOAD_COLUMNS = (
     "time_created_ns",
     "retired",
     "call_site",
+    "error",
 )
 
 
@@ -77,8 +81,9 @@ class GroupTimeline:
 class Alignment:
     collectives: pd.DataFrame
     """One row per (rank, pg_name, seq) unit: signature columns, ``sig`` (an int, equal iff
-    the op/sizes/dtypes agree), state, completed (nullable bool), time_created_ns,
-    record_id, call_site, n_ops."""
+    the op family and every attribute that family requires to agree are equal), state,
+    completed (nullable bool), time_created_ns, record_id, call_site, n_ops, and ``parts``
+    (the ops of a coalesced unit joined with ``;``; null for a single op)."""
     p2p: pd.DataFrame
     """One row per P2P op: rank, pg_name, op, peer, sender, receiver, pair_index, sizes,
     completed, time_created_ns, call_site, uncertain."""
@@ -98,7 +103,8 @@ class Alignment:
         return GroupTimeline(pg, ops, status)
 
 
-_STRING_COLUMNS = ("pg_name", "op", "state", "call_site") + SIGNATURE_COLUMNS[1:]
+_STRING_COLUMNS = ("pg_name", "op", "state", "call_site", "error") + SIGNATURE_COLUMNS[1:]
+_NULLABLE_STRINGS = ("call_site", "error")
 
 
 def _entries_frame(trace: Trace) -> pd.DataFrame:
@@ -112,7 +118,7 @@ def _entries_frame(trace: Trace) -> pd.DataFrame:
     for name in _LOAD_COLUMNS:
         col = table.column(name)
         if name in _STRING_COLUMNS:
-            data[name] = _categorical(col, null_as="" if name != "call_site" else None)
+            data[name] = _categorical(col, null_as=None if name in _NULLABLE_STRINGS else "")
         elif name in ("collective_seq_id", "p2p_seq_id"):
             data[name] = _ints(col, 0)
         elif name == "record_id":
@@ -264,7 +270,7 @@ def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
     dup = _duplicated_units(coll)
     coll = coll.assign(n_ops=1)
     if not dup.any():
-        return coll
+        return coll.assign(parts=None)
     single = coll[~dup]
     multi = coll[dup].sort_values("record_id")
     keys = ["rank", "pg_name", "collective_seq_id"]
@@ -285,10 +291,13 @@ def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
         time_created_ns=("time_created_ns", "min"),
         retired=("retired", "last"),
         call_site=("call_site", "first"),
+        error=("error", "first"),
         n_ops=("op", "size"),
+        parts=("op", lambda v: ";".join(str(x) for x in v)),
     )
     agg["op"] = "coalesced"
     agg = agg.reset_index()
+    single = single.assign(parts=None)
     return pd.concat([single, agg[single.columns]], ignore_index=True)
 
 
@@ -367,37 +376,74 @@ def _codes(values: pd.Series) -> tuple[np.ndarray, pd.Index]:
     return codes.astype(np.int64), pd.Index(uniques)
 
 
+_FAMILIES = {f: i + 1 for i, f in enumerate(OpFamily)}
+
+
 def _signature_ids(coll: pd.DataFrame) -> np.ndarray:
-    """One int per distinct (op, sizes, dtypes): the categorical codes packed into one
-    int64 (a 5-column group-by costs several times more on millions of units)."""
+    """One int per distinct agreement key: the op's family, the family of each part of a
+    coalesced unit, and each attribute the family requires to agree (0 where it may differ).
+    The categorical codes are packed into one int64 (a 5-column group-by costs several times
+    more on millions of units); per-row rules come from per-category lookups, so the cost
+    does not depend on the op table."""
     if not len(coll):
         return np.zeros(0, dtype=np.int64)
-    key = np.zeros(len(coll), dtype=np.int64)
-    radix = 1
-    for col in SIGNATURE_COLUMNS:
-        codes, categories = _codes(coll[col])
-        n = len(categories) + 1  # + 1: code -1 (NaN) shifted to 0
-        if radix * n >= 2**62:  # too many distinct values to pack: group by the columns
-            ids = coll.groupby(list(SIGNATURE_COLUMNS), sort=False, observed=True).ngroup()
-            return ids.to_numpy(dtype=np.int64)
-        key += (codes + 1) * radix
+    op_codes, op_cats = _codes(coll["op"])
+    # per op category (+ one slot for code -1): family id and the attributes it compares
+    fam_of_cat = np.array([_FAMILIES[family_of(str(c))] for c in op_cats] + [0], dtype=np.int64)
+    family = fam_of_cat[op_codes]
+    checked = {
+        attr: np.array([attr in parts_must_agree(str(c)) for c in op_cats] + [False], dtype=bool)[
+            op_codes
+        ]
+        for attr in ATTRIBUTES
+        if attr != OP
+    }
+    parts_key = np.zeros(len(coll), dtype=np.int64)
+    parts = coll["parts"] if "parts" in coll.columns else None
+    if parts is not None and parts.notna().any():
+        block = parts.notna().to_numpy()
+        texts = parts[block].astype(str)
+        uniq, inverse = np.unique(texts.to_numpy(), return_inverse=True)
+        # the parts' families, so that one block of all_gathers agrees with another
+        fam_text = [";".join(family_of(p).value for p in t.split(";") if p) for t in uniq]
+        _, fam_ids = np.unique(np.array(fam_text, dtype=object), return_inverse=True)
+        parts_key[block] = fam_ids[inverse] + 1
+        for attr in checked:
+            rule = np.array([attr in parts_must_agree(t) for t in uniq], dtype=bool)
+            checked[attr][block] = rule[inverse]
+    key = family.copy()
+    radix = len(_FAMILIES) + 1
+    components = [(parts_key, int(parts_key.max()) + 1)]
+    for attr in (c for c in SIGNATURE_COLUMNS if c != OP):
+        codes, categories = _codes(coll[attr])
+        components.append((np.where(checked[attr], codes + 1, 0), len(categories) + 2))
+    for values, n in components:
+        if radix * n >= 2**62:  # too many distinct values to pack: number the tuples
+            frame = pd.DataFrame(
+                {"f": family, **{str(i): v for i, (v, _) in enumerate(components)}}
+            )
+            return frame.groupby(list(frame.columns), sort=False).ngroup().to_numpy(np.int64)
+        key += values * radix
         radix *= n
-    return key  # equal iff the signatures are: numbering them costs a 30 M-entry hash table
+    return key  # equal iff the keys are: numbering them costs a 30 M-entry hash table
 
 
 def _completion(df: pd.DataFrame, use_pg_status: bool) -> pd.Series:
-    """Nullable bool: True completed, False known not completed, NA unknown."""
+    """Nullable bool: True completed, False known not completed (a failed op, with its
+    ``error``, is not completed whatever its state says), NA unknown."""
     if not len(df):
         return pd.Series(pd.array([], dtype="boolean"), index=df.index)
+    failed = df["error"].notna()
     done = (df["state"] == "completed") | (df["retired"].fillna(False).astype(bool))
-    known = df["informative"] | df["retired"].notna()
+    done = done & ~failed
+    known = df["informative"] | df["retired"].notna() | failed
     if use_pg_status:
         pc = df["ps_completed"]
         seq = df["seq"] if "seq" in df.columns else df["collective_seq_id"]
         by_status = (
             (~df["informative"]) & df["retired"].isna() & pc.notna() & (seq <= pc.fillna(-1))
         )
-        done = done | by_status.fillna(False).astype(bool)
+        done = done | (by_status.fillna(False).astype(bool) & ~failed)
         known = known | (pc.notna() & df["retired"].isna())
     d = done.to_numpy(dtype=bool)
     out = pd.arrays.BooleanArray(d, ~known.to_numpy(dtype=bool) & ~d)
