@@ -405,3 +405,238 @@ def test_two_stragglers_in_one_pair_do_not_hide_each_other():
     v = diagnose(simulate(JOB, training(JOB, 4), delay_ms={4: 30, 5: 30}))
     assert v.kind == "straggler"
     assert v.guilty_ranks == [4, 5]
+
+
+# ----- what real jobs do (issue #9) -------------------------------------------------------
+
+EP, DP = "expert_parallel", "data_parallel"
+MOE = Job(
+    {
+        "0": tuple(range(8)),
+        "ep0": (0, 1, 2, 3),
+        "ep1": (4, 5, 6, 7),
+        **{f"dp{i}": (i, i + 4) for i in range(4)},
+    },
+    {"0": "default_pg", "ep0": EP, "ep1": EP, **{f"dp{i}": DP for i in range(4)}},
+)
+
+
+def moe_step(rank: int, step: int) -> list[Op]:
+    """One MoE layer as Gloo's Flight Recorder records it: the sequence-parallel all_gather,
+    the token counts' all_to_all, token dispatch and combine all_to_alls with per-rank
+    (uneven) sizes, reduce_scatter (recorded as all_reduce), expert grads over DP, stats."""
+    ep, dp = f"ep{rank // 4}", f"dp{rank % 4}"
+    sent = 8 + (rank * 7 + step * 3) % 11  # tokens this rank routes to the experts
+    got = 8 + (rank * 5 + step) % 13  # tokens its expert receives
+    return [
+        Op(ep, "all_gather", "[[16,32]]", out="[[4,16,32]]"),
+        Op(ep, "all_to_all", "[[4]]", "Long"),
+        Op(ep, "all_to_all", f"[[{sent},32]]", out=f"[[{got},32]]"),
+        Op(ep, "all_to_all", f"[[{got},32]]", out=f"[[{sent},32]]"),
+        Op(ep, "all_reduce", "[[64,32]]"),
+        Op(dp, "all_reduce", "[[32,32]]"),
+        Op("0", "all_reduce", "[[4096]]"),
+    ]
+
+
+def moe_programs(steps: int, fault=None) -> dict[int, list]:
+    programs = {}
+    for r in range(8):
+        prog: list = []
+        for s in range(steps):
+            ops = moe_step(r, s)
+            prog.extend(fault(r, s, ops) if fault is not None else ops)
+        programs[r] = prog
+    return programs
+
+
+def gloo_dumps(trace: Trace, tmp_path, world_size: int | None = None) -> Trace:
+    """The trace as PyTorch's FR on Gloo writes it, read back as `frtools analyze` reads
+    it: no group membership, no world size."""
+    from trace_builder import write_fr_pickles
+
+    from frtools.analyze.readers import load_trace
+
+    write_fr_pickles(trace, tmp_path)
+    return load_trace(tmp_path, workers=1, world_size=world_size)
+
+
+def test_uneven_all_to_all_splits_of_a_healthy_moe_job_are_not_a_mismatch(tmp_path):
+    # Issue #9: a healthy MoE job was called "MISMATCH ... different input_sizes at
+    # all_to_all". Token dispatch sends a different number of tokens from every rank.
+    v = diagnose(gloo_dumps(simulate(MOE, moe_programs(3)), tmp_path))
+    assert v.kind == "healthy", v.headline
+    assert v.exit_code == 0
+    v = diagnose(simulate(MOE, moe_programs(3), completion="nccl"))
+    assert v.kind == "healthy", v.headline
+
+
+def test_moe_hang_blames_the_missing_rank_not_the_uneven_all_to_all(tmp_path):
+    # Rank 5 hangs in compute before step 1's dispatch: its expert-parallel peers wait in
+    # the all_to_all whose sizes differ on every rank; only rank 5 is at fault.
+    def fault(r, s, ops):
+        return ops[:2] + [STOP] if (r, s) == (5, 1) else ops
+
+    for trace in (simulate(MOE, moe_programs(3, fault)), simulate(MOE, moe_programs(3, fault),
+                                                                  completion="nccl")):  # fmt: skip
+        v = diagnose(trace)
+        assert v.kind == "missing", v.headline
+        assert v.guilty_ranks == [5]
+        assert v.op == "all_to_all" and v.process_group.ranks == (4, 5, 6, 7)
+
+
+def test_all_to_all_dtype_still_must_agree():
+    def fault(r, s, ops):
+        if (r, s) == (6, 1):
+            ops = list(ops)
+            ops[1] = Op("ep1", "all_to_all", "[[4]]", "Int")
+        return ops
+
+    v = diagnose(simulate(MOE, moe_programs(3, fault)))
+    assert v.kind == "mismatch"
+    assert v.guilty_ranks == [6]
+    assert "input_dtypes" in v.headline and "input_sizes" not in v.headline
+
+
+def _rows(trace: Trace) -> list[dict]:
+    return trace.entries.to_pandas().to_dict("records")
+
+
+def _with_rows(trace: Trace, rows: list[dict]) -> Trace:
+    for row in rows:
+        for key, value in list(row.items()):
+            if value is None or (isinstance(value, float) and value != value):
+                row[key] = None
+    trace.entries = entries_table(rows)
+    return trace
+
+
+WORLD4 = Job({"0": (0, 1, 2, 3)}, {"0": "default_pg"})
+
+
+def _ddp(steps: int, stop: tuple[int, int] | None = None) -> dict[int, list]:
+    """Two world all_reduces a step (gradient buckets, then the logged loss)."""
+    programs = {}
+    for r in range(4):
+        prog: list = []
+        for s in range(steps):
+            if stop == (r, s):
+                prog.append(STOP)
+                break
+            prog += [Op("0", "all_reduce", "[[2048]]"), Op("0", "all_reduce", "[[1]]")]
+        programs[r] = prog
+    return programs
+
+
+def _killed_at_step_20(with_facts: bool) -> Trace:
+    """frtools' record of a 4-rank DDP job whose rank 2 was SIGKILLed at step 20: Gloo
+    fails the survivors' next all_reduce ("Connection closed by peer") and the recorder saw
+    it end; the survivors then exit with the exception. Every process is gone."""
+    trace = simulate(WORLD4, _ddp(25, stop=(2, 20)), completion="nccl")
+    rows = _rows(trace)
+    for row in rows:
+        if row["state"] != "completed":  # the survivors' failed all_reduce
+            if with_facts:
+                row["error"] = "Connection closed by peer [127.0.0.1]:29500"
+            else:  # what the recorder wrote before it knew failures: completed
+                row["state"] = "completed"
+                row["retired"] = True
+    for r, info in trace.ranks.items():
+        info.alive = False
+        info.device = "cpu"
+        if with_facts:
+            info.exit_kind = "killed" if r == 2 else "exception"
+            info.exit_detail = (
+                None if r == 2 else "DistBackendError: Connection closed by peer [127.0.0.1]"
+            )
+    return _with_rows(trace, rows)
+
+
+@pytest.mark.parametrize("with_facts", [False, True])
+def test_rank_killed_mid_job_is_dead_though_gloo_completed_its_peers_failed_op(with_facts):
+    # Issue #9: this came out HEALTHY (exit 0). The survivors' all_reduce #41 "completed"
+    # while rank 2, whose record ends at #40, never issued it: a collective cannot complete
+    # without a member, so that completion is a failure (invariant 1).
+    v = diagnose(_killed_at_step_20(with_facts))
+    assert v.kind == "dead", v.headline
+    assert v.guilty_ranks == [2]
+    assert v.waiting == [0, 1, 3]
+    assert v.collective_seq_id == 41
+    if with_facts:
+        assert "killed" in v.guilty[0].reason
+        assert any(g.state == "failed" and g.ranks == [0, 1, 3] for g in v.groups)
+
+
+def _size_mismatch_ddp8() -> Trace:
+    """8 ranks, world group only. Rank 7 all-reduces a wrong-sized metrics vector in
+    world all_reduce #31; Gloo aborts it (no dump). Its ring neighbours 0 and 6 leave the
+    op with an error, which Gloo's FR records as retired; ranks 1-5 stay blocked in it."""
+    world = Job({"0": tuple(range(8))}, {"0": "default_pg"})
+    programs = {}
+    for r in range(8):
+        prog = []
+        for s in range(16):
+            size = "[[769]]" if (r, s) == (7, 15) else "[[1025]]"
+            prog += [Op("0", "all_reduce", "[[2048]]"), Op("0", "all_reduce", size)]
+        programs[r] = prog
+    trace = simulate(world, programs, absent=(7,))
+    rows = _rows(trace)
+    for row in rows:
+        if row["rank"] in (0, 6) and row["collective_seq_id"] == 32:
+            row["retired"] = True
+    for r in (0, 6):
+        trace.ranks[r].pg_status["0"]["last_completed_collective"] = 32
+    return _with_rows(trace, rows)
+
+
+def test_blocked_ranks_with_a_peer_nobody_can_name_are_inconclusive_not_healthy(tmp_path):
+    # Issue #9: this came out HEALTHY. Nothing in the 7 Gloo dumps (rank_0..rank_6, no gap)
+    # says an 8th rank exists, so none can be named; but 5 ranks are blocked in an op that
+    # 2 others "completed" -- a collective completes on no member before every member
+    # issued it.
+    trace = gloo_dumps(_size_mismatch_ddp8(), tmp_path)
+    v = diagnose(trace)
+    assert v.kind == "inconclusive", v.headline
+    assert v.exit_code == 1
+    assert v.guilty == []
+    assert set(range(1, 6)) <= set(v.waiting)
+    assert v.collective_seq_id == 32
+    assert any("--world-size" in d for d in v.decide)
+
+
+def test_world_size_names_the_dead_rank_behind_a_gloo_retired_failure(tmp_path):
+    trace = gloo_dumps(_size_mismatch_ddp8(), tmp_path, world_size=8)
+    v = diagnose(trace)
+    assert v.kind == "dead"
+    assert v.guilty_ranks == [7]
+    assert set(v.waiting) == set(range(7))  # 0 and 6 left it with an error: victims
+
+
+def test_gloo_group_shorter_than_its_siblings_names_the_missing_highest_rank(tmp_path):
+    # Rank 7 (the highest: no gap in the file names) hangs and leaves no dump. Its
+    # tensor-parallel group has one recorded member where its siblings have two.
+    trace = simulate(JOB, training(JOB, 3, stop_at(7, 1)), absent=(7,))
+    v = diagnose(gloo_dumps(trace, tmp_path))
+    assert v.kind == "dead", v.headline
+    assert v.guilty_ranks == [7]
+    assert v.ranks_expected == 8
+    assert v.confidence < 0.9  # rank 7 is inferred, not read from a file
+
+
+def test_no_recorded_op_is_inconclusive():
+    trace = Trace(entries=entries_table([]), ranks={r: RankInfo(rank=r) for r in range(4)},
+                  world_size=4)  # fmt: skip
+    v = diagnose(trace)
+    assert v.kind == "inconclusive"
+    assert v.exit_code == 1 and v.decide
+
+
+def test_rank_that_died_of_its_own_exception_is_dead_even_if_nobody_waits():
+    trace = simulate(JOB, training(JOB, 2))
+    trace.ranks[3].alive = False
+    trace.ranks[3].exit_kind = "exception"
+    trace.ranks[3].exit_detail = "RuntimeError: CUDA error: an illegal memory access"
+    v = diagnose(trace)
+    assert v.kind == "dead"
+    assert v.guilty_ranks == [3]
+    assert "illegal memory access" in v.guilty[0].reason

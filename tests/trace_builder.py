@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from frtools.model.ops import INPUT_DTYPES, INPUT_SIZES, family_of, semantics
 from frtools.model.trace import ProcessGroup, RankInfo, Trace, entries_table
 
 MS = 1_000_000
@@ -23,6 +24,17 @@ class Op:
     sizes: str = "[[4,2]]"
     dtypes: str = "Float"
     peer: int | None = None  # P2P: global peer
+    out: str | None = None  # output sizes where they differ from the input's (all_to_all)
+
+    @property
+    def agreement(self) -> tuple:
+        """What must agree across members for this op to complete (its op semantics)."""
+        sem = semantics(self.op)
+        return (
+            family_of(self.op),
+            self.sizes if sem.checks(INPUT_SIZES) else None,
+            self.dtypes if sem.checks(INPUT_DTYPES) else None,
+        )
 
 
 STOP = "stop"  # the rank stops issuing (stuck in compute / holding the GIL)
@@ -136,7 +148,7 @@ def simulate(
                     "profiling_name": f"nccl:{op.op}",
                     "peer": op.peer,
                     "input_sizes": op.sizes,
-                    "output_sizes": op.sizes,
+                    "output_sizes": op.out or op.sizes,
                     "input_dtypes": op.dtypes,
                     "output_dtypes": op.dtypes,
                     "state": "scheduled",
@@ -145,7 +157,7 @@ def simulate(
                     "_done": False,
                 }
             )
-            issued.setdefault(key, {})[r] = ((op.op, op.sizes, op.dtypes), len(entries) - 1)
+            issued.setdefault(key, {})[r] = (op.agreement, len(entries) - 1)
             blocked[r] = key
         # completions
         for key, who in list(issued.items()):
@@ -161,7 +173,7 @@ def simulate(
                 _, _pg, sender, receiver, _k = key
                 if set(who) != {sender, receiver}:
                     continue
-                if len({sig[1:] for sig, _ in who.values()}) != 1:
+                if len({sig[1:] for sig, _ in who.values()}) != 1:  # send/recv sizes
                     continue
             for r, (_sig, idx) in who.items():
                 if not entries[idx]["_done"]:

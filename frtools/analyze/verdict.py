@@ -14,9 +14,9 @@ from frtools import __version__
 from frtools.analyze.stacks import StacksSummary
 from frtools.model.trace import InputFile, ProcessGroup
 
-SCHEMA_VERSION = "1.1"  # 1.1: optional top-level "stacks"
+SCHEMA_VERSION = "1.2"  # 1.1: optional top-level "stacks"; 1.2: "inconclusive", "decide"
 
-KINDS = ("healthy", "missing", "dead", "mismatch", "order", "stuck", "straggler")
+KINDS = ("healthy", "missing", "dead", "mismatch", "order", "stuck", "straggler", "inconclusive")
 
 
 @dataclass
@@ -75,6 +75,9 @@ class Verdict:
     inputs: list[InputFile] = field(default_factory=list)
     # where the ranks' main threads stood (faulthandler stacks), when the inputs had them
     stacks: StacksSummary | None = None
+    # what would decide the question the records leave open (inconclusive verdicts, and
+    # verdicts that rest on a missing dump): one sentence per missing piece
+    decide: list[str] = field(default_factory=list)
 
     @property
     def guilty_ranks(self) -> list[int]:
@@ -98,6 +101,7 @@ class Verdict:
             "op": self.op,
             "groups": [g.to_dict() for g in self.groups],
             "evidence": list(self.evidence),
+            **({"decide": list(self.decide)} if self.decide else {}),
         }
 
     def to_document(self) -> dict[str, Any]:

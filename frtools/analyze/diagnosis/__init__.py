@@ -1,0 +1,35 @@
+"""Diagnosis: from an aligned Trace to exactly one Verdict.
+
+``facts``    what the inputs establish (present/absent ranks, group membership with sibling
+             inference, how each process ended, which completion marks prove success);
+``graph``    the wait-for graph, built once, then read-only;
+``rules``    one function per rule, each returning a Finding; ``PRIORITY`` orders them;
+``wording``  a Finding in words (headline, reasons, evidence, what would decide it).
+"""
+
+from __future__ import annotations
+
+from frtools.analyze.align import Alignment, align
+from frtools.analyze.stacks import stacks_summary
+from frtools.analyze.verdict import Verdict
+from frtools.model.trace import Trace
+
+from .facts import gather_facts
+from .graph import IN_FLIGHT_NS, build_graph
+from .rules import PRIORITY, Evidence, first_finding
+from .wording import verdict_of
+
+__all__ = ["IN_FLIGHT_NS", "PRIORITY", "diagnose"]
+
+
+def diagnose(trace: Trace, alignment: Alignment | None = None) -> Verdict:
+    """The one Verdict for this trace (docs/verdict.md)."""
+    al = alignment if alignment is not None else align(trace)
+    facts = gather_facts(trace, al)
+    graph = build_graph(facts)
+    finding = first_finding(Evidence(facts, graph))
+    verdict = verdict_of(finding, facts)
+    summary = stacks_summary(trace, verdict.guilty_ranks)
+    if summary.ranks_with_stacks:
+        verdict.stacks = summary
+    return verdict

@@ -1,0 +1,414 @@
+"""What the inputs establish about the job before any rule runs: who is present, who is
+expected, how each rank ended, which groups have which members, whose completion marks
+can be trusted. Gathered once per diagnosis, then only read.
+
+Group membership (``membership``): a group a file lists keeps that list. A group whose
+members were inferred from who recorded on it (Gloo dumps list none) is compared with its
+*siblings*, the groups of the same description: pairwise disjoint groups that every rank of
+a layout belongs to one of (tensor-parallel pairs, data-parallel groups). A group with fewer
+recorded members than its siblings is short of a member that left no record. The absent
+ranks are named when the arithmetic allows it — a gap in the file names, or, when the world
+size is not known, as many ranks above the highest file as the shortest family is short —
+and placed in a short group when exactly one completion of that group fits its siblings'
+shape; otherwise the group keeps an anonymous shortfall (``unseen``) and the verdict says
+what is missing instead of naming a rank.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from frtools.analyze.align import Alignment
+from frtools.model.trace import ABNORMAL_EXITS, ProcessGroup, Trace
+
+# A rank whose record was written (or whose heartbeat stopped) this much earlier than the
+# others' is a stale record of a process that was already gone.
+STALE_DUMP_NS = 60 * 1_000_000_000
+
+# Words of a backend error raised because a peer went away or a collective failed, as
+# opposed to the rank's own fault (an exception in user code, a CUDA error).
+_COLLECTIVE_ERRORS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "connection refused",
+    "broken pipe",
+    "gloo",
+    "nccl",
+    "distbackenderror",
+    "distnetworkerror",
+    "timed out",
+    "timeout",
+    "watchdog",
+    "process group",
+    "processgroup",
+)
+
+
+def is_collective_error(text: str | None) -> bool:
+    """Whether an error text is a collective failing on the rank (a victim's error)."""
+    return bool(text) and any(word in str(text).lower() for word in _COLLECTIVE_ERRORS)
+
+
+class CompletionSource(enum.Enum):
+    """Where a rank's "completed" marks come from, which says what they prove."""
+
+    STATES = "states"  # real per-op states (NCCL, frtools): completed means succeeded
+    RETIRED = "retired"  # Gloo's FR: retired on success *and* on failure
+    PG_STATUS = "pg_status"  # only the group counters
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a rank's process ended, as far as its record says."""
+
+    kind: str | None  # RankInfo.exit_kind, or "gone" when only alive=False is known
+    detail: str | None
+    gone: bool  # the process is known not to run any more
+    abnormal: bool  # it ended by a failure of its own (exit facts), not cleanly
+    victim: bool  # it ended because a collective failed on it (a peer went away)
+
+
+@dataclass(frozen=True)
+class Membership:
+    members: Mapping[str, tuple[int, ...]]  # global member ranks, inferred ones included
+    listed: frozenset[str]  # groups whose members a file lists
+    added: Mapping[str, tuple[int, ...]]  # absent ranks placed in a short group
+    unseen: Mapping[str, int]  # members a short group lacks that cannot be named
+    beyond: tuple[int, ...] = ()  # ranks above every file that short groups reveal
+    short: Mapping[str, int] = field(default_factory=dict)  # group -> members it lacks
+    # groups whose every member is known: listed, the default group of a job whose world
+    # size is stated, or an inferred group as large as the largest of its siblings
+    complete: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    trace: Trace
+    al: Alignment
+    present: frozenset[int]
+    expected: frozenset[int]
+    absent: frozenset[int]
+    wrapped: frozenset[int]
+    membership: Membership
+    world_certain: bool  # a file, a manifest or --world-size stated the world size
+    endings: Mapping[int, Ending]
+    stale: frozenset[int]
+    completion: Mapping[int, CompletionSource]
+    in_order: frozenset[int]  # CPU ranks: an op issued before a completed one completed
+    status: Mapping[tuple[int, str], tuple[object, object, object]]
+    oldest_ns: Mapping[int, int]
+    dump_ns: Mapping[int, int]  # fresh dump times (in-flight judgement); empty if unusable
+    has_completion_info: bool  # some entry says whether it completed
+
+    def members(self, pg_name: str) -> tuple[int, ...]:
+        return tuple(self.membership.members.get(pg_name, ()))
+
+    def listed(self, pg_name: str) -> bool:
+        return pg_name in self.membership.listed
+
+    def complete(self, pg_name: str) -> bool:
+        """Every member of the group is known (listed, stated world, full sibling)."""
+        return pg_name in self.membership.complete
+
+    def ending(self, rank: int) -> Ending | None:
+        return self.endings.get(rank)
+
+    def gone(self, rank: int) -> bool:
+        e = self.endings.get(rank)
+        return e is not None and e.gone
+
+    def process_group(self, pg_name: str) -> ProcessGroup:
+        """The group as a report shows it: its listed members, or the inferred ones."""
+        pg = self.al.process_groups.get(pg_name)
+        members = self.members(pg_name)
+        inferred = not self.listed(pg_name) or bool(self.membership.added.get(pg_name))
+        if pg is None:
+            return ProcessGroup(pg_name, "", members, True)
+        if members and (not pg.ranks or tuple(pg.ranks) != members):
+            return ProcessGroup(pg.name, pg.desc, members, inferred or pg.inferred)
+        return pg
+
+    def kind_of_group(self, pg_name: str) -> str:
+        """Groups of one kind (same description and size) do the same thing at the same
+        seq: a tie inside a group is broken by its siblings."""
+        pg = self.al.process_groups.get(pg_name)
+        desc = pg.desc if pg else ""
+        size = len(self.members(pg_name))
+        if desc and desc not in ("undefined", "default_pg"):
+            return f"{desc}/{size}"
+        return f"{desc or 'group'}/{size}"
+
+
+def gather_facts(trace: Trace, al: Alignment) -> JobFacts:
+    coll, p2p = al.collectives, al.p2p
+    present = set(int(r) for r in trace.ranks)
+    if len(coll):
+        present |= set(int(r) for r in coll["rank"].unique())
+    if len(p2p):
+        present |= set(int(r) for r in p2p["rank"].unique())
+    listed = frozenset(
+        name for name, pg in trace.process_groups.items() if pg.ranks and not pg.inferred
+    )
+    world_certain = _world_certain(trace, present)
+    membership, expected = _membership(trace, al, present, listed, world_certain)
+    absent = expected - present
+    wrapped = frozenset(r for r, info in trace.ranks.items() if info.wrapped)
+    endings = {r: _ending(info, coll, p2p) for r, info in trace.ranks.items()}
+    endings = {r: e for r, e in endings.items() if e is not None}
+    stale = _stale(trace)
+    completion, completion_known = _completion_sources(trace, al)
+    in_order = frozenset(
+        r
+        for r, info in trace.ranks.items()
+        if (info.device or "").startswith("cpu") and completion.get(r) is CompletionSource.STATES
+    )
+    status = {
+        key: (row.first_seq, row.last_issued, row.last_completed)
+        for key, row in zip(al.status.index, al.status.itertuples(index=False), strict=True)
+    }
+    times = [coll[["rank", "time_created_ns"]]]
+    if len(p2p):
+        times.append(p2p[["rank", "time_created_ns"]])
+    oldest = pd.concat(times).groupby("rank")["time_created_ns"].min()
+    dump_ns = {
+        r: i.dump_time_ns
+        for r, i in trace.ranks.items()
+        if i.dump_time_ns and not i.stalled  # the recorder's watchdog saw a stall: not fresh
+    }
+    if any(e.gone for e in endings.values()):
+        dump_ns = {}  # a member's process is gone: nothing it owes can still arrive
+    return JobFacts(
+        trace=trace,
+        al=al,
+        present=frozenset(present),
+        expected=frozenset(expected),
+        absent=frozenset(absent),
+        wrapped=wrapped,
+        membership=membership,
+        world_certain=world_certain,
+        endings=endings,
+        stale=stale,
+        completion=completion,
+        in_order=in_order,
+        status=status,
+        oldest_ns={int(r): int(t) for r, t in oldest.items()},
+        dump_ns=dump_ns,
+        has_completion_info=completion_known,
+    )
+
+
+def _world_certain(trace: Trace, present: set[int]) -> bool:
+    """Whether the world size comes from a statement (a listed default group, a file's
+    header, a manifest, --world-size) rather than from the highest rank seen."""
+    listed = [pg for pg in trace.process_groups.values() if pg.ranks and not pg.inferred]
+    if any(pg.desc == "default_pg" or pg.name == "0" for pg in listed):
+        return True
+    if any(info.format == "frtools" for info in trace.ranks.values()):
+        return True  # a black box's header states the world size
+    known = set(present) | {i.rank for i in trace.inputs if i.rank is not None}
+    for pg in listed:
+        known.update(pg.ranks)
+    top = max(known) + 1 if known else 0
+    return bool(trace.world_size and trace.world_size > top)
+
+
+def _membership(
+    trace: Trace,
+    al: Alignment,
+    present: set[int],
+    listed: frozenset[str],
+    world_certain: bool,
+) -> tuple[Membership, set[int]]:
+    members = {name: tuple(ranks) for name, ranks in al.members.items()}
+    expected = set(trace.expected_ranks) | present
+    for ranks in members.values():
+        expected |= set(ranks)
+    short = _short_groups(trace, members, listed)
+    needed = max((sum(lacking.values()) for _, lacking in short.values()), default=0)
+    absent = expected - present
+    extra: set[int] = set()
+    if needed > len(absent) and not world_certain:
+        # a Gloo dump states no world size: the files cannot show missing top ranks, the
+        # short sibling groups can
+        top = max(expected) + 1 if expected else 0
+        extra = set(range(top, top + needed - len(absent)))
+        expected |= extra
+        absent |= extra
+        default = _default_group(trace, members)
+        if default is not None:
+            members[default] = tuple(sorted(set(members[default]) | extra))
+    beyond = tuple(sorted(extra))
+    added: dict[str, tuple[int, ...]] = {}
+    unseen: dict[str, int] = {}
+    for siblings, lacking in short.values():
+        for name, lack in lacking.items():
+            fit = _completion_of(name, lack, members, siblings, absent)
+            if fit:
+                added[name] = fit
+                members[name] = tuple(sorted(set(members[name]) | set(fit)))
+            else:
+                unseen[name] = lack
+    lacking = {name: lack for _, family in short.values() for name, lack in family.items()}
+    complete = set(listed) | {n for n in _families(trace, members, listed).get("full", [])}
+    default = _default_group(trace, members)
+    if default is not None and world_certain:
+        complete.add(default)
+    complete |= set(added) - set(unseen)
+    return (
+        Membership(members, listed, added, unseen, beyond, lacking, frozenset(complete)),
+        expected,
+    )
+
+
+def _default_group(trace: Trace, members: Mapping[str, tuple[int, ...]]) -> str | None:
+    for name in members:
+        pg = trace.process_groups.get(name)
+        if pg is not None and pg.desc == "default_pg":
+            return name
+    return "0" if "0" in members else None
+
+
+def _short_groups(
+    trace: Trace, members: Mapping[str, tuple[int, ...]], listed: frozenset[str]
+) -> dict[str, tuple[list[str], dict[str, int]]]:
+    """Per family of sibling groups (same description, inferred membership, pairwise
+    disjoint, at least two): its groups, and those with fewer members than the largest,
+    by how many."""
+    return _families(trace, members, listed)["short"]  # type: ignore[return-value]
+
+
+def _families(
+    trace: Trace, members: Mapping[str, tuple[int, ...]], listed: frozenset[str]
+) -> dict[str, object]:
+    """Sibling families of inferred groups: ``short`` (desc -> (groups, lacking)) and
+    ``full`` (groups as large as the largest of their family)."""
+    families: dict[str, list[str]] = {}
+    for name in members:
+        pg = trace.process_groups.get(name)
+        desc = pg.desc if pg is not None else ""
+        if name in listed or desc == "default_pg" or name == "0":
+            continue
+        families.setdefault(desc, []).append(name)
+    short: dict[str, tuple[list[str], dict[str, int]]] = {}
+    full: list[str] = []
+    for desc, names in families.items():
+        if len(names) < 2:
+            continue
+        sizes = [len(members[n]) for n in names]
+        seen: set[int] = set()
+        disjoint = True
+        for n in names:
+            if seen & set(members[n]):
+                disjoint = False
+                break
+            seen |= set(members[n])
+        top = max(sizes)
+        if not disjoint or top < 2:
+            continue
+        if desc in ("", "undefined") and top - min(sizes) > 1:
+            continue  # undescribed groups of different kinds are no family
+        lacking = {n: top - len(members[n]) for n in names if len(members[n]) < top}
+        if len(lacking) < len(names):
+            full += [n for n in names if n not in lacking]
+            if lacking:
+                short[desc] = (names, lacking)
+    return {"short": short, "full": full}
+
+
+def _completion_of(
+    name: str,
+    lack: int,
+    members: Mapping[str, tuple[int, ...]],
+    siblings: list[str],
+    absent: set[int],
+) -> tuple[int, ...]:
+    """The absent ranks that complete group ``name`` the way its full siblings are shaped
+    (the same offsets from their first member), when exactly one completion fits."""
+    have = set(members[name])
+    shapes = set()
+    for other in siblings:
+        ranks = members[other]
+        if len(ranks) == len(have) + lack:
+            shapes.add(tuple(r - ranks[0] for r in ranks))
+    if not shapes or not have:
+        # no full sibling to copy the shape from: a single absent rank still fits
+        return tuple(sorted(absent)) if len(absent) == lack == 1 else ()
+    fits: set[tuple[int, ...]] = set()
+    for shape in shapes:
+        for r in have:
+            for offset in shape:
+                base = r - offset
+                group = {base + o for o in shape}
+                if base < 0 or not have <= group:
+                    continue
+                extra = group - have
+                if len(extra) == lack and extra <= absent:
+                    fits.add(tuple(sorted(extra)))
+    return next(iter(fits)) if len(fits) == 1 else ()
+
+
+def _ending(info, coll: pd.DataFrame, p2p: pd.DataFrame) -> Ending | None:  # noqa: ANN001
+    kind = info.exit_kind
+    detail = info.exit_detail
+    gone = info.alive is False or (kind is not None and kind != "running")
+    if kind is None and not gone:
+        return None
+    own_error = _first_error(coll, info.rank) or _first_error(p2p, info.rank)
+    victim = bool(own_error) or (kind == "exception" and is_collective_error(detail))
+    abnormal = kind in ABNORMAL_EXITS and not victim
+    return Ending(kind or ("gone" if gone else None), detail or own_error, gone, abnormal, victim)
+
+
+def _first_error(frame: pd.DataFrame, rank: int) -> str | None:
+    if not len(frame) or "error" not in frame.columns:
+        return None
+    errors = frame["error"]
+    if not errors.notna().any():
+        return None
+    mine = frame.loc[(frame["rank"] == rank).to_numpy() & errors.notna().to_numpy(), "error"]
+    return str(mine.iloc[0]) if len(mine) else None
+
+
+def _stale(trace: Trace) -> frozenset[int]:
+    """Ranks whose record (or last heartbeat) is much older than the others'."""
+    seen = {
+        r: (i.last_heartbeat_ns or i.dump_time_ns)
+        for r, i in trace.ranks.items()
+        if (i.last_heartbeat_ns or i.dump_time_ns)
+    }
+    if len(seen) < 2:
+        return frozenset()
+    times = np.array(list(seen.values()), dtype=np.float64)
+    stale = set()
+    for r, t in seen.items():
+        others = times[np.array([x != r for x in seen])]
+        if float(np.median(others)) - t > STALE_DUMP_NS:
+            stale.add(r)
+    return frozenset(stale)
+
+
+def _completion_sources(trace: Trace, al: Alignment) -> tuple[dict[int, CompletionSource], bool]:
+    """Per rank, where its completion marks come from; and whether any entry says
+    whether it completed at all."""
+    coll, p2p = al.collectives, al.p2p
+    known = bool(len(coll) and coll["completed"].notna().any()) or bool(
+        len(p2p) and p2p["completed"].notna().any()
+    )
+    sources: dict[int, CompletionSource] = {}
+    for r in trace.ranks:
+        if al.state_informative.get(r):
+            sources[r] = CompletionSource.STATES
+    if len(coll):
+        retired = coll["retired"].notna().to_numpy() & ~coll["informative"].to_numpy()
+        for r in np.unique(coll["rank"].to_numpy()[retired]).tolist():
+            sources.setdefault(int(r), CompletionSource.RETIRED)
+    for r, info in trace.ranks.items():
+        if r not in sources:
+            sources[r] = CompletionSource.PG_STATUS if info.pg_status else CompletionSource.NONE
+    return sources, known

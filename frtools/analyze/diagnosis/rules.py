@@ -1,0 +1,493 @@
+"""The diagnosis as rules: each reads the facts and the wait-for graph and returns a
+Finding, or None when it does not apply. ``PRIORITY`` is the one place that orders them;
+the first rule that answers gives the verdict (docs/verdict.md "Priority").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .facts import CompletionSource, JobFacts
+from .graph import WaitForGraph, collective_point, is_stuck, sink_core
+from .model import (
+    ROOT_KIND,
+    ROOT_REASON_RANK,
+    Blame,
+    Confidence,
+    Decide,
+    Finding,
+    MemberState,
+    Note,
+    NoteKind,
+    Point,
+    Reason,
+    VerdictKind,
+)
+from .order import order_deviants
+from .straggler import stragglers
+
+# Verdict kinds of graph roots, strongest first.
+_ROOT_KIND_ORDER = (VerdictKind.DEAD, VerdictKind.MISMATCH, VerdictKind.MISSING)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything a rule may read."""
+
+    facts: JobFacts
+    graph: WaitForGraph
+
+
+Rule = Callable[[Evidence], "Finding | None"]
+
+
+# ----- hangs the graph explains ---------------------------------------------------------
+
+
+def roots(ev: Evidence) -> Finding | None:
+    """Ranks waited for that wait for nobody: dead > mismatch > missing by their reasons."""
+    g, f = ev.graph, ev.facts
+    if not g.roots or g.stuck_roots == g.roots:
+        return None
+    blamed = g.roots - g.stuck_roots
+    waiting = g.waiting | g.stuck_roots
+    reasons = _root_reasons(ev, blamed)
+    kinds = sorted({ROOT_KIND[r] for r, _ in reasons.values()}, key=_ROOT_KIND_ORDER.index)
+    kind = kinds[0]
+    points = [p for r, p in reasons.values() if ROOT_KIND[r] is kind]
+    point = min(points, key=lambda p: (not p.targets <= blamed, p.time_ns))
+    blames = []
+    for r in sorted(blamed):
+        reason, p = reasons.get(r, (Reason.MISSING, point))
+        blames.append(
+            Blame(
+                r,
+                reason,
+                p,
+                ending=f.ending(r) if reason is Reason.GONE else None,
+                stale=r in f.stale,
+            )  # fmt: skip
+        )
+    conf = {
+        VerdictKind.DEAD: Confidence.DEAD,
+        VerdictKind.MISMATCH: Confidence.MISMATCH,
+        VerdictKind.MISSING: Confidence.MISSING,
+    }[kind]
+    if len(kinds) > 1:
+        conf -= Confidence.MIXED_KINDS
+    if kind is VerdictKind.MISMATCH and point.tie:
+        conf = Confidence.MISMATCH_TIE
+    notes: list[Note] = []
+    placed = _placed(f, blames)
+    if placed:
+        conf -= Confidence.PLACED_MEMBER
+        notes += placed
+    shown = sorted(g.points.values(), key=lambda p: (not p.targets <= blamed, -len(p.blockers)))
+    for p in shown[:5]:
+        if p.targets and p.blockers:
+            notes.append(Note(NoteKind.BLOCKED, point=p))
+    failure = _failure_notes(f, point)
+    notes += failure
+    for note in failure:
+        waiting |= set(note.ranks)  # they left the op with an error: victims
+    if g.cyclic:
+        notes.append(Note(NoteKind.ALSO_CYCLE, ranks=tuple(sorted(g.cyclic))))
+    return Finding(kind, conf, tuple(blames), frozenset(waiting), point, tuple(notes))
+
+
+def stuck_roots(ev: Evidence) -> Finding | None:
+    """Every root is itself blocked in an op every member issued and nobody completed:
+    that op is stuck (or, on a group whose members no file lists, short of a dead member)."""
+    g, f = ev.graph, ev.facts
+    if not g.roots or g.stuck_roots != g.roots:
+        return None
+    stuck = {g.blocked_at[r]: g.points[g.blocked_at[r]] for r in g.roots}
+    unlisted = [p for p in stuck.values() if not f.listed(p.pg_name)]
+    if f.absent and unlisted:
+        return _absent_member(ev, min(unlisted, key=lambda p: p.time_ns), set(g.waiting))
+    # Other ops wedged the same way (real states), even if nobody waits on them yet.
+    for key, p in g.points.items():
+        if key not in stuck and is_stuck(p):
+            stuck[key] = p
+    return _stuck(ev, list(stuck.values()), set(g.waiting))
+
+
+def cycle(ev: Evidence) -> Finding | None:
+    """Waiting ranks that reach no root wait for each other: a cross-group deadlock."""
+    g, f = ev.graph, ev.facts
+    if g.roots or not g.cyclic:
+        return None
+    core = sink_core(g.cyclic, g.targets_of)
+    deviants = order_deviants(f, g, core)
+    blamed = sorted(deviants) or sorted(core)
+    shown = sorted({g.blocked_at[r] for r in core}, key=lambda k: -len(g.points[k].blockers))
+    shown_points = [g.points[k] for k in shown]
+    blames = []
+    for r in blamed:
+        p = g.points[g.blocked_at[r]]
+        others = tuple(q for q in shown_points if q.key != p.key)[:2]
+        blames.append(Blame(r, Reason.ORDER, p, others=others, deviation=deviants.get(r)))
+    notes = [Note(NoteKind.CYCLE_CORE, ranks=tuple(sorted(core)))]
+    notes += [Note(NoteKind.BLOCKED, point=p) for p in shown_points[:6]]
+    if not deviants:
+        notes.append(Note(NoteKind.WHOLE_CYCLE))
+    return Finding(
+        VerdictKind.ORDER,
+        Confidence.ORDER_DEVIANT if deviants else Confidence.ORDER_WHOLE_CYCLE,
+        tuple(blames),
+        frozenset(g.waiting - set(blamed)),
+        g.points[g.blocked_at[blamed[0]]],
+        tuple(notes),
+    )
+
+
+def stuck(ev: Evidence) -> Finding | None:
+    """Ops every member issued with one signature and no member completed, by real states,
+    although nobody is recorded waiting on them."""
+    g, f = ev.graph, ev.facts
+    if not f.has_completion_info:
+        return None
+    points = [p for p in g.points.values() if is_stuck(p)]
+    if not points:
+        return None
+    if f.absent:
+        unlisted = [p for p in points if not f.listed(p.pg_name)]
+        if unlisted:
+            return _absent_member(ev, min(unlisted, key=lambda p: p.time_ns), set())
+    return _stuck(ev, points, set())
+
+
+# ----- failures without a hang ------------------------------------------------------------
+
+
+def ended(ev: Evidence) -> Finding | None:
+    """A rank's process ended by a failure of its own (an uncaught exception, a signal, a
+    kill) and nothing recorded waits for it: the job lost it (invariant 5)."""
+    f = ev.facts
+    ended_ranks = sorted(r for r, e in f.endings.items() if e.abnormal)
+    if not ended_ranks:
+        return None
+    victims = sorted(r for r, e in f.endings.items() if e.victim)
+    blames = tuple(Blame(r, Reason.ENDED, ending=f.ending(r)) for r in ended_ranks)
+    notes = [Note(NoteKind.ENDINGS, ranks=tuple(ended_ranks))]
+    if victims:
+        notes.append(Note(NoteKind.VICTIMS, ranks=tuple(victims)))
+    return Finding(
+        VerdictKind.DEAD, Confidence.DEAD_ENDED, blames, frozenset(victims), None, tuple(notes)
+    )
+
+
+def silent_mismatch(ev: Evidence) -> Finding | None:
+    """Collectives that did not hang but whose members disagreed on what must agree."""
+    f = ev.facts
+    c = f.al.collectives
+    if not len(c):
+        return None
+    n = c.groupby(["pg_name", "seq"], sort=False, observed=True)["sig"].nunique()
+    bad = n[n > 1]
+    if not len(bad):
+        return None
+    first = c.set_index(["pg_name", "seq"]).loc[bad.index]
+    t = first.groupby(level=[0, 1], observed=True)["time_created_ns"].min().sort_values()
+    pg_name, seq = t.index[0]
+    rows = c[(c["pg_name"] == pg_name) & (c["seq"] == seq)]
+    point = collective_point(f, str(pg_name), int(seq), rows)
+    blames = tuple(Blame(r, Reason.DISAGREES, point) for r in point.of(MemberState.MINORITY))
+    return Finding(
+        VerdictKind.MISMATCH,
+        Confidence.MISMATCH_NO_HANG,
+        blames,
+        frozenset(),
+        point,
+        (Note(NoteKind.DISAGREEING_OPS, count=len(bad)),),
+    )
+
+
+# ----- hangs the data cannot pin on a rank --------------------------------------------------
+
+
+def unnamed_wait(ev: Evidence) -> Finding | None:
+    """Ranks are blocked, but nothing the dumps name is what they wait for: a member no
+    file names (Gloo dumps list no members and state no world size), records that do not
+    reach back, an op "completed" on some members and pending on others on a group whose
+    completion marks prove nothing (Gloo retires a failed op), or an op only pg_status
+    counts (Gloo's FR records no send/recv). "Healthy" would be false (invariant 2), and no
+    rank can be named (invariant 3): inconclusive, saying what would decide it."""
+    g, f = ev.graph, ev.facts
+    held = sorted(r for r in g.blocked_known if not g.targets_of(r))
+    points = {g.blocked_at[r]: g.points[g.blocked_at[r]] for r in held}
+    unexplained = [p for p in points.values() if _unnamed(f, p)]
+    unrecorded = dict(g.unrecorded)
+    if not unexplained and not unrecorded:
+        return None
+    waiting = {b for p in unexplained for b in p.blockers} | set(unrecorded)
+    notes: list[Note] = []
+    decide: list[Decide] = []
+    for p in sorted(unexplained, key=lambda p: (p.time_ns, -len(p.blockers))):
+        notes += _unnamed_notes(f, p)
+    if unrecorded:
+        groups = sorted({pg for pgs in unrecorded.values() for pg in pgs})
+        notes.append(Note(NoteKind.UNRECORDED_OP, ranks=tuple(sorted(unrecorded)),
+                          groups=tuple(groups)))  # fmt: skip
+        decide.append(Decide.P2P_RECORDS)
+    if any(p.of(MemberState.UNKNOWN) for p in unexplained):
+        decide.append(Decide.LARGER_BUFFER)
+    if any(p.unseen or not f.complete(p.pg_name) for p in unexplained) or unrecorded:
+        if not f.world_certain:
+            decide.append(Decide.WORLD_SIZE)
+        decide.append(Decide.MISSING_DUMPS)
+    if any(p.completed and not f.complete(p.pg_name) for p in unexplained):
+        decide.append(Decide.LATER_DUMP)
+    point = max(unexplained, key=lambda p: (len(p.blockers), -p.time_ns)) if unexplained else None
+    return Finding(
+        VerdictKind.INCONCLUSIVE,
+        Confidence.INCONCLUSIVE,
+        (),
+        frozenset(waiting),
+        point,
+        tuple(notes),
+        tuple(dict.fromkeys(decide)),
+    )
+
+
+# ----- no hang --------------------------------------------------------------------------
+
+
+def straggler(ev: Evidence) -> Finding | None:
+    found = stragglers(ev.facts)
+    if not found:
+        return None
+    blames = tuple(
+        Blame(r, Reason.STRAGGLER, lateness=(share, late, n)) for r, share, late, n in found
+    )
+    return Finding(
+        VerdictKind.STRAGGLER,
+        Confidence.STRAGGLER,
+        blames,
+        notes=(Note(NoteKind.STRAGGLER_RULE),),
+    )
+
+
+def absence(ev: Evidence) -> Finding | None:
+    """No hang in the records, but expected ranks left no record: "healthy" needs every
+    member accounted for (invariant 2). Named absent ranks may have died (a Gloo peer's
+    failed op is recorded as completed); members only a short group reveals cannot be
+    named."""
+    f = ev.facts
+    if f.absent:
+        victims = sorted(r for r, e in f.endings.items() if e.victim)
+        notes = [Note(NoteKind.NOBODY_WAITS)]
+        if victims:
+            notes.append(Note(NoteKind.VICTIMS, ranks=tuple(victims)))
+        return Finding(
+            VerdictKind.DEAD,
+            Confidence.DEAD_ENDED if victims else Confidence.DEAD_NO_DUMP,
+            tuple(Blame(r, Reason.NO_DUMP) for r in sorted(f.absent)),
+            frozenset(victims),
+            None,
+            tuple(notes),
+            (Decide.MISSING_DUMPS,),
+        )
+    unseen = dict(f.membership.unseen)
+    if not unseen:
+        return None
+    notes = tuple(
+        Note(NoteKind.UNSEEN_MEMBERS, count=n, groups=(g,)) for g, n in sorted(unseen.items())
+    )
+    decide = (Decide.WORLD_SIZE,) if not f.world_certain else ()
+    return Finding(
+        VerdictKind.INCONCLUSIVE,
+        Confidence.INCONCLUSIVE,
+        notes=notes,
+        decide=decide + (Decide.MISSING_DUMPS,),
+    )
+
+
+def no_records(ev: Evidence) -> Finding | None:
+    """Nothing recorded: "healthy" would rest on no evidence at all."""
+    al = ev.facts.al
+    if len(al.collectives) or len(al.p2p):
+        return None
+    return Finding(
+        VerdictKind.INCONCLUSIVE,
+        Confidence.INCONCLUSIVE,
+        notes=(Note(NoteKind.NO_OPS),),
+        decide=(Decide.ANY_RECORD,),
+    )
+
+
+def healthy(ev: Evidence) -> Finding:
+    f, g = ev.facts, ev.graph
+    in_flight = sum(1 for p in g.points.values() if p.blockers)
+    notes = (Note(NoteKind.IN_FLIGHT, count=in_flight),) if in_flight else ()
+    conf = Confidence.HEALTHY if f.has_completion_info else Confidence.HEALTHY_NO_COMPLETION
+    return Finding(VerdictKind.HEALTHY, conf, notes=notes)
+
+
+PRIORITY: tuple[Rule, ...] = (
+    roots,
+    stuck_roots,
+    cycle,
+    stuck,
+    ended,
+    silent_mismatch,
+    unnamed_wait,
+    straggler,
+    absence,
+    no_records,
+    healthy,
+)
+
+
+def first_finding(ev: Evidence) -> Finding:
+    for rule in PRIORITY:
+        finding = rule(ev)
+        if finding is not None:
+            return finding
+    raise AssertionError("the healthy rule always answers")
+
+
+# ----- helpers ------------------------------------------------------------------------------
+
+
+def _root_reasons(ev: Evidence, blamed: frozenset[int]) -> dict[int, tuple[Reason, Point]]:
+    """Per root, its strongest reason and where: prefer the strongest reason, then points
+    that wait only for roots (the direct victims), then the earliest."""
+    g, f = ev.graph, ev.facts
+    found: dict[int, tuple[Reason, Point]] = {}
+    for point in g.points.values():
+        if not point.of(MemberState.MINORITY) and not any(g.targets_of(b) for b in point.blockers):
+            continue
+        for r in blamed:
+            if r in point.of(MemberState.ABSENT):
+                reason = Reason.ABSENT
+            elif r in point.of(MemberState.MINORITY):
+                reason = Reason.MISMATCH
+            elif r in point.of(MemberState.GONE):
+                reason = Reason.GONE
+            elif r in point.of(MemberState.MISSING):
+                reason = Reason.MISSING
+                if r in f.present and (f.gone(r) or r in f.stale):
+                    reason = Reason.GONE
+            else:
+                continue
+            prev = found.get(r)
+            if prev is None or _point_rank(reason, point, blamed) < _point_rank(
+                prev[0], prev[1], blamed
+            ):
+                found[r] = (reason, point)
+    return found
+
+
+def _point_rank(reason: Reason, point: Point, blamed: frozenset[int]) -> tuple:
+    return (ROOT_REASON_RANK[reason], not point.targets <= blamed, point.time_ns)
+
+
+def _placed(f: JobFacts, blames: list[Blame]) -> list[Note]:
+    """Notes for guilty ranks that only sibling inference named or put in their group."""
+    notes = []
+    beyond = set(f.membership.beyond)
+    if beyond & {b.rank for b in blames}:
+        short = tuple(sorted(f.membership.short))
+        notes.append(Note(NoteKind.BEYOND_FILES, ranks=tuple(sorted(beyond)), groups=short))
+    for b in blames:
+        if b.point is None:
+            continue
+        added = f.membership.added.get(b.point.pg_name, ())
+        if b.rank in added and b.rank not in beyond:
+            notes.append(Note(NoteKind.PLACED_MEMBER, point=b.point, ranks=tuple(added)))
+    return notes
+
+
+def _failure_notes(f: JobFacts, point: Point) -> list[Note]:
+    """Members that left the verdict's op with an error (or a Gloo "completion" while a
+    member never joined): victims, not healthy and not guilty."""
+    if point.failed:
+        return [Note(NoteKind.FAILED_COMPLETION, point=point, ranks=point.failed)]
+    if not (point.of(MemberState.ABSENT) or point.of(MemberState.GONE)):
+        return []
+    retired = tuple(r for r in point.completed if f.completion.get(r) is CompletionSource.RETIRED)
+    return [Note(NoteKind.FAILED_COMPLETION, point=point, ranks=retired)] if retired else []
+
+
+def _unnamed(f: JobFacts, p: Point) -> bool:
+    """A point whose blocked ranks wait for somebody the dumps do not name."""
+    if p.targets:
+        return False
+    if p.of(MemberState.UNKNOWN) or p.unseen:
+        return True
+    if not p.is_collective:
+        return False
+    # Every member a file names issued it. On a group whose members are not all known, the
+    # one nobody saw may be missing; a completion there proves nothing (Gloo retires a
+    # failed op). On a complete group every member has it: it is in flight.
+    return not f.complete(p.pg_name)
+
+
+def _unnamed_notes(f: JobFacts, p: Point) -> list[Note]:
+    notes = []
+    if p.of(MemberState.UNKNOWN):
+        notes.append(Note(NoteKind.WRAPPED_MEMBERS, point=p, ranks=p.of(MemberState.UNKNOWN)))
+    if p.unseen:
+        notes.append(Note(NoteKind.UNSEEN_MEMBERS, point=p, count=p.unseen, groups=(p.pg_name,)))
+    if p.completed:
+        notes.append(Note(NoteKind.SPLIT_COMPLETION, point=p, ranks=p.blockers,
+                          others=p.completed))  # fmt: skip
+    elif p.is_collective and not p.of(MemberState.UNKNOWN):
+        notes.append(Note(NoteKind.ALL_PENDING, point=p, ranks=p.blockers))
+    return notes
+
+
+def _absent_member(ev: Evidence, point: Point, waiting: set[int]) -> Finding:
+    """An op "every member" issued and none completed, on a group whose membership was
+    inferred, while some ranks left no record: the likelier story is a dead member (its
+    partner waits for it, e.g. a tensor-parallel pair) than a stuck op."""
+    f = ev.facts
+    blames = tuple(Blame(r, Reason.UNLISTED_MEMBER, point) for r in sorted(f.absent))
+    return Finding(
+        VerdictKind.DEAD,
+        Confidence.DEAD_UNLISTED_MEMBER,
+        blames,
+        frozenset(set(point.blockers) | waiting),
+        point,
+        (Note(NoteKind.UNLISTED_GROUP, point=point, ranks=point.issued),),
+        (Decide.WORLD_SIZE, Decide.MEMBERSHIP),
+    )
+
+
+def _stuck(ev: Evidence, points: list[Point], waiting: set[int]) -> Finding:
+    """Blame, per stuck op, the members that never started it while others did (a wedged
+    GPU); with no such rank anywhere, every member of the earliest stuck op."""
+    blamed_at: dict[int, Point] = {}
+    for p in sorted(points, key=lambda p: p.time_ns):
+        rows = p.rows
+        assert rows is not None
+        started = set(int(r) for r in rows.loc[rows["state"] == "started", "rank"])
+        members = set(p.issued)
+        laggards = members - started if started else set()
+        if laggards and laggards != members:
+            for r in laggards:
+                blamed_at.setdefault(r, p)
+    point = min(points, key=lambda p: p.time_ns)
+    if blamed_at:
+        point = min(blamed_at.values(), key=lambda p: p.time_ns)
+    never_started = bool(blamed_at)
+    if not blamed_at:
+        blamed_at = {r: point for r in point.issued}
+    reason = Reason.NEVER_STARTED if never_started else Reason.STUCK
+    blames = tuple(Blame(r, reason, blamed_at[r]) for r in sorted(blamed_at))
+    involved = set(point.issued)
+    for p in points:
+        involved |= set(p.issued)
+    conf = Confidence.STUCK_NEVER_STARTED if never_started else Confidence.STUCK_ALL_MEMBERS
+    if point.rows is not None and not point.rows["informative"].all():
+        conf = Confidence.STUCK_WITHOUT_STATES
+    return Finding(
+        VerdictKind.STUCK,
+        conf,
+        blames,
+        frozenset((involved | waiting) - set(blamed_at)),
+        point,
+        (Note(NoteKind.STUCK_OPS, count=len(points)),),
+    )

@@ -1,0 +1,503 @@
+"""Findings in words: the Verdict's headline, the guilty ranks' reasons, the evidence lines
+and what would decide an inconclusive verdict. No decision is taken here."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from frtools.analyze.align import SIGNATURE_COLUMNS
+from frtools.analyze.stacks import main_thread_call_site
+from frtools.analyze.verdict import GuiltyRank, RankGroup, Verdict
+from frtools.model.ranks import format_ranks
+
+from .facts import Ending, JobFacts
+from .model import (
+    Blame,
+    Confidence,
+    Decide,
+    Finding,
+    MemberState,
+    Note,
+    NoteKind,
+    Point,
+    Reason,
+    VerdictKind,
+)
+from .order import REORDER, SKIP
+from .straggler import LAST_SHARE, MIN_COLLECTIVES, MIN_LATE_NS, SPREAD_FACTOR
+
+DECIDE_TEXT = {
+    Decide.WORLD_SIZE: "the job's world size (--world-size N): a Gloo dump states neither it "
+    "nor who belongs to a group",
+    Decide.MISSING_DUMPS: "the records of the ranks that left none (PyTorch's Flight Recorder "
+    "writes none for a rank killed, exited or holding the GIL; frtools' black box survives "
+    "them: frtools run + frtools dump)",
+    Decide.MEMBERSHIP: "recorded group membership (frtools recorder, NCCL dumps): Gloo dumps "
+    "list no members",
+    Decide.LATER_DUMP: "a dump taken a moment later: Gloo marks an op completed just after "
+    "wait() returns, and also when it failed",
+    Decide.P2P_RECORDS: "records of send/recv (frtools recorder): PyTorch's Flight Recorder "
+    "on Gloo records none",
+    Decide.LARGER_BUFFER: "a larger ring buffer (TORCH_FR_BUFFER_SIZE, FRTOOLS_BUFFER_SIZE): "
+    "the records do not reach back to the op",
+    Decide.ANY_RECORD: "dumps with recorded ops (is the recorder on? TORCH_FR_BUFFER_SIZE > 0, "
+    "or frtools run)",
+}
+
+
+def verdict_of(finding: Finding, facts: JobFacts) -> Verdict:
+    """The Verdict a user reads for this finding."""
+    w = _Wording(facts)
+    guilty = [w.guilty(b, finding) for b in finding.blames]
+    verdict = Verdict(
+        kind=finding.kind.value,
+        headline="",
+        confidence=float(finding.confidence),
+        guilty=guilty,
+        waiting=sorted(finding.waiting),
+        decide=[DECIDE_TEXT[d] for d in finding.decide],
+    )
+    if finding.point is not None:
+        w.fill_point(verdict, finding.point)
+    verdict.headline = w.headline(finding, guilty)
+    verdict.evidence = w.evidence(finding, guilty)
+    w.finish(verdict)
+    return verdict
+
+
+class _Wording:
+    def __init__(self, facts: JobFacts) -> None:
+        self.f = facts
+
+    # ----- names -----------------------------------------------------------------------
+
+    def point_name(self, point: Point) -> str:
+        pg = self.f.process_group(point.pg_name)
+        label = f"group {pg.name}" + (f" ({pg.desc})" if pg.desc else "")
+        if point.is_collective:
+            return f"{point.op or 'collective'} #{point.seq} on {label}"
+        k = point.key
+        return f"send/recv {k.sender}->{k.receiver} (#{k.index + 1} of the pair) on {label}"
+
+    def identity(self, rank: int) -> GuiltyRank:
+        info = self.f.trace.ranks.get(rank)
+        g = GuiltyRank(rank=rank)
+        if info is not None:
+            ident = info.identity()
+            g.host, g.pid, g.local_rank = ident["host"], ident["pid"], ident["local_rank"]
+            g.device, g.device_id = ident["device"], ident["device_id"]
+        return g
+
+    def call_site(self, rank: int, point: Point | None) -> str | None:
+        if point is not None and point.rows is not None and "call_site" in point.rows:
+            mine = point.rows[point.rows["rank"] == rank]
+            if len(mine) and isinstance(mine["call_site"].iloc[0], str):
+                return mine["call_site"].iloc[0]
+        info = self.f.trace.ranks.get(rank)
+        if info is not None and info.stacks:
+            site = main_thread_call_site(info.stacks)
+            if site:
+                return site
+        coll, p2p = self.f.al.collectives, self.f.al.p2p
+        mine = coll[coll["rank"] == rank]
+        if len(p2p):
+            mine = pd.concat([mine, p2p[p2p["rank"] == rank]])
+        if not len(mine):
+            return None
+        last = mine.sort_values(["time_created_ns", "record_id"]).iloc[-1]
+        site = last.get("call_site")
+        return site if isinstance(site, str) else None
+
+    # ----- guilty ranks ----------------------------------------------------------------
+
+    def guilty(self, b: Blame, finding: Finding) -> GuiltyRank:
+        g = self.identity(b.rank)
+        g.reason = self.reason(b)
+        site_point = b.point if b.reason in _OWN_ENTRY_REASONS else None
+        g.call_site = self.call_site(b.rank, site_point)
+        return g
+
+    def reason(self, b: Blame) -> str:
+        where = self.point_name(b.point) if b.point is not None else ""
+        r = b.reason
+        if r is Reason.ABSENT:
+            blockers = format_ranks(list(b.point.blockers)) if b.point else "-"
+            return f"no usable dump; ranks {blockers} wait for it in {where}"
+        if r is Reason.GONE:
+            return (
+                f"{self.ended(b.ending, b.stale)}; it never issued {where}"
+                if b.point and (b.rank not in b.point.of(MemberState.GONE))
+                else f"{self.ended(b.ending, b.stale)} before completing {where}"
+            )
+        if r in (Reason.MISMATCH, Reason.DISAGREES):
+            attrs = ", ".join(b.point.mismatch_attrs) if b.point else ""
+            return f"issued a different {attrs or 'signature'} than its peers at {where}"
+        if r is Reason.MISSING:
+            return f"alive but never issued {where}, where its peers wait"
+        if r is Reason.ORDER:
+            others = " / ".join(self.point_name(q) for q in b.others)
+            text = f"entered {where} before " + (others or "the op its peers wait in")
+            if b.deviation == SKIP:
+                text += "; its recent ops are its peers' order with one collective left out"
+            elif b.deviation == REORDER:
+                text += "; no peer issued its recent ops in this order"
+            return text
+        if r is Reason.NEVER_STARTED:
+            return f"issued {where} but never started it while its peers did"
+        if r is Reason.STUCK:
+            return f"issued {where}; it never completed on any member"
+        if r is Reason.UNLISTED_MEMBER:
+            blockers = format_ranks(list(b.point.blockers)) if b.point else "-"
+            return (
+                f"no usable dump; ranks {blockers} wait in {where}, whose members the dumps "
+                "do not list"
+            )
+        if r is Reason.STRAGGLER and b.lateness is not None:
+            share, late, n = b.lateness
+            return (
+                f"late into {share:.0%} of its {n} collectives, median {late / 1e6:.1f} ms "
+                "behind its peers"
+            )
+        if r is Reason.ENDED:
+            return f"{self.ended(b.ending, False)}; no recorded op of its peers waits for it"
+        if r is Reason.NO_DUMP:
+            return "no usable dump, while the others show no hang; it may have died"
+        return r.value
+
+    @staticmethod
+    def ended(ending: Ending | None, stale: bool) -> str:
+        if ending is None or ending.kind in (None, "gone"):
+            return "its record is stale" if stale and ending is None else "its process is gone"
+        detail = f": {ending.detail}" if ending.detail else ""
+        return {
+            "clean": "its process exited cleanly",
+            "exit": f"its process exited{detail or ' with an error status'}",
+            "exception": f"its process died of an uncaught exception{detail}",
+            "os_exit": f"its process called os._exit{detail}",
+            "signal": f"its process was killed by a signal{detail}",
+            "killed": "its process was killed without a word (SIGKILL, the OOM killer, a lost "
+            "node)" + detail,
+        }.get(ending.kind, f"its process ended ({ending.kind}{detail})")
+
+    # ----- headline --------------------------------------------------------------------
+
+    def headline(self, finding: Finding, guilty: list[GuiltyRank]) -> str:
+        kind, point = finding.kind, finding.point
+        where = self.point_name(point) if point is not None else ""
+        reasons = {b.reason for b in finding.blames}
+        if kind is VerdictKind.HEALTHY:
+            n = len(self.f.present)
+            if finding.confidence == Confidence.HEALTHY:
+                return f"Healthy: {n} rank(s) consistent, no op left incomplete"
+            return f"Healthy: {n} rank(s) reached the same collectives (no completion info)"
+        if kind is VerdictKind.STRAGGLER:
+            late = finding.blames[0].lateness
+            median = late[1] / 1e6 if late else 0.0
+            return (
+                f"Straggler: {', '.join(_who(g) for g in guilty)} enters collectives last "
+                f"(median {median:.1f} ms late); no hang"
+            )
+        if kind is VerdictKind.ORDER:
+            blamed = [g.rank for g in guilty]
+            one = len(blamed) == 1
+            return (
+                f"Cross-group deadlock: {'rank' if one else 'ranks'} {format_ranks(blamed)} "
+                f"issued collectives in a different order than {'its' if one else 'their'} peers"
+            )
+        if kind is VerdictKind.STUCK:
+            never = Reason.NEVER_STARTED in reasons
+            blamed = format_ranks([g.rank for g in guilty])
+            return f"Stuck: every member issued {where}, none completed it" + (
+                f"; rank(s) {blamed} never started it" if never else ""
+            )
+        if kind is VerdictKind.INCONCLUSIVE:
+            return self.inconclusive_headline(finding)
+        if Reason.UNLISTED_MEMBER in reasons and point is not None:
+            return (
+                f"No dump from rank(s) {format_ranks(sorted(self.f.absent))}; rank(s) "
+                f"{format_ranks(list(point.blockers))} wait in {where}, a group whose members "
+                "the dumps do not list: the missing rank(s) are its likely absent member(s)"
+            )
+        if Reason.NO_DUMP in reasons:
+            return (
+                f"No dump from rank(s) {format_ranks(sorted(self.f.absent))}; the other "
+                f"{len(self.f.present)} rank(s) show no hang: the missing rank(s) may have died"
+            )
+        if Reason.ENDED in reasons:
+            who = ", ".join(_who(g) for g in guilty[:4])
+            return f"Rank(s) {who} died ({guilty[0].reason.split(';')[0]})" + (
+                f"; {len(finding.waiting)} rank(s) failed after it" if finding.waiting else ""
+            )
+        if Reason.DISAGREES in reasons and point is not None:
+            attrs = "/".join(point.mismatch_attrs) or "signature"
+            return (
+                f"Rank(s) {', '.join(_who(g) for g in guilty)} issued a different {attrs} at "
+                f"{where} (no hang recorded)"
+            )
+        who = ", ".join(_who(g) for g in guilty[:4]) + (" …" if len(guilty) > 4 else "")
+        ranks = "Rank" if len(guilty) == 1 else "Ranks"
+        n = len(finding.waiting)
+        if kind is VerdictKind.DEAD:
+            return f"{ranks} {who} dead: {n} rank(s) wait for it in {where}"
+        if kind is VerdictKind.MISMATCH and point is not None:
+            attrs = "/".join(point.mismatch_attrs) or "signature"
+            return f"{ranks} {who} issued a different {attrs} at {where}"
+        return f"{ranks} {who} never issued {where}; {n} rank(s) wait"
+
+    def inconclusive_headline(self, finding: Finding) -> str:
+        kinds = {n.kind for n in finding.notes}
+        point = finding.point
+        where = self.point_name(point) if point is not None else ""
+        if NoteKind.NO_OPS in kinds:
+            return "Inconclusive: no rank recorded any collective or send/recv"
+        if point is not None:
+            blocked = format_ranks(list(point.blockers))
+            if point.completed:
+                why = (
+                    f"ranks {format_ranks(list(point.completed))} left it (completed, or "
+                    "failed: Gloo records both as retired)"
+                )
+            elif point.of(MemberState.UNKNOWN):
+                why = (
+                    f"the records of ranks {format_ranks(list(point.of(MemberState.UNKNOWN)))} "
+                    "do not reach back to it"
+                )
+            else:
+                why = "every rank with a dump issued it and none completed it"
+            return (
+                f"Inconclusive: ranks {blocked} are blocked in {where}; {why}; the member they "
+                "wait for left no record the dumps name"
+            )
+        if NoteKind.UNRECORDED_OP in kinds:
+            note = next(n for n in finding.notes if n.kind is NoteKind.UNRECORDED_OP)
+            return (
+                f"Inconclusive: ranks {format_ranks(list(note.ranks))} are blocked in an op "
+                "their dumps count but do not record (send/recv on Gloo)"
+            )
+        if NoteKind.UNSEEN_MEMBERS in kinds:
+            groups = sorted({g for n in finding.notes for g in n.groups})
+            return (
+                f"Inconclusive: group(s) {', '.join(groups)} have fewer members than their "
+                "siblings; the missing member(s) left no record and cannot be named"
+            )
+        return "Inconclusive: the records cannot say which rank is at fault"
+
+    # ----- evidence --------------------------------------------------------------------
+
+    def evidence(self, finding: Finding, guilty: list[GuiltyRank]) -> list[str]:
+        lines: list[str] = []
+        if finding.kind in (VerdictKind.DEAD, VerdictKind.MISMATCH, VerdictKind.MISSING) and not (
+            {b.reason for b in finding.blames}
+            & {Reason.UNLISTED_MEMBER, Reason.NO_DUMP, Reason.DISAGREES}
+        ):
+            lines += [f"Rank {g.rank}: {g.reason}." for g in guilty]
+        for note in finding.notes:
+            line = self.note(note)
+            if line:
+                lines.append(line)
+        return lines
+
+    def note(self, n: Note) -> str:
+        k = n.kind
+        p = n.point
+        where = self.point_name(p) if p is not None else ""
+        if k is NoteKind.BLOCKED and p is not None:
+            return (
+                f"Ranks {format_ranks(list(p.blockers), 60)} blocked in {where}, "
+                f"waiting for {format_ranks(sorted(p.targets), 60)}."
+            )
+        if k is NoteKind.ALSO_CYCLE:
+            return (
+                f"Also a wait cycle among ranks {format_ranks(list(n.ranks))} "
+                "(a cross-group ordering problem)."
+            )
+        if k is NoteKind.CYCLE_CORE:
+            return f"Ranks {format_ranks(list(n.ranks))} wait for each other."
+        if k is NoteKind.WHOLE_CYCLE:
+            return "No rank's order differs from its peers' history; blaming the whole cycle."
+        if k is NoteKind.STUCK_OPS:
+            return (
+                f"{n.count} op(s) issued by every member with one signature and completed by none."
+            )
+        if k is NoteKind.DISAGREEING_OPS:
+            return f"{n.count} collective(s) where members disagree."
+        if k is NoteKind.STRAGGLER_RULE:
+            return (
+                f"Rule: at least T late in >= {LAST_SHARE:.0%} of >= {MIN_COLLECTIVES} "
+                f"matched collectives and median lateness >= T, T = max("
+                f"{MIN_LATE_NS / 1e6:.0f} ms, {SPREAD_FACTOR:g} x the typical jitter)."
+            )
+        if k is NoteKind.NOBODY_WAITS:
+            return (
+                "Nobody is recorded waiting for the missing rank(s); the verdict rests on the "
+                "missing dump alone (a Gloo op that failed on a dead peer is recorded as "
+                "completed)."
+            )
+        if k is NoteKind.UNLISTED_GROUP and p is not None:
+            return (
+                f"Ranks {format_ranks(list(p.blockers))} issued {where} and it never completed; "
+                f"the group's membership ({format_ranks(list(n.ranks))}) is inferred from the "
+                "files present."
+            )
+        if k is NoteKind.PLACED_MEMBER and p is not None:
+            pg = self.f.process_group(p.pg_name)
+            return (
+                f"No file lists the members of group {pg.name}; it has fewer recorded members "
+                f"than its sibling groups ({pg.desc or 'same kind'}), and rank(s) "
+                f"{format_ranks(list(n.ranks))} complete it the way its siblings are shaped."
+            )
+        if k is NoteKind.BEYOND_FILES:
+            groups = ", ".join(self._group_label(g) for g in n.groups)
+            return (
+                f"No file names rank(s) {format_ranks(list(n.ranks))} and no dump states the "
+                f"world size, but group(s) {groups} have fewer recorded members than their "
+                "sibling groups: the job had more ranks than files."
+            )
+        if k is NoteKind.FAILED_COMPLETION and p is not None:
+            return (
+                f"Ranks {format_ranks(list(n.ranks))} left {where} without every member: "
+                "an error, which Gloo records as completion (victims, not healthy)."
+            )
+        if k is NoteKind.SPLIT_COMPLETION and p is not None:
+            return (
+                f"Ranks {format_ranks(list(n.ranks))} are blocked in {where} while ranks "
+                f"{format_ranks(list(n.others))} left it: a collective completes on no member "
+                "before every member issued it, so they left it with an error, or the dump "
+                "caught the moment after it completed."
+            )
+        if k is NoteKind.ALL_PENDING and p is not None:
+            return (
+                f"Every rank with a record issued {where}; none completed it. A member of "
+                f"group {p.pg_name} without a record would explain it: no file lists the "
+                "group's members."
+            )
+        if k is NoteKind.UNSEEN_MEMBERS:
+            groups = ", ".join(n.groups)
+            return (
+                f"Group(s) {groups} lack {n.count} member(s) compared with their sibling "
+                "groups; no file names them."
+            )
+        if k is NoteKind.WRAPPED_MEMBERS and p is not None:
+            return (
+                f"The records of ranks {format_ranks(list(n.ranks))} do not reach back to "
+                f"{where} (ring buffer wrapped): whether they issued it is unknown."
+            )
+        if k is NoteKind.UNRECORDED_OP:
+            return (
+                f"pg_status of ranks {format_ranks(list(n.ranks))} counts an op on group(s) "
+                f"{', '.join(n.groups)} past every recorded entry that did not complete: an "
+                "unrecorded op (send/recv on Gloo) holds them."
+            )
+        if k is NoteKind.NO_OPS:
+            return "No rank's record holds any op."
+        if k is NoteKind.ENDINGS:
+            return f"The process(es) of rank(s) {format_ranks(list(n.ranks))} ended by their own failure."
+        if k is NoteKind.VICTIMS:
+            return (
+                f"Rank(s) {format_ranks(list(n.ranks))} failed in a collective because a peer "
+                "went away (victims, not healthy and not guilty)."
+            )
+        if k is NoteKind.IN_FLIGHT:
+            return f"{n.count} in-flight op(s) that every member issued."
+        return ""
+
+    def _group_label(self, pg_name: str) -> str:
+        pg = self.f.process_group(pg_name)
+        return f"{pg.name} ({pg.desc})" if pg.desc else pg.name
+
+    # ----- where -----------------------------------------------------------------------
+
+    def fill_point(self, verdict: Verdict, point: Point) -> None:
+        verdict.process_group = self.f.process_group(point.pg_name)
+        verdict.op = point.op
+        if point.is_collective:
+            verdict.collective_seq_id = point.seq
+        else:
+            verdict.p2p_seq_id = point.p2p_index
+        verdict.groups = self.rank_groups(point)
+
+    def rank_groups(self, point: Point) -> list[RankGroup]:
+        groups: list[RankGroup] = []
+        rows = point.rows
+        if rows is not None and len(rows):
+            done = rows["_done"] if "_done" in rows else rows["completed"]
+            done = done.fillna(False).astype(bool)
+            shown = rows["state"].astype(str).where(~done, "completed")
+            if point.failed:
+                shown = shown.where(~rows["rank"].isin(point.failed), "failed")
+            keyed = rows[list(SIGNATURE_COLUMNS) + ["rank"]].astype({"rank": int})
+            keyed = keyed.assign(_state=shown.to_numpy())
+            for _, part in keyed.groupby(
+                [*SIGNATURE_COLUMNS, "_state"], sort=False, dropna=False, observed=True
+            ):
+                first = part.iloc[0]
+                groups.append(
+                    RankGroup(
+                        ranks=sorted(int(r) for r in part["rank"]),
+                        op=str(first["op"]),
+                        input_sizes=str(first["input_sizes"]),
+                        input_dtypes=str(first["input_dtypes"]),
+                        output_sizes=str(first["output_sizes"]),
+                        output_dtypes=str(first["output_dtypes"]),
+                        state=str(first["_state"]) or None,
+                    )
+                )
+            groups.sort(key=lambda g: -len(g.ranks))
+        recorded = set() if rows is None else set(int(r) for r in rows["rank"])
+        issued_unrecorded = sorted(set(point.issued) - recorded)
+        for ranks, state in (
+            (issued_unrecorded, "issued (entry not in record)"),
+            (list(point.of(MemberState.MISSING)), "not issued"),
+            (list(point.of(MemberState.ABSENT)), "no record"),
+            (list(point.of(MemberState.NO_RECORD)), "no record (not judged)"),
+            (list(point.of(MemberState.UNKNOWN)), "unknown (record wrapped)"),
+        ):
+            if ranks:
+                groups.append(RankGroup(ranks=sorted(ranks), state=state))
+        return groups
+
+    # ----- common ----------------------------------------------------------------------
+
+    def finish(self, verdict: Verdict) -> None:
+        f = self.f
+        verdict.ranks_expected = len(f.expected)
+        verdict.ranks_found = len(f.present)
+        verdict.ranks_missing = sorted(f.absent)
+        verdict.inputs = list(f.trace.inputs)
+        blamed = set(verdict.guilty_ranks)
+        unexplained = sorted(f.absent - blamed)
+        if unexplained:
+            verdict.evidence.append(
+                f"No usable record for rank(s) {format_ranks(unexplained, 60)}; nobody waits "
+                "for them in the recorded ops."
+            )
+            verdict.confidence -= Confidence.UNEXPLAINED_ABSENT
+        bad = [i for i in f.trace.inputs if i.status == "error"]
+        if bad:
+            verdict.evidence.append(f"{len(bad)} input file(s) could not be used.")
+        if f.wrapped:
+            verdict.evidence.append(
+                f"Ring buffer wrapped on rank(s) {format_ranks(sorted(f.wrapped), 60)}: "
+                "older ops were dropped; ops before their oldest entry are not judged."
+            )
+        verdict.confidence = float(
+            min(Confidence.CEILING, max(Confidence.FLOOR, verdict.confidence))
+        )
+
+
+# Reasons whose call site is the rank's own entry at the verdict's op.
+_OWN_ENTRY_REASONS = (
+    Reason.MISMATCH,
+    Reason.DISAGREES,
+    Reason.ORDER,
+    Reason.NEVER_STARTED,
+    Reason.STUCK,
+)
+
+
+def _who(g: GuiltyRank) -> str:
+    parts = [str(g.rank)]
+    extra = [x for x in (g.host, g.device) if x]
+    if extra:
+        parts.append(f"({', '.join(extra)})")
+    return " ".join(parts)
