@@ -254,8 +254,8 @@ class _Wording:
             blocked = format_ranks(list(point.blockers))
             if point.completed:
                 why = (
-                    f"ranks {format_ranks(list(point.completed))} left it (completed, or "
-                    "failed: Gloo records both as retired)"
+                    f"ranks {format_ranks(list(point.completed))} left it (completed or failed: "
+                    "Gloo records both)"
                 )
             elif point.of(MemberState.UNKNOWN):
                 why = (
@@ -263,10 +263,10 @@ class _Wording:
                     "do not reach back to it"
                 )
             else:
-                why = "every rank with a dump issued it and none completed it"
+                why = "every rank with a record issued it, none completed it"
             return (
-                f"Inconclusive: ranks {blocked} are blocked in {where}; {why}; the member they "
-                "wait for left no record the dumps name"
+                f"Inconclusive: ranks {blocked} blocked in {where}; {why}; no record names "
+                "the member they wait for"
             )
         if NoteKind.UNRECORDED_OP in kinds:
             note = next(n for n in finding.notes if n.kind is NoteKind.UNRECORDED_OP)

@@ -7,7 +7,7 @@ from frtools.analyze.reporters.terminal import STACK_KINDS
 from frtools.analyze.verdict import Verdict
 from frtools.model.ranks import format_ranks
 
-_ICON = {"healthy": "✅"}
+_ICON = {"healthy": "✅", "inconclusive": "⚠️"}
 
 
 def _cell(value: object) -> str:
@@ -57,6 +57,8 @@ def render(verdict: Verdict, verbose: bool = False) -> str:
                 f"| {_cell(g.input_dtypes)} | {_cell(g.state)} |"
             )
         out.append("")
+    if verdict.decide:
+        out += ["### To decide", ""] + [f"- {_cell(d)}" for d in verdict.decide] + [""]
     if verdict.stacks is not None and (verdict.kind in STACK_KINDS or verbose):
         lines = stack_lines(verdict.stacks, max_frames=12 if verbose else 6)
         if lines:

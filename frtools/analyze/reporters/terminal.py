@@ -21,7 +21,8 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
     """The whole report as one rich renderable."""
     parts: list = []
     healthy = verdict.kind == "healthy"
-    colour = "green" if healthy else "red"
+    # red: a rank is to blame; yellow: something is wrong but no rank can be named
+    colour = "green" if healthy else ("yellow" if verdict.kind == "inconclusive" else "red")
     head = Text()
     head.append(f" {verdict.kind.upper()} ", style=f"bold white on {colour}")
     head.append(" ")
@@ -81,6 +82,11 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
                 if "<- outlier" in line:
                     style = "red"
                 parts.append(Text(f"  {line}", style=style))
+
+    if verdict.decide:
+        parts.append(Text("To decide", style="bold"))
+        for d in verdict.decide:
+            parts.append(Text(f"  • {d}"))
 
     if verbose and verdict.evidence:
         parts.append(Text("Evidence", style="bold"))
