@@ -8,6 +8,10 @@ were right, the overall exact-guilty-set rate, any blame on a healthy job, and o
 ``frtools synth`` command line per miss that reproduces it.
 
     python benchmarks/accuracy.py --cases 1000 --workers 2 --markdown acc.md
+
+``--analyzer DIR`` judges this simulator's cases with the frtools found at DIR (another
+checkout, e.g. before a change), run as ``python -m frtools analyze`` with ``PYTHONPATH=DIR``:
+the way to check that the simulator catches an old analyzer's mistakes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import json
 import os
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -127,7 +132,20 @@ def draw_case(index: int, seed: int) -> Case:
     )
 
 
-def run_case(case: Case, tmp_root: str | None = None) -> Outcome:
+def _judge_elsewhere(analyzer: str, dumps: Path) -> tuple[str, list[int], str | None]:
+    """The verdict of the frtools at ``analyzer`` (kind, guilty ranks, group name)."""
+    env = {**os.environ, "PYTHONPATH": analyzer}
+    proc = subprocess.run(
+        [sys.executable, "-m", "frtools", "analyze", str(dumps), "--format", "json",
+         "--workers", "1"],
+        capture_output=True, text=True, env=env, cwd=analyzer, timeout=600,
+    )  # fmt: skip
+    v = json.loads(proc.stdout)["verdict"]
+    pg = v.get("process_group")
+    return v["kind"], sorted(g["rank"] for g in v["guilty"]), pg["name"] if pg else None
+
+
+def run_case(case: Case, tmp_root: str | None = None, analyzer: str | None = None) -> Outcome:
     from frtools.analyze.diagnose import diagnose
     from frtools.analyze.readers import load_trace
 
@@ -161,6 +179,11 @@ def run_case(case: Case, tmp_root: str | None = None) -> Outcome:
         outcome = Outcome(case, truth["kind"], truth["guilty"], pg["name"] if pg else None)
         t0 = time.perf_counter()
         try:
+            if analyzer:
+                found = _judge_elsewhere(analyzer, out)
+                outcome.found_kind, outcome.found_guilty, outcome.found_pg = found
+                outcome.seconds = time.perf_counter() - t0
+                return outcome
             verdict = diagnose(load_trace(out, workers=1))
             outcome.found_kind = verdict.kind
             outcome.found_guilty = sorted(g.rank for g in verdict.guilty)
@@ -241,7 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", help="also write the report to this file")
     ap.add_argument("--json", help="write every case's outcome to this file")
     ap.add_argument("--tmp", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    ap.add_argument(
+        "--analyzer",
+        help="judge with the frtools in this directory (PYTHONPATH), e.g. an older checkout",
+    )
     args = ap.parse_args(argv)
+    analyzer = str(Path(args.analyzer).resolve()) if args.analyzer else None
 
     cases = [draw_case(i, args.seed) for i in range(args.cases)]
     if args.fault:
@@ -250,10 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     if args.workers <= 1:
         for c in cases:
-            outcomes.append(run_case(c, args.tmp))
+            outcomes.append(run_case(c, args.tmp, analyzer))
     else:
         with ProcessPoolExecutor(args.workers) as pool:
-            futures = [pool.submit(run_case, c, args.tmp) for c in cases]
+            futures = [pool.submit(run_case, c, args.tmp, analyzer) for c in cases]
             for i, f in enumerate(futures, 1):
                 outcomes.append(f.result())
                 if i % 50 == 0:

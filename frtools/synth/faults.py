@@ -10,7 +10,10 @@ completed are ``started`` (the oldest: its kernel runs, waiting for peers) and
 Kinds and the verdict they should produce:
 
 * ``missing``  - the rank stops calling (stuck in user code, alive, dumps): ``missing``.
-* ``dead``     - the same, but the process is gone and left no dump: ``dead``.
+* ``dead``     - the same, but the process is gone and left no dump: ``dead``. Its peers
+  either block (NCCL: a dead GPU's peers are not told) or, half the time, fail (Gloo: the
+  dead rank's connections close, the op blocked on it raises and is recorded *completed*,
+  the survivor exits, and its own peers fail the same way): every rank's last op completed.
 * ``mismatch-op/-size/-dtype`` - the rank calls a different op / shape / dtype at the same
   sequence id as its group: ``mismatch``.
 * ``order``    - the rank calls the step's final default-group all-reduce *before* its
@@ -19,6 +22,11 @@ Kinds and the verdict they should produce:
 * ``stuck``    - every member calls the op, nobody completes it; on the faulty rank the
   kernel never even starts (its GPU is wedged in the kernel before): ``stuck``.
 * ``straggler`` - nothing hangs; the rank calls every collective late: ``straggler``.
+
+In every job with expert parallelism the hang step's token all_to_alls have per-rank sizes,
+as a router makes them (MoE dispatch receives a different number of tokens on every rank):
+what a collective needs to complete is decided by its op semantics
+(``frtools.model.ops``), not by equal sizes.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from frtools.model.ops import INPUT_DTYPES, INPUT_SIZES, OUTPUT_SIZES, family_of, semantics
 
 from .schedule import COLL, RECV, SEND, Schedule
 
@@ -79,6 +89,8 @@ class Deviation:
     stop: int | None = None  # it issues nothing from this position on
     never_starts: int | None = None  # this call's kernel never starts
     override: dict[int, dict[str, Any]] = field(default_factory=dict)  # position -> fields
+    # ^ a faulty call's fields, and per-rank fields every rank has (uneven all_to_all
+    #   splits); a call whose override changes what its op requires to agree never completes
 
 
 @dataclass
@@ -88,6 +100,7 @@ class FaultPlan:
     phase: int | None = None  # the faulty call's phase in the hang step
     deviations: dict[int, Deviation] = field(default_factory=dict)
     straggler_ms: float = 8.0
+    peers_fail: bool = False  # dead: the peers' ops fail and are recorded completed (Gloo)
 
     @property
     def hangs(self) -> bool:
@@ -117,7 +130,83 @@ def plan_fault(
     n_faulty: int = 1,
     straggler_ms: float = 8.0,
 ) -> FaultPlan:
-    """Choose where the fault happens (the phase and, unless given, the ranks)."""
+    """Choose where the fault happens (the phase and, unless given, the ranks), and give
+    every rank its own token splits in the hang step's all_to_alls."""
+    plan = _plan_fault(schedule, fault, ranks, rng, n_faulty, straggler_ms)
+    if fault == "dead":
+        plan.peers_fail = bool(rng.random() < 0.5)
+    _uneven_all_to_all(schedule, plan, rng)
+    return plan
+
+
+def _uneven_all_to_all(schedule: Schedule, plan: FaultPlan, rng: np.random.Generator) -> None:
+    """Per-rank sizes of the hang step's token all_to_alls: dispatch sends the same number
+    of tokens from every rank and receives what the router assigned to this rank's experts;
+    combine sends them back. Each group's received counts add up to what it sent."""
+    layout = schedule.layout
+    phases = schedule.phases
+    uneven = [p for p, ph in enumerate(phases) if ph.split and ph.op == "all_to_all"]
+    if not uneven:
+        return
+    got: dict[tuple[int, int], int] = {}  # (phase, rank) -> tokens received by dispatch
+    for p in uneven:
+        ph = phases[p]
+        sent = int(ph.input_sizes[0][0])
+        for members in layout.members[ph.kind].tolist():
+            n = len(members)
+            share = rng.dirichlet(np.full(n, 4.0))
+            counts = rng.multinomial(sent * n - n, share) + 1
+            for m, c in zip(members, counts.tolist(), strict=True):
+                got[(p, m)] = int(c)
+    for rank in range(layout.world_size):
+        dev = plan.deviations.get(rank)
+        if dev is None:
+            prog = schedule.program(layout.stage(rank))
+            dev = Deviation(list(prog.phases), list(prog.roles))
+        for pos, p in enumerate(dev.phases):
+            if (p, rank) not in got:
+                continue
+            ph = phases[p]
+            ov = dev.override.setdefault(pos, {})
+            if "input_sizes" in ov or "op" in ov:
+                continue  # the faulty call keeps its own fields
+            rows = [got[(p, rank)], *ph.input_sizes[0][1:]]
+            own = [list(ph.input_sizes[0])]
+            if ph.split == "dispatch":
+                ov["input_sizes"], ov["output_sizes"] = own, [rows]
+            else:
+                ov["input_sizes"], ov["output_sizes"] = [rows], own
+        if dev.override or rank in plan.deviations:
+            plan.deviations[rank] = dev
+
+
+def must_agree_changed(phase: Any, fields: dict[str, Any]) -> bool:
+    """Whether overriding ``phase``'s call with ``fields`` changes something its op requires
+    to agree across members (so the call never completes)."""
+    op = fields.get("op", phase.op)
+    if family_of(op) is not family_of(phase.op):
+        return True
+    sem = semantics(op)
+    if "dtype" in fields and fields["dtype"] != phase.dtype and sem.checks(INPUT_DTYPES):
+        return True
+    for key, attr, base in (
+        ("input_sizes", INPUT_SIZES, phase.input_sizes),
+        ("output_sizes", OUTPUT_SIZES, phase.output_sizes),
+    ):
+        changed = key in fields and [list(x) for x in fields[key]] != [list(x) for x in base]
+        if changed and sem.checks(attr):
+            return True
+    return False
+
+
+def _plan_fault(
+    schedule: Schedule,
+    fault: str,
+    ranks: list[int] | None,
+    rng: np.random.Generator,
+    n_faulty: int = 1,
+    straggler_ms: float = 8.0,
+) -> FaultPlan:
     layout = schedule.layout
     n = layout.world_size
     if fault not in FAULTS:
@@ -142,6 +231,8 @@ def plan_fault(
     def eligible(p: int) -> bool:
         ph = phases[p]
         size = 2 if ph.is_p2p else layout.size(ph.kind)
+        if fault == "mismatch-size" and not semantics(ph.op).checks(INPUT_SIZES):
+            return False  # per-rank sizes are legal there (all_to_all)
         if fault.startswith("mismatch"):
             return not ph.is_p2p and size >= 3
         if fault == "stuck":
@@ -278,8 +369,14 @@ def simulate_hang(schedule: Schedule, plan: FaultPlan, rng: np.random.Generator)
     for r, dev in devs.items():
         if dev.stop is not None:
             limit[r] = dev.stop
-        if dev.never_starts is not None or dev.override:
-            pos = dev.never_starts if dev.never_starts is not None else next(iter(dev.override))
+        bad = [
+            pos
+            for pos, ov in dev.override.items()
+            if must_agree_changed(phases[dev.phases[pos]], ov)
+        ]
+        if dev.never_starts is not None:
+            bad.append(dev.never_starts)
+        for pos in bad:
             p = dev.phases[pos]
             poisoned.add((p, group_of[phases[p].kind][r]))
     limit_list = limit.tolist()
@@ -327,6 +424,15 @@ def simulate_hang(schedule: Schedule, plan: FaultPlan, rng: np.random.Generator)
             arrive(m)
 
     done = np.array(pos, dtype=np.int64)
+    if plan.peers_fail:
+        # Gloo: the dead rank's connections close; every op blocked on it (and, as the
+        # survivors exit, every op blocked on them) raises and is recorded completed; a
+        # rank that raised issues nothing more.
+        failing = done < limit
+        dead = [r for r, dev in devs.items() if dev.stop is not None]
+        failing[dead] = False
+        done = np.where(failing, done + 1, done)
+        return HangOutcome(done, done.copy(), lengths)
     ahead = rng.integers(0, 3, size=n)
     issued = np.minimum(limit, done + 1 + ahead)
     issued = np.maximum(issued, done)

@@ -230,6 +230,10 @@ class Phase:
     dst_stage: int = -1  # P2P: receiving stage
     offset_ns: int = 0  # nominal start of the phase after the step starts
     duration_ns: int = 0
+    # MoE token exchange (all_to_all): "dispatch" sends every rank's routed tokens (the same
+    # count on every rank) and receives what the router sent to its experts (a different
+    # count per rank); "combine" sends those back. A healthy step's sizes differ per rank.
+    split: str = ""
 
     @property
     def is_p2p(self) -> bool:
@@ -291,9 +295,11 @@ def build_schedule(layout: Layout, shape: ModelShape | None = None) -> Schedule:
     dt = shape.dtype
     phases: list[Phase] = []
 
-    def coll(kind: str, op: str, ins: tuple, outs: tuple, site: str, dtype: str = dt) -> None:
+    def coll(
+        kind: str, op: str, ins: tuple, outs: tuple, site: str, dtype: str = dt, split: str = ""
+    ) -> None:
         if layout.size(kind) > 1:
-            phases.append(Phase(kind, op, ins, outs, dtype, site))
+            phases.append(Phase(kind, op, ins, outs, dtype, site, split=split))
 
     def layer_forward() -> None:
         if cp > 1:
@@ -308,9 +314,9 @@ def build_schedule(layout: Layout, shape: ModelShape | None = None) -> Schedule:
             "tp_reduce_scatter",
         )
         if ep > 1:
-            tokens = (s_shard * b * 2, h)  # top-2 routing, even split
-            coll("ep", "all_to_all", (tokens,), (tokens,), "ep_all_to_all")
-            coll("ep", "all_to_all", (tokens,), (tokens,), "ep_all_to_all")
+            tokens = (s_shard * b * 2, h)  # top-2 routing (per-rank splits: see faults.py)
+            coll("ep", "all_to_all", (tokens,), (tokens,), "ep_all_to_all", split="dispatch")
+            coll("ep", "all_to_all", (tokens,), (tokens,), "ep_all_to_all", split="combine")
         coll("tp", "_all_gather_base", ((s_shard, b, h),), ((s_shard * tp, b, h),), "tp_all_gather")
         coll(
             "tp",
@@ -336,9 +342,9 @@ def build_schedule(layout: Layout, shape: ModelShape | None = None) -> Schedule:
             "tp_bwd_reduce_scatter",
         )
         if ep > 1:
-            tokens = (s_shard * b * 2, h)
-            coll("ep", "all_to_all", (tokens,), (tokens,), "ep_bwd_all_to_all")
-            coll("ep", "all_to_all", (tokens,), (tokens,), "ep_bwd_all_to_all")
+            tokens = (s_shard * b * 2, h)  # gradients retrace the tokens: combine, dispatch
+            coll("ep", "all_to_all", (tokens,), (tokens,), "ep_bwd_all_to_all", split="dispatch")
+            coll("ep", "all_to_all", (tokens,), (tokens,), "ep_bwd_all_to_all", split="combine")
         coll(
             "tp",
             "_all_gather_base",
