@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from frtools.analyze.align import SIGNATURE_COLUMNS, _codes
-from frtools.model.ops import OP, family_of, parts_must_agree
+from frtools.model.ops import OP, family_of, parts_must_agree, semantics
 
 from .facts import CompletionSource, JobFacts
 from .model import MemberState, Point, PointKey, PointKind
@@ -86,7 +86,50 @@ def is_stuck(point: Point, trust_gloo: bool = False) -> bool:
 
 
 def build_graph(facts: JobFacts) -> WaitForGraph:
-    return _Builder(facts).build()
+    graph = _Builder(facts).build()
+    quitters = _quitters(facts, graph)
+    if quitters:
+        graph = _Builder(facts, quitters).build()
+    return graph
+
+
+def _quitters(facts: JobFacts, graph: WaitForGraph) -> frozenset[int]:
+    """Roots whose record stops at an op Gloo retired on a group with a member that left no
+    record. Gloo retires an op that failed on a dead peer, and a rank whose collective
+    failed raises and issues nothing more: its peers then wait for it in vain. Such a root
+    is the dead member's victim; its last op is read as failed (the graph is built again)."""
+    out = set()
+    coll = facts.al.collectives
+    for r in graph.roots:
+        if facts.completion.get(r) is not CompletionSource.RETIRED or r in graph.blocked_at:
+            continue
+        mine = coll[(coll["rank"] == r).to_numpy()]
+        if not len(mine):
+            continue
+        last = mine.sort_values(["time_created_ns", "record_id"]).iloc[-1]
+        done = last["completed"]
+        if pd.isna(done) or not bool(done):
+            continue
+        pg_name, seq = str(last["pg_name"]), int(last["seq"])
+        members = set(facts.members(pg_name))
+        if not (members & facts.absent or facts.membership.unseen.get(pg_name)):
+            continue
+        # A failure raises on every member that took part: none of them goes on. A member
+        # that went past the op saw it succeed.
+        if all(_stops_at(coll, m, pg_name, seq) for m in members & facts.present):
+            out.add(int(r))
+    return frozenset(out)
+
+
+def _stops_at(coll: pd.DataFrame, rank: int, pg_name: str, seq: int) -> bool:
+    """Whether ``rank``'s record ends with its entry at (group, seq) (or lacks it)."""
+    mine = coll[(coll["rank"] == rank).to_numpy()]
+    if not len(mine):
+        return True
+    at = mine[(mine["pg_name"].astype(str) == pg_name).to_numpy() & (mine["seq"] == seq).to_numpy()]
+    if not len(at):
+        return True
+    return int(mine["time_created_ns"].max()) <= int(at["time_created_ns"].max())
 
 
 @dataclass
@@ -130,8 +173,9 @@ class _Draft:
 
 
 class _Builder:
-    def __init__(self, facts: JobFacts) -> None:
+    def __init__(self, facts: JobFacts, failed_last: frozenset[int] = frozenset()) -> None:
         self.f = facts
+        self.failed_last = set(failed_last)  # ranks whose latest op failed (see build_graph)
         self.coll = facts.al.collectives
         self.p2p = facts.al.p2p
         self.drafts: dict[PointKey, _Draft] = {}
@@ -150,7 +194,9 @@ class _Builder:
         if not len(c):
             return done
         hollow = self._hollow_rows()
-        overtaken = self._overtaken_rows()
+        overtaken = np.union1d(self._overtaken_rows(), self._passed_rows())
+        if self.failed_last:
+            hollow = np.union1d(hollow, self._last_rows(self.failed_last))
         if not len(hollow) and not len(overtaken):
             return done
         done = done.copy()
@@ -159,6 +205,80 @@ class _Builder:
         if len(hollow):
             done.iloc[hollow] = False
         return done
+
+    def _cpu_ranks(self) -> set[int]:
+        """Ranks whose collectives run on the CPU (Gloo): frtools on CPU, PyTorch's FR
+        with Gloo's retired flags."""
+        f = self.f
+        return set(f.in_order) | {
+            r for r, s in f.completion.items() if s is CompletionSource.RETIRED
+        }
+
+    def _passed_rows(self) -> np.ndarray:
+        """Positions of pending collectives of CPU ranks that every member of the (fully
+        known) group issued, agreeing on what must agree. On Gloo such a collective
+        completes — only a missing, disagreeing or dead member keeps one pending — whatever
+        its Work reports (a Gloo reduce_scatter's never reports completion). Not when it is
+        the last op of a member whose process is gone: that member may have died in it."""
+        f, c = self.f, self.coll
+        cpu = self._cpu_ranks()
+        if not cpu or not len(c):
+            return np.zeros(0, dtype=np.int64)
+        whole = {
+            g
+            for g, members in f.membership.members.items()
+            if g in f.membership.complete and not set(members) & f.absent
+        }
+        if not whole:
+            return np.zeros(0, dtype=np.int64)
+        rank = c["rank"].to_numpy()
+        pending = c["completed"].eq(False).fillna(False).to_numpy(dtype=bool)
+        pending &= np.isin(rank, np.fromiter(cpu, dtype=np.int64, count=len(cpu)))
+        pending &= c["pg_name"].isin(whole).to_numpy()
+        if "error" in c.columns:
+            pending &= c["error"].isna().to_numpy()
+        if not pending.any():
+            return np.zeros(0, dtype=np.int64)
+        # the (group, seq) of those rows: every member recorded it, with one agreement key
+        cand = c.loc[pending, ["pg_name", "seq"]].drop_duplicates()
+        near = c[c["seq"].isin(cand["seq"].unique()).to_numpy()]
+        rows = near.merge(cand, on=["pg_name", "seq"])
+        stats = rows.groupby(["pg_name", "seq"], observed=True).agg(
+            n=("rank", "nunique"), keys=("sig", "nunique"), t=("time_created_ns", "max")
+        )
+        size = np.asarray(
+            stats.index.get_level_values(0).map(lambda g: len(f.members(str(g)))), dtype=np.int64
+        )
+        ok = stats[(stats["n"].to_numpy() == size) & (stats["keys"] == 1).to_numpy()]
+        gone = [r for r, e in f.endings.items() if e.gone]
+        if len(ok) and gone:
+            last_t = c[c["rank"].isin(gone).to_numpy()].groupby("rank")["time_created_ns"].max()
+            keep = []
+            for (g, _seq), t in zip(ok.index, ok["t"], strict=True):
+                members = set(f.members(str(g))) & set(gone)
+                keep.append(all(int(last_t.get(m, 0)) > int(t) for m in members))
+            ok = ok[np.asarray(keep, dtype=bool)]
+        if not len(ok):
+            return np.zeros(0, dtype=np.int64)
+        keys = pd.DataFrame(
+            {"pg_name": c["pg_name"].astype(str).to_numpy(), "seq": c["seq"].to_numpy()}
+        )
+        good = ok.reset_index()[["pg_name", "seq"]].assign(
+            pg_name=lambda d: d["pg_name"].astype(str), _ok=True
+        )
+        hit = keys.merge(good, how="left", on=["pg_name", "seq"])["_ok"].eq(True).to_numpy()
+        return np.flatnonzero(pending & hit)
+
+    def _last_rows(self, ranks: set[int]) -> np.ndarray:
+        """Positions of the latest collective of each of ``ranks``."""
+        c = self.coll
+        mine = c[c["rank"].isin(list(ranks)).to_numpy()]
+        if not len(mine):
+            return np.zeros(0, dtype=np.int64)
+        last = mine.sort_values(["time_created_ns", "record_id"]).drop_duplicates(
+            "rank", keep="last"
+        )
+        return c.index.get_indexer(last.index)
 
     def _hollow_rows(self) -> np.ndarray:
         """Positions of collectives marked completed although a member whose process is
@@ -188,10 +308,7 @@ class _Builder:
     def _overtaken_rows(self) -> np.ndarray:
         """Positions of pending collectives of ranks whose ops complete in issue order on
         their CPU, issued before an op of the same rank that completed."""
-        f = self.f
-        ranks = set(f.in_order) | {
-            r for r, s in f.completion.items() if s is CompletionSource.RETIRED
-        }
+        ranks = self._cpu_ranks()
         c = self.coll
         if not ranks or not len(c):
             return np.zeros(0, dtype=np.int64)
@@ -529,6 +646,16 @@ def _collective_draft(facts: JobFacts, pg_name: str, seq: int, rows: pd.DataFram
         if minority:
             odd = rows[rows["rank"].isin(minority)]
             draft.mismatch_attrs = disagreement(major.iloc[0], odd)
+        elif draft.get(MemberState.ABSENT) or draft.unseen:
+            # The member that could disagree left no record: the sibling groups at this seq
+            # say what the op's dtype should be.
+            attrs = _odd_dtype(facts, major.iloc[0], pg_name, seq)
+            if attrs:
+                draft.members[MemberState.MINORITY] = sorted(recorded)
+                draft.members[MemberState.ISSUED] = sorted(
+                    set(draft.get(MemberState.ISSUED)) - recorded
+                )
+                draft.mismatch_attrs = attrs
         draft.completed, draft.failed = _outcomes(rows)
     absent = draft.get(MemberState.ABSENT)
     if absent and (draft.get(MemberState.MISSING) or draft.get(MemberState.MINORITY)):
@@ -579,6 +706,30 @@ def _majority(
     majority = int(top[0])
     minority = [int(r) for r in rows.loc[rows["sig"] != majority, "rank"]]
     return majority, minority, tie
+
+
+def _odd_dtype(facts: JobFacts, major: pd.Series, pg_name: str, seq: int) -> tuple[str, ...]:
+    """The dtype attributes in which this group's op differs from what every sibling group
+    (same kind) recorded for the same op at the same seq. Only dtypes: sibling groups may
+    legitimately move different sizes (pipeline stages' data-parallel buckets)."""
+    kind = facts.kind_of_group(pg_name)
+    same_kind = [
+        g for g in facts.membership.members if g != pg_name and facts.kind_of_group(g) == kind
+    ]
+    if not same_kind:
+        return ()
+    coll = facts.al.collectives
+    peers = coll[(coll["seq"] == seq).to_numpy() & coll["pg_name"].isin(same_kind).to_numpy()]
+    peers = peers[peers["op"].astype(str).map(family_of) == family_of(str(major[OP]))]
+    if len(peers) < 2:
+        return ()
+    rule = semantics(str(major[OP]))
+    attrs = []
+    for col in ("input_dtypes", "output_dtypes"):
+        values = peers[col].astype(str).unique()
+        if rule.checks(col) and len(values) == 1 and values[0] != str(major[col]):
+            attrs.append(col)
+    return tuple(attrs)
 
 
 def _tie_break(facts: JobFacts, sigs: list[int], pg_name: str, seq: int) -> list[int]:
@@ -637,6 +788,9 @@ def _summarize(
     targeted: set[int] = set()
     for r in waiting:
         targeted |= draft.targets_of(r)
+    # a rank blocked in an op it issued against what the op requires is a root too, even
+    # when the member it disagrees with left no record to wait for it
+    targeted |= {r for r, key in blocked_at.items() if r in points[key].of(MemberState.MINORITY)}
     roots = targeted - waiting
     reaches: dict[int, bool] = {r: False for r in waiting}
     changed = True

@@ -110,6 +110,7 @@ class Reason(enum.Enum):
     GONE = "gone"  # its process ended (or its record is stale) before the op
     MISMATCH = "mismatch"  # issued the op with an attribute that must agree set otherwise
     MISSING = "missing"  # alive, never issued the op its peers wait in
+    SKIPPED = "skipped"  # its next call took the seq of a collective it skipped
     ORDER = "order"  # entered an op of another group first (a cross-group cycle)
     STUCK = "stuck"  # issued an op that completed on no member
     NEVER_STARTED = "never_started"  # issued the stuck op but never started it

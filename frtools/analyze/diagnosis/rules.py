@@ -25,6 +25,7 @@ from .model import (
     VerdictKind,
 )
 from .order import order_deviants
+from .skips import skipped
 from .straggler import stragglers
 
 # Verdict kinds of graph roots, strongest first.
@@ -43,6 +44,32 @@ Rule = Callable[[Evidence], "Finding | None"]
 
 
 # ----- hangs the graph explains ---------------------------------------------------------
+
+
+def skip(ev: Evidence) -> Finding | None:
+    """A rank skipped a collective its peers issued: its entry at that seq comes from the
+    call site its peers reach one collective later (its next call took the seq). Whatever
+    followed — peers blocked, or aborted by the exchange of mismatched data — it is the
+    cause."""
+    g, f = ev.graph, ev.facts
+    found = skipped(f, g)
+    if not found:
+        return None
+    c = f.al.collectives
+    blames = []
+    points: list[Point] = []
+    for r, (pg_name, seq) in sorted(found.items()):
+        rows = c[(c["pg_name"] == pg_name).to_numpy() & (c["seq"] == seq).to_numpy()]
+        point = collective_point(f, pg_name, seq, rows)
+        points.append(point)
+        blames.append(Blame(r, Reason.SKIPPED, point))
+    point = min(points, key=lambda p: p.time_ns)
+    waiting = (set(g.blocked_at) | set(g.roots) | set(point.issued)) - set(found)
+    notes = [Note(NoteKind.BLOCKED, point=p) for p in g.points.values() if p.targets][:5]
+    return Finding(
+        VerdictKind.MISSING, Confidence.MISSING, tuple(blames), frozenset(waiting), point,
+        tuple(notes),
+    )  # fmt: skip
 
 
 def roots(ev: Evidence) -> Finding | None:
@@ -326,6 +353,7 @@ def healthy(ev: Evidence) -> Finding:
 
 
 PRIORITY: tuple[Rule, ...] = (
+    skip,
     roots,
     stuck_roots,
     cycle,

@@ -7,7 +7,10 @@ Over collectives every member of the group issued (groups of >= 2), a rank's lat
 >= ``LAST_SHARE`` of at least ``MIN_COLLECTIVES`` collectives and its median lateness is
 >= T. Two passes: candidates against every member (if none: ranks late by T in >= 15% with
 a 90th-percentile lateness >= T), then every rank against the non-candidates, so two
-stragglers in one pair do not hide each other.
+stragglers in one pair do not hide each other. When no rank passes, the collectives that
+waited decide: a rank that is the late one in most of the collectives whose last member
+arrived T late is a straggler too (a rank slow before a burst of collectives is late into
+the first only: FSDP2 all-gathers each layer in a row).
 """
 
 from __future__ import annotations
@@ -41,7 +44,54 @@ def stragglers(facts: JobFacts) -> list[tuple[int, float, float, int]]:
     c = c[["pg_name", "seq", "rank", "time_created_ns"]].reset_index(drop=True)
     candidates = set(_late(c, set())) or set(_late(c, set(), loose=True))
     found = _late(c, candidates) if candidates else {}
+    if not found:
+        found = _last_in(c)
     return [(r, *found[r]) for r in sorted(found)]
+
+
+def _last_in(c: pd.DataFrame) -> dict[int, tuple[float, float, int]]:
+    """Stragglers by the collectives that wait: a rank slow before a *burst* of collectives
+    (FSDP's per-layer all-gathers, a bucket of all-reduces) is late into the first one only
+    and in step after it, so it is late in few of its collectives. Among the collectives
+    whose last member arrived at least T after the others, a rank that is that last member
+    in >= LAST_SHARE of them (>= MIN_COLLECTIVES, and >= 10% of its own collectives) is a
+    straggler."""
+    t = c["time_created_ns"].to_numpy(dtype=np.float64)
+    keys = [c["pg_name"], c["seq"]]
+    total = pd.Series(t).groupby(keys, observed=True).transform("sum").to_numpy()
+    n = pd.Series(np.ones(len(t))).groupby(keys, observed=True).transform("sum").to_numpy()
+    ok = n > 1
+    late = np.full(len(t), -np.inf)
+    late[ok] = t[ok] - (total[ok] - t[ok]) / (n[ok] - 1)
+    normal = np.clip(late[ok], 0, None)
+    jitter = float(np.median(normal)) if len(normal) else 0.0
+    threshold = max(MIN_LATE_NS, SPREAD_FACTOR * jitter)
+    frame = pd.DataFrame(
+        {
+            "rank": c["rank"].to_numpy(),
+            "late": late,
+            "key": c["pg_name"].astype(str) + "#" + c["seq"].astype(str),
+        }
+    )
+    worst = frame.loc[frame.groupby("key", sort=False)["late"].idxmax()]
+    events = worst[worst["late"] >= threshold]
+    if len(events) < MIN_COLLECTIVES:
+        return {}
+    per_rank = frame.groupby("rank").size()
+    found = {}
+    for rank, mine in events.groupby("rank"):
+        share = len(mine) / len(events)
+        if (
+            share >= LAST_SHARE
+            and len(mine) >= MIN_COLLECTIVES
+            and len(mine) >= 0.1 * per_rank[rank]
+        ):
+            found[int(rank)] = (
+                len(mine) / per_rank[rank],
+                float(mine["late"].median()),
+                int(per_rank[rank]),
+            )
+    return found
 
 
 def _late(

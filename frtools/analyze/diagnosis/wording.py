@@ -134,6 +134,14 @@ class _Wording:
             return f"issued a different {attrs or 'signature'} than its peers at {where}"
         if r is Reason.MISSING:
             return f"alive but never issued {where}, where its peers wait"
+        if r is Reason.SKIPPED and b.point is not None:
+            rows = b.point.rows
+            mine = rows[rows["rank"] == b.rank] if rows is not None else None
+            site = mine["call_site"].iloc[0] if mine is not None and len(mine) else None
+            return (
+                f"skipped {where}: its entry at that seq comes from {site or 'another call'}, "
+                "the call its peers make next"
+            )
         if r is Reason.ORDER:
             others = " / ".join(self.point_name(q) for q in b.others)
             text = f"entered {where} before " + (others or "the op its peers wait in")
@@ -487,6 +495,7 @@ class _Wording:
 
 # Reasons whose call site is the rank's own entry at the verdict's op.
 _OWN_ENTRY_REASONS = (
+    Reason.SKIPPED,
     Reason.MISMATCH,
     Reason.DISAGREES,
     Reason.ORDER,
