@@ -12,6 +12,7 @@ reordering. When every cycle rank is deviant, none is singled out.
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 from .facts import JobFacts
 from .graph import WaitForGraph
@@ -33,9 +34,22 @@ def order_deviants(facts: JobFacts, graph: WaitForGraph, core: set[int]) -> dict
     if not len(coll):
         return {}
     kinds = {g: facts.kind_of_group(g) for g in facts.membership.members}
-    c = coll.sort_values(["rank", "time_created_ns", "record_id"])
-    c = c.groupby("rank", sort=False, observed=True).tail(HISTORY)
-    token = (c["pg_name"].map(kinds).astype(str) + "|" + c["op"].astype(str)).to_numpy()
+    cols = ["rank", "time_created_ns", "record_id", "pg_name", "op"]
+    c = coll[cols + ["seq"]].assign(pg_name=coll["pg_name"].astype(str), op=coll["op"].astype(str))
+    c["token"] = c["pg_name"].map(kinds).astype(str) + "|" + c["op"]
+    p2p = facts.al.p2p
+    if len(p2p):
+        # P2P ops as tokens too, their peer relative to the rank (a pipeline stage sends
+        # to the next and receives from the previous, whatever its own number)
+        side = np.where(p2p["peer"].astype("float64").to_numpy() > p2p["rank"].to_numpy(),
+                        "next", "prev")  # fmt: skip
+        pp = p2p[cols].assign(pg_name=p2p["pg_name"].astype(str), op=p2p["op"].astype(str))
+        pp["seq"] = -p2p["record_id"].to_numpy() - 1  # P2P: keyed by record, not seq
+        pp["token"] = pp["pg_name"].map(kinds).astype(str) + "|" + pp["op"] + "|" + side
+        c = pd.concat([c, pp], ignore_index=True)
+    c = c.sort_values(["rank", "time_created_ns", "record_id"])
+    c = c.groupby("rank", sort=False).tail(HISTORY)
+    token = c["token"].to_numpy()
     ranks = c["rank"].to_numpy()
     pgs = c["pg_name"].to_numpy()
     seqs = c["seq"].to_numpy()
@@ -46,8 +60,14 @@ def order_deviants(facts: JobFacts, graph: WaitForGraph, core: set[int]) -> dict
     wanted = set()
     for r in core:
         point = graph.point_of(r)
-        if point is not None and point.is_collective:
+        if point is None:
+            continue
+        if point.is_collective:
             wanted.add((r, point.pg_name, point.seq))
+        elif point.rows is not None:
+            own = point.rows[point.rows["rank"] == r]
+            if len(own):
+                wanted.add((r, point.pg_name, -int(own["record_id"].iloc[0]) - 1))
     bounds = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1], True])
     for a, b in zip(bounds[:-1], bounds[1:], strict=False):
         r = int(ranks[a])

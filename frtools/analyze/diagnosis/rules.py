@@ -159,6 +159,24 @@ def cycle(ev: Evidence) -> Finding | None:
     notes += [Note(NoteKind.BLOCKED, point=p) for p in shown_points[:6]]
     if not deviants:
         notes.append(Note(NoteKind.WHOLE_CYCLE))
+    elif not any(p.is_collective for p in shown_points):
+        # A send/recv cycle: the rank whose own order stands out never posted the transfer
+        # its peer waits in (it went on to the next one): that is a missing op, not two
+        # groups in conflicting orders.
+        missing = []
+        for r in blamed:
+            where = [p for p in shown_points if r in p.of(MemberState.MISSING)]
+            if where:
+                missing.append(Blame(r, Reason.MISSING, where[0]))
+        if len(missing) == len(blamed):
+            return Finding(
+                VerdictKind.MISSING,
+                Confidence.MISSING,
+                tuple(missing),
+                frozenset(g.waiting - set(blamed)),
+                missing[0].point,
+                tuple(notes),
+            )
     return Finding(
         VerdictKind.ORDER,
         Confidence.ORDER_DEVIANT if deviants else Confidence.ORDER_WHOLE_CYCLE,
