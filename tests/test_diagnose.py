@@ -640,3 +640,85 @@ def test_rank_that_died_of_its_own_exception_is_dead_even_if_nobody_waits():
     assert v.kind == "dead"
     assert v.guilty_ranks == [3]
     assert "illegal memory access" in v.guilty[0].reason
+
+
+def test_gloo_work_that_never_reports_completion_is_not_a_stuck_collective():
+    # frtools on Gloo: the Work of a reduce_scatter never reports completion, so every
+    # member's entry stays "scheduled" although every member issued it, agreeing, and went
+    # on. On Gloo such a collective completes: the job is healthy, not stuck.
+    programs = {
+        r: [Op("0", "_reduce_scatter_base", "[[64]]", out="[[16]]"), Op("0", "all_reduce")] * 3
+        for r in range(4)
+    }
+    trace = simulate(WORLD4, programs, completion="nccl")
+    rows = _rows(trace)
+    for row in rows:
+        if row["op"] == "_reduce_scatter_base":
+            row["state"], row["retired"] = "scheduled", False
+    for info in trace.ranks.values():
+        info.device = "cpu"
+    assert diagnose(_with_rows(trace, rows)).kind == "healthy"
+
+
+def _lines(trace: Trace, line_of: dict[str, int]) -> Trace:
+    """Call sites by the op's line in the training script (the same on every rank)."""
+    rows = _rows(trace)
+    for row in rows:
+        row["call_site"] = f"train.py:{line_of[row['op']]} in step"
+    return _with_rows(trace, rows)
+
+
+def test_rank_that_skipped_an_all_to_all_is_told_by_its_call_site():
+    # Rank 5 skips the token dispatch of step 1 and goes on to the combine: its combine
+    # takes the dispatch's seq (all_to_all against all_to_all, sizes free to differ); its
+    # call site is the line its peers reach one collective later.
+    def fault(r, s, ops):
+        return ops[:2] + ops[3:] if (r, s) == (5, 1) else ops
+
+    trace = simulate(MOE, moe_programs(3, fault))
+    rows = _rows(trace)
+    for row in rows:  # the dispatch and the combine are two lines of the script
+        step_ops = [o.op for o in moe_step(0, 0)]
+        row["call_site"] = f"train.py:{300 + step_ops.index(row['op'])} in moe"
+        if row["op"] == "all_to_all" and row["input_sizes"] != "[[4]]":
+            position = 2 if row["input_sizes"] != row["output_sizes"] else 3
+            row["call_site"] = f"train.py:{300 + position} in moe"
+    v = diagnose(_with_rows(trace, rows))
+    assert v.kind == "missing", v.headline
+    assert v.guilty_ranks == [5]
+    assert "skipped" in v.guilty[0].reason
+
+
+def test_dtype_differs_from_every_sibling_group_while_the_partner_left_no_dump():
+    # Rank 6 all-reduces in float64 where every tensor-parallel pair uses float32; Gloo
+    # aborted its partner 7, which left no dump. The siblings say rank 6 is the odd one.
+    def fault(r, s, ops):
+        if (r, s) == (6, 1):
+            ops = list(ops)
+            ops[0] = Op(tp(6), "all_reduce", "[[16,8]]", "Double")
+        return ops
+
+    trace = simulate(JOB, training(JOB, 3, fault), absent=(7,))
+    v = diagnose(trace)
+    assert v.kind == "mismatch", v.headline
+    assert v.guilty_ranks == [6]
+    assert "input_dtypes" in v.headline
+
+
+def test_ranks_whose_op_gloo_retired_when_a_member_died_are_victims(tmp_path):
+    # Rank 3 is killed before step 1 (no dump). Its expert-parallel peers 0-2 fail in the
+    # all_gather (Gloo records it retired) and exit; rank 4 then waits for rank 0 in their
+    # data-parallel all_reduce. Rank 0 is rank 3's victim, not the cause.
+    def fault(r, s, ops):
+        return [STOP] if (r, s) == (3, 1) else ops
+
+    trace = simulate(MOE, moe_programs(3, fault), absent=(3,))
+    rows = _rows(trace)
+    for row in rows:
+        if row["rank"] in (0, 1, 2) and row["retired"] is False:
+            row["retired"] = True  # the failed all_gather
+    for r in (0, 1, 2):
+        trace.ranks[r].pg_status["ep0"]["last_completed_collective"] += 1
+    v = diagnose(gloo_dumps(_with_rows(trace, rows), tmp_path))
+    assert v.kind == "dead", v.headline
+    assert v.guilty_ranks == [3]

@@ -791,7 +791,17 @@ def _summarize(
     # a rank blocked in an op it issued against what the op requires is a root too, even
     # when the member it disagrees with left no record to wait for it
     targeted |= {r for r, key in blocked_at.items() if r in points[key].of(MemberState.MINORITY)}
-    roots = targeted - waiting
+    # A rank without a record that is a member of an op whose wait a present rank explains
+    # (a missing or disagreeing member) may well be blocked in that op too: it is not a
+    # root of its own (a victim Gloo aborted on the mismatched data, say).
+    unjudged = {
+        r
+        for p in points.values()
+        if p.of(MemberState.MINORITY) or p.of(MemberState.MISSING)
+        for r in p.of(MemberState.NO_RECORD)
+    }
+    silent = targeted & unjudged
+    roots = targeted - waiting - silent
     reaches: dict[int, bool] = {r: False for r in waiting}
     changed = True
     while changed:
@@ -814,7 +824,7 @@ def _summarize(
         points=points,
         blocked_at=blocked_at,
         blocked_known=blocked_known,
-        waiting=frozenset(waiting),
+        waiting=frozenset(waiting | silent),
         roots=frozenset(roots),
         cyclic=frozenset(cyclic),
         stuck_roots=frozenset(stuck_roots),
