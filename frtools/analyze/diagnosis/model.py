@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -230,7 +230,6 @@ class Finding:
     point: Point | None = None
     notes: tuple[Note, ...] = ()
     decide: tuple[Decide, ...] = ()
-    extra: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def guilty(self) -> tuple[int, ...]:
