@@ -232,7 +232,7 @@ def silent_mismatch(ev: Evidence) -> Finding | None:
     n = c.groupby(["pg_name", "seq"], sort=False, observed=True)["sig"].nunique()
     bad = n[n > 1]
     if not len(bad):
-        return None
+        return _odd_against_siblings(ev)
     first = c.set_index(["pg_name", "seq"]).loc[bad.index]
     t = first.groupby(level=[0, 1], observed=True)["time_created_ns"].min().sort_values()
     pg_name, seq = t.index[0]
@@ -247,6 +247,36 @@ def silent_mismatch(ev: Evidence) -> Finding | None:
         point,
         (Note(NoteKind.DISAGREEING_OPS, count=len(bad)),),
     )
+
+
+def _odd_against_siblings(ev: Evidence) -> Finding | None:
+    """A group whose other members left no record: its present members' ops whose dtype
+    differs from what every sibling group recorded at the same seq (Gloo aborts the
+    partner that receives the wrong number of bytes; the op itself may be retired)."""
+    f = ev.facts
+    c = f.al.collectives
+    short = [g for g, m in f.membership.members.items() if set(m) & f.absent and len(m) > 1]
+    for pg_name in sorted(short):
+        mine = c[(c["pg_name"] == pg_name).to_numpy()]
+        for seq in sorted(mine["seq"].unique().tolist(), reverse=True)[:LATEST_SEQS]:
+            rows = mine[(mine["seq"] == seq).to_numpy()]
+            point = collective_point(f, pg_name, int(seq), rows)
+            odd = point.of(MemberState.MINORITY)
+            if odd and point.mismatch_attrs:
+                blames = tuple(Blame(r, Reason.DISAGREES, point) for r in odd)
+                return Finding(
+                    VerdictKind.MISMATCH,
+                    Confidence.MISMATCH_NO_HANG,
+                    blames,
+                    frozenset(),
+                    point,
+                    (Note(NoteKind.DISAGREEING_OPS, count=1),),
+                )
+    return None
+
+
+# Ops per group, the latest, compared with the sibling groups' when a member left no record.
+LATEST_SEQS = 4
 
 
 # ----- hangs the data cannot pin on a rank --------------------------------------------------

@@ -7,7 +7,8 @@ Over collectives every member of the group issued (groups of >= 2), a rank's lat
 >= ``LAST_SHARE`` of at least ``MIN_COLLECTIVES`` collectives and its median lateness is
 >= T. Two passes: candidates against every member (if none: ranks late by T in >= 15% with
 a 90th-percentile lateness >= T), then every rank against the non-candidates, so two
-stragglers in one pair do not hide each other. When no rank passes, the collectives that
+stragglers in one pair do not hide each other (not when a quarter of the ranks or more are
+candidates: that is a slow host or a loaded machine). When no rank passes, the collectives that
 waited decide: a rank that is the late one in most of the collectives whose last member
 arrived T late is a straggler too (a rank slow before a burst of collectives is late into
 the first only: FSDP2 all-gathers each layer in a row).
@@ -43,6 +44,11 @@ def stragglers(facts: JobFacts) -> list[tuple[int, float, float, int]]:
         return []
     c = c[["pg_name", "seq", "rank", "time_created_ns"]].reset_index(drop=True)
     candidates = set(_late(c, set())) or set(_late(c, set(), loose=True))
+    ranks = int(c["rank"].nunique())
+    if len(candidates) * 4 > ranks:
+        # a quarter of the job or more is late: a slow host or group, a loaded machine,
+        # not a rank that enters last
+        candidates = set()
     found = _late(c, candidates) if candidates else {}
     if not found:
         found = _last_in(c)
