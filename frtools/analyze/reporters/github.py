@@ -81,6 +81,7 @@ def _message(verdict: Verdict, g: GuiltyRank | None) -> str:
         lines.append(what)
     if verdict.waiting:
         lines.append(f"waiting: {format_ranks(verdict.waiting, 200)}")
+    lines += [f"to decide: {d}" for d in verdict.decide]
     lines.append(f"confidence {verdict.confidence:.0%}")
     return "\n".join(lines)
 

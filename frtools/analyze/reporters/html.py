@@ -386,6 +386,10 @@ def _verdict_section(verdict: Verdict, source: str | None) -> str:
                 f"<td>{_e(grp.output_sizes or '-')}</td><td>{_e(grp.state or '-')}</td></tr>"
             )
         out.append("</tbody></table>")
+    if verdict.decide:
+        out.append('<div class="decide"><b>To decide</b><ul>')
+        out.extend(f"<li>{_e(d)}</li>" for d in verdict.decide)
+        out.append("</ul></div>")
     if verdict.evidence:
         out.append("<details><summary>evidence</summary><ul>")
         out.extend(f"<li>{_e(e)}</li>" for e in verdict.evidence)
