@@ -37,7 +37,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from frtools.model.ops import ATTRIBUTES, OP, P2P_OPS, OpFamily, family_of, parts_must_agree
+from frtools.model.ops import OP, P2P_OPS, OpFamily, family_of, parts_must_agree
 from frtools.model.trace import ProcessGroup, Trace
 
 SIGNATURE_COLUMNS = ("op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes")
@@ -270,7 +270,7 @@ def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
     dup = _duplicated_units(coll)
     coll = coll.assign(n_ops=1)
     if not dup.any():
-        return coll.assign(parts=None)
+        return coll.assign(parts=_no_parts(len(coll)))
     single = coll[~dup]
     multi = coll[dup].sort_values("record_id")
     keys = ["rank", "pg_name", "collective_seq_id"]
@@ -297,8 +297,18 @@ def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
     )
     agg["op"] = "coalesced"
     agg = agg.reset_index()
-    single = single.assign(parts=None)
-    return pd.concat([single, agg[single.columns]], ignore_index=True)
+    single = single.assign(parts=_no_parts(len(single)))
+    agg["parts"] = agg["parts"].astype("category")
+    out = pd.concat([single, agg[single.columns]], ignore_index=True)
+    out["parts"] = out["parts"].astype(object).astype("category")
+    return out
+
+
+def _no_parts(n: int) -> pd.Categorical:
+    """A ``parts`` column of nulls, one byte a row (millions of rows are single ops)."""
+    return pd.Categorical.from_codes(
+        np.full(n, -1, dtype=np.int8), categories=pd.Index([], dtype=object)
+    )
 
 
 def align(trace: Trace) -> Alignment:
@@ -384,48 +394,63 @@ def _signature_ids(coll: pd.DataFrame) -> np.ndarray:
     coalesced unit, and each attribute the family requires to agree (0 where it may differ).
     The categorical codes are packed into one int64 (a 5-column group-by costs several times
     more on millions of units); per-row rules come from per-category lookups, so the cost
-    does not depend on the op table."""
+    does not depend on the op table, and one column is packed at a time (millions of rows:
+    no second copy of every column)."""
     if not len(coll):
         return np.zeros(0, dtype=np.int64)
     op_codes, op_cats = _codes(coll["op"])
+    op_rules = [parts_must_agree(str(c)) for c in op_cats] + [frozenset()]
     # per op category (+ one slot for code -1): family id and the attributes it compares
     fam_of_cat = np.array([_FAMILIES[family_of(str(c))] for c in op_cats] + [0], dtype=np.int64)
-    family = fam_of_cat[op_codes]
-    checked = {
-        attr: np.array([attr in parts_must_agree(str(c)) for c in op_cats] + [False], dtype=bool)[
-            op_codes
-        ]
-        for attr in ATTRIBUTES
-        if attr != OP
-    }
-    parts_key = np.zeros(len(coll), dtype=np.int64)
+    parts_key = None
+    blocks = None
     parts = coll["parts"] if "parts" in coll.columns else None
     if parts is not None and parts.notna().any():
         block = parts.notna().to_numpy()
-        texts = parts[block].astype(str)
-        uniq, inverse = np.unique(texts.to_numpy(), return_inverse=True)
+        uniq, inverse = np.unique(parts[block].astype(str).to_numpy(), return_inverse=True)
         # the parts' families, so that one block of all_gathers agrees with another
         fam_text = [";".join(family_of(p).value for p in t.split(";") if p) for t in uniq]
         _, fam_ids = np.unique(np.array(fam_text, dtype=object), return_inverse=True)
+        parts_key = np.zeros(len(coll), dtype=np.int64)
         parts_key[block] = fam_ids[inverse] + 1
-        for attr in checked:
-            rule = np.array([attr in parts_must_agree(t) for t in uniq], dtype=bool)
-            checked[attr][block] = rule[inverse]
-    key = family.copy()
-    radix = len(_FAMILIES) + 1
-    components = [(parts_key, int(parts_key.max()) + 1)]
-    for attr in (c for c in SIGNATURE_COLUMNS if c != OP):
-        codes, categories = _codes(coll[attr])
-        components.append((np.where(checked[attr], codes + 1, 0), len(categories) + 2))
-    for values, n in components:
-        if radix * n >= 2**62:  # too many distinct values to pack: number the tuples
-            frame = pd.DataFrame(
-                {"f": family, **{str(i): v for i, (v, _) in enumerate(components)}}
+        blocks = (block, uniq, inverse)
+    columns = [attr for attr in SIGNATURE_COLUMNS if attr != OP]
+    sizes = [len(coll[attr].cat.categories) + 2 if isinstance(coll[attr].dtype, pd.CategoricalDtype)
+             else int(coll[attr].nunique(dropna=False)) + 2 for attr in columns]  # fmt: skip
+    radix_all = (len(_FAMILIES) + 1) * (1 if parts_key is None else int(parts_key.max()) + 1)
+    for n in sizes:
+        radix_all *= n
+    if radix_all >= 2**62:  # too many distinct values to pack: number the tuples
+        frame = pd.DataFrame({"f": fam_of_cat[op_codes]})
+        if parts_key is not None:
+            frame["p"] = parts_key
+        for attr in columns:
+            frame[attr] = np.where(
+                _checked(attr, op_rules, op_codes, blocks), _codes(coll[attr])[0] + 1, 0
             )
-            return frame.groupby(list(frame.columns), sort=False).ngroup().to_numpy(np.int64)
-        key += values * radix
+        return frame.groupby(list(frame.columns), sort=False).ngroup().to_numpy(np.int64)
+    key = fam_of_cat[op_codes]
+    radix = len(_FAMILIES) + 1
+    if parts_key is not None:
+        key += parts_key * radix
+        radix *= int(parts_key.max()) + 1
+    for attr, n in zip(columns, sizes, strict=True):
+        codes, _ = _codes(coll[attr])
+        codes += 1
+        codes[~_checked(attr, op_rules, op_codes, blocks)] = 0
+        codes *= radix
+        key += codes
         radix *= n
     return key  # equal iff the keys are: numbering them costs a 30 M-entry hash table
+
+
+def _checked(attr: str, op_rules: list, op_codes: np.ndarray, blocks) -> np.ndarray:  # noqa: ANN001
+    """Per row: whether the row's op (or coalesced block) requires ``attr`` to agree."""
+    mask = np.array([attr in rule for rule in op_rules], dtype=bool)[op_codes]
+    if blocks is not None:
+        block, uniq, inverse = blocks
+        mask[block] = np.array([attr in parts_must_agree(t) for t in uniq], dtype=bool)[inverse]
+    return mask
 
 
 def _completion(df: pd.DataFrame, use_pg_status: bool) -> pd.Series:
