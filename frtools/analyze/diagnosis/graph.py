@@ -791,13 +791,14 @@ def _summarize(
     # a rank blocked in an op it issued against what the op requires is a root too, even
     # when the member it disagrees with left no record to wait for it
     targeted |= {r for r, key in blocked_at.items() if r in points[key].of(MemberState.MINORITY)}
-    # A rank without a record that is a member of an op whose wait a present rank explains
-    # (a missing or disagreeing member) may well be blocked in that op too: it is not a
-    # root of its own (a victim Gloo aborted on the mismatched data, say).
+    # A rank without a record that is a member of an op whose wait a present rank's
+    # disagreement explains may well be blocked in that op too (or aborted by Gloo on the
+    # mismatched data): it is not a root of its own. (Not for a missing member: a dead
+    # rank is absent from every op after its death, and is the root.)
     unjudged = {
         r
         for p in points.values()
-        if p.of(MemberState.MINORITY) or p.of(MemberState.MISSING)
+        if p.of(MemberState.MINORITY)
         for r in p.of(MemberState.NO_RECORD)
     }
     silent = targeted & unjudged
