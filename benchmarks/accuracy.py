@@ -9,6 +9,12 @@ were right, the overall exact-guilty-set rate, any blame on a healthy job, and o
 
     python benchmarks/accuracy.py --cases 1000 --workers 2 --markdown acc.md
 
+``--real`` also runs the real-job corpus (``tests/corpus/``: real multi-process Gloo jobs
+with real faults, recorded by PyTorch's Flight Recorder and by ``frtools run``; about 15
+minutes on 2 cores) and prints its table after the simulated one:
+
+    python benchmarks/accuracy.py --cases 300 --real --markdown acc.md
+
 ``--analyzer DIR`` judges this simulator's cases with the frtools found at DIR (another
 checkout, e.g. before a change), run as ``python -m frtools analyze`` with ``PYTHONPATH=DIR``:
 the way to check that the simulator catches an old analyzer's mistakes.
@@ -268,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         "--analyzer",
         help="judge with the frtools in this directory (PYTHONPATH), e.g. an older checkout",
     )
+    ap.add_argument(
+        "--real", action="store_true", help="also run the real-job corpus (tests/corpus/)"
+    )
     args = ap.parse_args(argv)
     analyzer = str(Path(args.analyzer).resolve()) if args.analyzer else None
 
@@ -286,9 +295,14 @@ def main(argv: list[str] | None = None) -> int:
                 outcomes.append(f.result())
                 if i % 50 == 0:
                     print(f"  {i}/{len(cases)} cases", file=sys.stderr)
-    text = report(outcomes)
+    text = f"### Simulated jobs ({len(cases)} cases, seed {args.seed})\n\n" + report(outcomes)
     print(text)
     print(f"\n({len(cases)} cases in {time.perf_counter() - t0:.0f} s)")
+    real_right = True
+    if args.real:
+        real_text, real_right = _real_corpus()
+        print("\n" + real_text)
+        text += "\n\n" + real_text
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
     if args.json:
@@ -303,7 +317,25 @@ def main(argv: list[str] | None = None) -> int:
         o.case.fault == "healthy" and (o.found_guilty or o.found_kind != "healthy")
         for o in outcomes
     )
-    return 0 if exact_guilty >= 0.99 and not blamed else 1
+    return 0 if exact_guilty >= 0.99 and not blamed and real_right else 1
+
+
+def _real_corpus() -> tuple[str, bool]:
+    """Every corpus case, each job run once: the markdown table and whether all were right."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import torch
+
+    from tests.corpus.cases import CASES
+    from tests.corpus.report import run_corpus, table
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="frtools-corpus-") as tmp:
+        outcomes = run_corpus(list(CASES), Path(tmp), log=lambda m: print(m, file=sys.stderr))
+    head = (
+        f"### Real jobs ({len(outcomes)} corpus cases, torch {torch.__version__}, "
+        f"{time.perf_counter() - t0:.0f} s)\n\n"
+    )
+    return head + table(outcomes), all(o.right for o in outcomes)
 
 
 if __name__ == "__main__":

@@ -217,3 +217,15 @@ CASES: tuple[Case, ...] = (
 
 BY_ID = {c.id: c for c in CASES}
 JOBS = {c.id: c for c in CASES if c.run_of is None}  # one job run per entry
+
+# Real-job dump sets committed to sample_dumps/ (name -> (corpus case, torch series it was
+# recorded with)); ``python scripts/make_sample_dumps.py --real`` under that torch
+# regenerates them and sample_dumps/README.md states each one's verdict.
+SAMPLES: dict[str, tuple[str, str]] = {
+    "moe-healthy": ("moe8-healthy-fr", "2.13"),
+    "crashed": ("ddp-sigkill-r2-fr", "2.13"),
+    "crashed-frtools": ("ddp-sigkill-r2-frtools", "2.13"),
+    "torch2.15-moe-healthy": ("moe8-healthy-fr", "2.15"),
+    "torch2.15-crashed": ("multigroup-segfault-r2-fr", "2.15"),
+    "torch2.15-order": ("multigroup-order-r1-fr", "2.15"),
+}
