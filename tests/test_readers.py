@@ -775,3 +775,37 @@ def test_dump_without_collectives_still_gives_the_rank_and_its_group_status(
     assert trace.ranks[2].pg_status["0"]["last_completed_collective"] == 3
     note = next(i for i in trace.inputs if i.path.endswith("rank_2.pkl"))
     assert note.status == "ok" and "includeCollectives=False" in note.reason
+
+
+# --- torch 2.15: hook recorder names, Gloo's placeholder pg_config -------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("profiling_name", "op"),
+    [
+        ("nccl2:all_reduce", "all_reduce"),  # nccl2 through c10d's FlightRecorderHook
+        ("c10d:all_to_all", "all_to_all"),  # the hook's fallback prefix
+        ("gloo:reduce_scatter", "reduce_scatter"),
+        ("nccl2:send 0->1", "send"),
+    ],
+)
+def test_torch_2_15_op_names_read_as_the_op(profiling_name: str, op: str, tmp_path: Path) -> None:
+    dump = fr_dump("2.10", n=1)
+    dump["entries"][0]["profiling_name"] = profiling_name
+    rows = load_trace(write_pickle(tmp_path / "rank_0.pkl", dump)).entries.to_pylist()
+    assert rows[0]["op"] == op and rows[0]["profiling_name"] == profiling_name
+
+
+@pytest.mark.timeout(30)
+def test_torch_2_15_gloo_placeholder_membership_is_not_believed(tmp_path: Path) -> None:
+    """torch 2.15's Gloo dumps carry ``{'': {'ranks': '[0, 1]'}}`` on every rank of any world
+    (2.13 wrote '[]'): a nameless placeholder, never a group's membership."""
+    for rank in range(4):
+        dump = fr_dump("2.10", n=2)
+        dump["pg_config"] = {"": {"name": "", "desc": "", "ranks": "[0, 1]"}}
+        write_pickle(tmp_path / f"rank_{rank}.pkl", dump)
+    trace = load_trace(tmp_path)
+    assert "" not in trace.process_groups
+    world = trace.process_groups["0"]
+    assert world.inferred and world.ranks == (0, 1, 2, 3)
