@@ -809,3 +809,53 @@ def test_torch_2_15_gloo_placeholder_membership_is_not_believed(tmp_path: Path) 
     assert "" not in trace.process_groups
     world = trace.process_groups["0"]
     assert world.inferred and world.ranks == (0, 1, 2, 3)
+
+
+def _recorder_files(root: Path, rank: int, tp_ops: int) -> None:
+    """One rank as ``frtools dump --torch-sockets`` collects it from torch 2.15 on mixed
+    groups: Gloo's recorder (world group), the nccl2 recorder c10d's hook fills (its
+    tensor-parallel group), and ProcessGroupNCCL's, empty."""
+    world = fr_dump("2.10", n=3)
+    world["pg_config"] = {"": {"name": "", "desc": "", "ranks": "[0, 1]"}}  # 2.15 Gloo
+    for e in world["entries"]:
+        e["profiling_name"] = "gloo:all_reduce"
+    (root / f"rank_{rank}.json").write_text(json.dumps(world))
+    tp_name = "1" if rank < 2 else "2"
+    tp = fr_dump("2.10", n=tp_ops)
+    tp["pg_config"] = {
+        tp_name: {"name": tp_name, "desc": "tensor_parallel", "ranks": str([rank & ~1, rank | 1])}
+    }
+    for e in tp["entries"]:
+        e.update(profiling_name="nccl2:all_gather", pg_id=1, process_group=(tp_name, "tp"))
+        e["time_created_ns"] += 10_000
+    if tp["entries"]:
+        tp["entries"][-1].update(state="started", retired=False)
+    (root / f"rank_{rank}.nccl2.json").write_text(json.dumps(tp))
+    empty = {"version": "2.10", "pg_config": {}, "pg_status": {}, "entries": []}
+    write_pickle(root / f"rank_{rank}.pkl", empty)
+
+
+@pytest.mark.timeout(30)
+def test_records_of_one_rank_from_several_recorders_are_merged(tmp_path: Path) -> None:
+    for rank in range(4):
+        _recorder_files(tmp_path, rank, tp_ops=2 if rank == 3 else 3)
+    trace = load_trace(tmp_path)
+    rows = trace.entries.to_pylist()
+    assert {(r["rank"], r["pg_name"]) for r in rows} == {
+        (r, g) for r in range(4) for g in ("0", "1" if r < 2 else "2")
+    }
+    assert len(rows) == 4 * 3 + 3 * 3 + 2
+    assert trace.process_groups["2"].ranks == (2, 3) and not trace.process_groups["2"].inferred
+    by_path = {Path(i.path).name: i for i in trace.inputs}
+    kept = Path(trace.ranks[3].source).name  # the newest: nccl2's
+    other = ({"rank_3.json", "rank_3.nccl2.json"} - {kept}).pop()
+    assert by_path[kept].status == by_path[other].status == "ok"
+    assert by_path[other].reason == f"another recorder of rank 3, merged with {tmp_path / kept}"
+    assert by_path["rank_3.pkl"].status == "duplicate"
+    assert "nothing beyond the other record of rank 3" in by_path["rank_3.pkl"].reason
+
+    from frtools.analyze.diagnose import diagnose
+
+    verdict = diagnose(trace)
+    assert verdict.kind == "missing", verdict.headline
+    assert [g.rank for g in verdict.guilty] == [3] and verdict.process_group.name == "2"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from frtools.formats.manifest import MANIFEST_NAME, STACKS_SUFFIX
 from frtools.model.trace import InputFile, ProcessGroup, Trace, concat_entries
@@ -274,6 +275,53 @@ def _newest_first(results: Iterable[FileResult]) -> list[FileResult]:
     return sorted(results, key=key, reverse=True)
 
 
+def _groups_recorded(dump: RankDump) -> set[str]:
+    return set(pc.unique(dump.entries.column("pg_name")).to_pylist()) - {None}
+
+
+def _other_recorders(ordered: list[FileResult]) -> tuple[list[FileResult], list[FileResult]]:
+    """Split a rank's files (newest first) after the first into other recorders and older
+    copies. torch 2.15 keeps one Flight Recorder per backend (Gloo's, ProcessGroupNCCL's,
+    the one c10d's hook fills for nccl2): a rank on mixed groups has several records, each
+    of other groups, and together they are its record. A file whose groups overlap the
+    kept ones', or that holds no op, is an older or poorer copy."""
+    assert ordered[0].dump is not None
+    seen = _groups_recorded(ordered[0].dump)
+    others, older = [], []
+    for r in ordered[1:]:
+        assert r.dump is not None
+        groups = _groups_recorded(r.dump)
+        if groups and seen and not groups & seen:
+            others.append(r)
+            seen |= groups
+        else:
+            older.append(r)
+    return others, older
+
+
+def _merge_recorders(keep: RankDump, others: list[RankDump]) -> RankDump:
+    """One rank's record from several recorders' files (disjoint groups)."""
+    if not others:
+        return keep
+    for o in others:
+        for name, g in o.process_groups.items():
+            if name not in keep.process_groups or (g.ranks and not keep.process_groups[name].ranks):
+                keep.process_groups[name] = g
+        for name, status in o.rank_info.pg_status.items():
+            keep.rank_info.pg_status.setdefault(name, status)
+        keep.unmapped_peer_groups |= o.unmapped_peer_groups
+        keep.bad_entries += o.bad_entries
+        keep.notes.extend(o.notes)
+        keep.default_pg_all = keep.default_pg_all or o.default_pg_all
+        keep.rank_info.wrapped = keep.rank_info.wrapped or o.rank_info.wrapped
+        if o.rank_info.stacks and not keep.rank_info.stacks:
+            keep.rank_info.stacks = o.rank_info.stacks
+        times = [t for t in (keep.max_time_created_ns, o.max_time_created_ns) if t is not None]
+        keep.max_time_created_ns = max(times) if times else None
+    keep.entries = concat_entries([keep.entries, *(o.entries for o in others)])
+    return keep
+
+
 def _merge_groups(dumps: Sequence[RankDump]) -> dict[str, ProcessGroup]:
     """Membership from the files that list it (the most common list where they disagree);
     where none does, from which ranks recorded ops on the group (``inferred``)."""
@@ -392,11 +440,18 @@ def load_trace(
         ordered = _newest_first(candidates)
         keep = ordered[0]
         assert keep.dump is not None
-        chosen[rank] = keep.dump
+        others, older = _other_recorders(ordered)
+        chosen[rank] = _merge_recorders(keep.dump, [r.dump for r in others])  # type: ignore[misc]
         kept_inputs[rank] = keep.input
-        for older in ordered[1:]:
-            older.input.status = "duplicate"
-            older.input.reason = f"older dump of rank {rank}; using {keep.input.path}"
+        for r in others:
+            _add_reason(r.input, f"another recorder of rank {rank}, merged with {keep.input.path}")
+        for r in older:
+            r.input.status = "duplicate"
+            r.input.reason = (
+                f"older dump of rank {rank}; using {keep.input.path}"
+                if r.dump is not None and r.dump.entries.num_rows
+                else f"nothing beyond the other record of rank {rank}; using {keep.input.path}"
+            )
         for r in ordered[1:]:
             r.dump = None  # let go of the table
 
