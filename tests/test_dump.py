@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from frtools.analyze.diagnose import IN_FLIGHT_NS
 from frtools.analyze.readers import load_trace
 from frtools.analyze.readers.side_files import apply_side_files
 from frtools.analyze.stacks import stacks_summary
+from frtools.collect.torch_fr import holds_ops
 
 WORLD = 4
 GUILTY = 2
@@ -362,3 +364,27 @@ def test_torch_fr_sockets_are_collected_and_analyzed(compute_job):
     analysis = frtools("analyze", str(out))
     assert analysis.returncode == 1, analysis.stdout + analysis.stderr
     assert "Rank 2" in analysis.stdout
+
+
+# What torch 2.15's CUDA build answers ``dump_nccl_trace_pickle`` / ``fr_trace_json?backend=``
+# with when that recorder holds nothing (captured from a real Gloo job).
+EMPTY_NCCL_PICKLE_2_15 = (
+    b"\x80\x02}(X\x07\x00\x00\x00versionq\x00X\x04\x00\x00\x002.10q\x01X\t\x00\x00\x00"
+    b"pg_configq\x02}(uX\x10\x00\x00\x00comm_lib_versionq\x03X\x00\x00\x00\x00q\x04X\t\x00"
+    b"\x00\x00pg_statusq\x05}(uX\x07\x00\x00\x00entriesq\x06](euq\x07."
+)
+EMPTY_FR_JSON_2_15 = (
+    b'{"comm_lib_version":"","nccl_comm_state":{},"pg_config":{},"pg_status":{},"version":"2.10"}'
+)
+
+
+def test_empty_recorder_answers_are_told_from_traces_with_ops() -> None:
+    assert pickle.loads(EMPTY_NCCL_PICKLE_2_15)["entries"] == []
+    assert not holds_ops(EMPTY_NCCL_PICKLE_2_15)
+    assert not holds_ops(EMPTY_FR_JSON_2_15)
+    assert not holds_ops(b'{"entries": [ ], "version": "2.10"}')
+    for sample in ("healthy/rank_0.pkl", "torch2.15-order/rank_1.pkl"):
+        assert holds_ops(
+            (Path(__file__).resolve().parent.parent / "sample_dumps" / sample).read_bytes()
+        ), sample
+    assert holds_ops(b'{"entries":[{"record_id":0}],"version":"2.10"}')

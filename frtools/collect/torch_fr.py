@@ -7,7 +7,13 @@ build and the backend (checked on torch 2.13):
   starts a ``_WorkerServer`` on ``TORCH_WORKER_SERVER_SOCKET``): HTTP over a unix socket,
   ``POST /handler/<name>``. Every build has ``fr_trace_json`` (the generic recorder that
   Gloo feeds when ``TORCH_FR_BUFFER_SIZE`` > 0) and ``dump_traceback`` (all Python stacks);
-  CUDA builds add ``dump_nccl_trace_pickle`` / ``dump_nccl_trace_json``.
+  CUDA builds add ``dump_nccl_trace_pickle`` / ``dump_nccl_trace_json``. torch 2.15 keeps
+  one recorder per backend and ``fr_trace_json?backend=<name>`` picks one (Gloo's by
+  default; c10d's hook records nccl2 groups into ``nccl2``'s); 2.13 ignores the argument.
+  A CUDA build answers ``dump_nccl_trace_pickle`` with an empty trace when the job has no
+  ProcessGroupNCCL (Gloo, or nccl2 on 2.15). So every recorder is asked, and each answer
+  that holds ops is kept (a byte-identical second answer is dropped); the analyzer merges
+  a rank's files that record different groups.
 * **Debug servers** (``torch.distributed.debug.start_debug_server``): the same handlers on
   TCP; each rank publishes ``http://host:port`` under ``debug_server/rank<R>`` in the job's
   TCPStore.
@@ -38,11 +44,26 @@ from pathlib import Path
 from frtools.formats.manifest import STACKS_SUFFIX, Manifest, RankEntry, rank_file_name
 from frtools.formats.torch_fr import DUMP_FILE_PREFIX
 
-# Handlers tried in order for the trace: the NCCL pickle is richer where it exists.
+# Every recorder a rank may hold, and the file each answer lands in (``rank_<R><suffix>``).
 _TRACE_HANDLERS = (
-    ("dump_nccl_trace_pickle", ".pkl"),
-    ("fr_trace_json", ".json"),
+    ("dump_nccl_trace_pickle", ".pkl"),  # ProcessGroupNCCL's (richer: call sites)
+    ("fr_trace_json", ".json"),  # the generic one: Gloo's
+    ("fr_trace_json?backend=nccl2", ".nccl2.json"),  # torch 2.15: nccl2 groups (hook)
 )
+# PyTorch writes an empty trace as ``"entries":[]`` or without the key (JSON), and as
+# ``X\x07\x00\x00\x00entries`` + a memo put + EMPTY_LIST MARK APPENDS (pickle).
+_EMPTY_JSON = re.compile(rb'"entries"\s*:\s*\[\s*\]')
+_EMPTY_PICKLE = re.compile(rb"\x07\x00\x00\x00entries(?:q.|r....)?\]\(e", re.DOTALL)
+
+
+def holds_ops(body: bytes) -> bool:
+    """Whether a trace answer may hold an op: False only when it surely holds none (an
+    answer that cannot be told is kept; the analyzer reads it for real)."""
+    if b"entries" not in body:
+        return False
+    return not (_EMPTY_JSON.search(body) or _EMPTY_PICKLE.search(body))
+
+
 _STACKS_HANDLER = "dump_traceback"
 DEFAULT_NCCL_DUMP_PREFIX = f"/tmp/{DUMP_FILE_PREFIX}"
 
@@ -94,20 +115,25 @@ def _collect_worker(
     entry: RankEntry,
     deadline: float,
 ) -> None:
+    answers: list[tuple[str, bytes]] = []
     try:
         for handler, suffix in _TRACE_HANDLERS:
             body = _post(conn_factory, handler, deadline)
-            if body is not None:
-                name = rank_file_name(rank, suffix)
-                (out_dir / name).write_bytes(body)
-                entry.files.append(name)
-                entry.answered = True
-                break
-        else:
-            entry.note = "no Flight Recorder handler on this worker"
+            if body is not None and all(body != b for _, b in answers):
+                answers.append((suffix, body))
     except (OSError, http.client.HTTPException) as exc:
-        entry.note = f"no answer: {exc or type(exc).__name__}"
-        return
+        if not answers:
+            entry.note = f"no answer: {exc or type(exc).__name__}"
+            return
+    if not answers:
+        entry.note = "no Flight Recorder handler on this worker"
+    # each recorder that holds ops; an empty trace only when none does (the rank answered)
+    kept = [a for a in answers if holds_ops(a[1])] or answers[-1:]
+    for suffix, body in kept:
+        name = rank_file_name(rank, suffix)
+        (out_dir / name).write_bytes(body)
+        entry.files.append(name)
+        entry.answered = True
     try:
         stacks = _post(conn_factory, _STACKS_HANDLER, deadline)
     except (OSError, http.client.HTTPException) as exc:
