@@ -31,7 +31,7 @@ def _optional(name: str) -> ModuleType | None:
 
 
 def _readers() -> tuple[ModuleType, ...]:
-    found = [m for m in (_optional("frtools_snapshot"),) if m is not None]
+    found = [m for m in (_optional("frtools_snapshot"), _optional("summary")) if m is not None]
     return (*found, torch_pickle, torch_json)
 
 

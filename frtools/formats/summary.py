@@ -1,0 +1,621 @@
+"""The rank summary: the part of one rank's black box a verdict needs, small enough to send.
+
+A black box holds thousands of ops; a diagnosis needs a few hundred: who the rank is, each
+process group's frontier (last issued / started / completed sequence ids), the ops that did
+not complete, the last ``window`` ops, the Python stacks and the failure facts. A summary is
+that, as one compact JSON document (docs/summary-format.md is the contract):
+
+* ``summarize(snapshot)`` computes it from a black box (``formats.blackbox.read_snapshot``);
+* ``encode`` / ``decode`` write and read it; ``decode`` treats its input as hostile (every
+  field type-checked, every size bounded, one ``SummaryError`` line when refused);
+* a *host summary* is a list of rank summaries in one document (``encode_host``), so that a
+  per-host step can ship one file for all the ranks it collected.
+
+Used by ``frtools.recovery`` (ranks publish theirs through the job's store when a hang is
+flagged), and read by the analyzer (``analyze/readers/summary.py``): ``frtools analyze`` of a
+folder of summaries gives the same verdict as of the black boxes they came from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from frtools.formats.blackbox import STATE_NAMES, Snapshot
+from frtools.model.ranks import MAX_WORLD_SIZE, RankTextError, format_ranks, parse_ranks
+
+__all__ = [
+    "DEFAULT_WINDOW",
+    "FORMAT",
+    "HOST_KIND",
+    "RANK_KIND",
+    "SUFFIX",
+    "VERSION",
+    "RankSummary",
+    "SummaryEntry",
+    "SummaryError",
+    "SummaryGroup",
+    "decode",
+    "encode",
+    "encode_host",
+    "file_name",
+    "last_stacks",
+    "looks_like_summary",
+    "summarize",
+]
+
+FORMAT = "frtools-summary"
+VERSION = 1
+RANK_KIND = "rank"
+HOST_KIND = "host"
+SUFFIX = ".summary.json"
+
+# What a summary keeps by default: the last DEFAULT_WINDOW ops (PyTorch's analyzer and
+# frtools' order rule look at a few hundred), every op that did not complete, up to
+# MAX_PENDING, and the top STACK_FRAMES frames of each op's call stack.
+DEFAULT_WINDOW = 256
+MAX_PENDING = 256
+STACK_FRAMES = 16
+
+# Bounds a reader enforces (a summary is hostile input until proven otherwise).
+MAX_ENTRIES = 4096  # per rank
+MAX_STRINGS = 8192  # per rank
+MAX_STRING_CHARS = 16384  # one string: a call stack of STACK_FRAMES frames fits easily
+MAX_STACKS_CHARS = 65536  # the faulthandler text of all threads, its tail
+MAX_GROUPS = 4096  # process groups per rank
+MAX_IDENTITY_CHARS = 512  # one identity value
+MAX_NOTES = 32
+MAX_RANK_BYTES = 4 << 20  # one rank's document
+MAX_HOST_RANKS = 1024  # rank summaries in a host summary
+MAX_DOCUMENT_BYTES = 256 << 20  # a host summary
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+# Per-entry columns, in the order each row of ``entries`` lists them. ``s`` columns are
+# indexes into ``strings`` (0 is "": none), ``i`` integers, ``n`` integer or null,
+# ``f`` number or null, ``b`` 0/1.
+ENTRY_COLUMNS = (
+    ("record_id", "i"),
+    ("group", "i"),  # index into "groups"; -1: unknown
+    ("collective_seq_id", "i"),
+    ("p2p_seq_id", "i"),
+    ("is_p2p", "b"),
+    ("op", "s"),  # the profiling name as recorded: "gloo:all_reduce"
+    ("peer", "n"),  # P2P peer, a global rank
+    ("input_sizes", "s"),
+    ("output_sizes", "s"),
+    ("input_dtypes", "s"),
+    ("output_dtypes", "s"),
+    ("state", "s"),  # "scheduled", "started", "completed"
+    ("time_created_ns", "i"),
+    ("time_started_ns", "n"),
+    ("time_completed_ns", "n"),
+    ("duration_ms", "f"),
+    ("thread_id", "s"),
+    ("thread_name", "s"),
+    ("stack", "s"),  # "file:line in func" lines, innermost first
+    ("error", "s"),  # how the op failed, as the backend said ("" : did not fail / unknown)
+)
+_COLUMN_NAMES = tuple(name for name, _ in ENTRY_COLUMNS)
+_IDENTITY_KEYS = (
+    "job_id",
+    "host",
+    "pid",
+    "local_rank",
+    "device",
+    "device_id",
+    "torch_version",
+    "backend",
+    "comm_lib_version",
+    "launch_rank",
+)
+_STATES = frozenset(STATE_NAMES[1:])
+_HEAD = re.compile(rb'^\s*\{\s*"format"\s*:\s*"' + FORMAT.encode() + rb'"')
+
+
+class SummaryError(ValueError):
+    """Not a usable summary; the message is a one-line reason."""
+
+
+@dataclass
+class SummaryGroup:
+    """A process group as this rank knows it: global member ranks and its frontier."""
+
+    name: str
+    desc: str
+    ranks: tuple[int, ...]
+    last_enqueued_collective: int = -1
+    last_started_collective: int = -1
+    last_completed_collective: int = -1
+    last_enqueued_p2p: int = -1
+    last_completed_p2p: int = -1
+
+
+@dataclass
+class SummaryEntry:
+    """One recorded op (the black box's slot, strings resolved)."""
+
+    record_id: int
+    group: int
+    collective_seq_id: int
+    p2p_seq_id: int
+    is_p2p: bool
+    op: str
+    peer: int | None
+    input_sizes: str
+    output_sizes: str
+    input_dtypes: str
+    output_dtypes: str
+    state: str
+    time_created_ns: int
+    time_started_ns: int | None = None
+    time_completed_ns: int | None = None
+    duration_ms: float | None = None
+    thread_id: str = ""
+    thread_name: str = ""
+    stack: str = ""
+    error: str = ""
+
+
+@dataclass
+class RankSummary:
+    """What a verdict needs of one rank (see the module docstring).
+
+    ``rank`` is the global rank the summary speaks for. ``wrapped``: older ops exist that the
+    summary does not hold (the ring wrapped, or they are outside the window). ``stalled``:
+    the rank knows it is blocked (its watchdog flagged a stall, or a collective failed on
+    it); None when no watchdog ran. ``heartbeat_ns``: the rank was last seen alive (its
+    watchdog's beat); ``taken_ns``: when the summary was computed.
+    """
+
+    rank: int
+    world_size: int | None
+    identity: dict[str, Any]
+    groups: list[SummaryGroup]
+    entries: list[SummaryEntry]
+    taken_ns: int
+    heartbeat_ns: int | None = None
+    stalled: bool | None = None
+    alive: bool | None = None
+    wrapped: bool = False
+    records_written: int = 0
+    omitted: int = 0  # ops of the record the summary left out
+    exit_kind: str | None = None
+    exit_detail: str | None = None
+    stacks: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def pending(self) -> list[SummaryEntry]:
+        """The ops that did not complete, oldest first."""
+        return [e for e in self.entries if e.state != "completed"]
+
+
+# -- from a black box ----------------------------------------------------------------------
+
+
+def _stack_head(text: str, frames: int = STACK_FRAMES) -> str:
+    lines = text.split("\n")
+    return "\n".join(lines[:frames])[:MAX_STRING_CHARS]
+
+
+def last_stacks(text: str | None) -> str | None:
+    """A stacks text (faulthandler's, appended dump after dump) bounded to its last
+    ``MAX_STACKS_CHARS``, cut at a line start: the newest dump is what a reader uses.
+    None when there is none."""
+    if not text or not text.strip():
+        return None
+    if len(text) <= MAX_STACKS_CHARS:
+        return text
+    tail = text[-MAX_STACKS_CHARS:]
+    return tail[tail.find("\n") + 1 :]
+
+
+def summarize(
+    snapshot: Snapshot,
+    *,
+    window: int = DEFAULT_WINDOW,
+    since_record_id: int = 0,
+    stacks: str | None = None,
+    taken_ns: int | None = None,
+) -> RankSummary:
+    """The summary of a black box: its last ``window`` ops from ``since_record_id`` on, the
+    older ones from there that did not complete (up to ``MAX_PENDING``), its groups'
+    frontiers, its identity and watchdog facts; ``stacks``: the rank's faulthandler text."""
+    if not 0 < window <= MAX_ENTRIES - MAX_PENDING:
+        raise ValueError(f"window must be 1..{MAX_ENTRIES - MAX_PENDING}")
+    ident = snapshot.identity
+    header = snapshot.header
+    slots = snapshot.slots
+    rid = slots["record_id"]
+    current = slots[rid >= since_record_id] if since_record_id > 0 else slots
+    recent = current[-window:]
+    older = current[: max(0, len(current) - window)]
+    stuck = older[older["state"] != STATE_NAMES.index("completed")][:MAX_PENDING]
+    kept = np.concatenate([stuck, recent]) if len(stuck) else recent
+    omitted = int(snapshot.records_written) - len(kept)
+    strings: dict[int, str] = {}
+
+    def text(sid: Any) -> str:
+        sid = int(sid)
+        value = strings.get(sid)
+        if value is None:
+            value = strings[sid] = snapshot.string(sid)[:MAX_STRING_CHARS]
+        return value
+
+    stack_texts: dict[int, str] = {}
+    entries = []
+    for s in kept.tolist() if len(kept) else ():
+        row = dict(zip(kept.dtype.names, s, strict=True))
+        stack_id = int(row["stack"])
+        stack = stack_texts.get(stack_id)
+        if stack is None:
+            stack = stack_texts[stack_id] = _stack_head(text(stack_id))
+        duration = float(row["duration_ms"])
+        entries.append(
+            SummaryEntry(
+                record_id=int(row["record_id"]),
+                group=int(row["pg"]) if 0 <= int(row["pg"]) < len(snapshot.groups) else -1,
+                collective_seq_id=int(row["collective_seq_id"]),
+                p2p_seq_id=int(row["p2p_seq_id"]),
+                is_p2p=bool(row["is_p2p"]),
+                op=text(row["op"]),
+                peer=int(row["peer"]) if int(row["peer"]) >= 0 else None,
+                input_sizes=text(row["input_sizes"]),
+                output_sizes=text(row["output_sizes"]),
+                input_dtypes=text(row["input_dtypes"]),
+                output_dtypes=text(row["output_dtypes"]),
+                state=STATE_NAMES[int(row["state"])],
+                time_created_ns=int(row["time_created_ns"]),
+                time_started_ns=int(row["time_started_ns"]) or None,
+                time_completed_ns=int(row["time_completed_ns"]) or None,
+                duration_ms=None if math.isnan(duration) else duration,
+                thread_id=str(int(row["thread_id"])),
+                thread_name=text(row["thread_name"]),
+                stack=stack,
+            )
+        )
+    groups = [
+        SummaryGroup(
+            name=g.name,
+            desc=g.desc,
+            ranks=tuple(g.ranks),
+            last_enqueued_collective=int(g.last_enqueued_collective),
+            last_started_collective=int(g.last_started_collective),
+            last_completed_collective=int(g.last_completed_collective),
+            last_enqueued_p2p=int(g.last_enqueued_p2p),
+            last_completed_p2p=int(g.last_completed_p2p),
+        )
+        for g in snapshot.groups[:MAX_GROUPS]
+    ]
+    rank = _int_or_none(ident.get("rank"))
+    if rank is None:
+        raise SummaryError("the black box names no rank (its identity has none)")
+    watchdog_ran = int(header["watchdog_state"]) != 0
+    heartbeat = int(header["heartbeat_ns"])
+    return RankSummary(
+        rank=rank,
+        world_size=_int_or_none(ident.get("world_size")),
+        identity=_clean_identity(ident),
+        groups=groups,
+        entries=entries,
+        taken_ns=time.time_ns() if taken_ns is None else taken_ns,
+        heartbeat_ns=heartbeat if heartbeat > 0 else None,
+        stalled=bool(header["stalled"]) if watchdog_ran else None,
+        wrapped=bool(snapshot.wrapped or omitted > 0),
+        records_written=int(snapshot.records_written),
+        omitted=max(0, omitted),
+        stacks=last_stacks(stacks),
+        notes=list(snapshot.notes)[:MAX_NOTES],
+    )
+
+
+def _int_or_none(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
+
+
+def _clean_identity(ident: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in _IDENTITY_KEYS:
+        value = ident.get(key)
+        if value is None or isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            if _INT64[0] <= value <= _INT64[1]:
+                out[key] = value
+        elif isinstance(value, str):
+            out[key] = value[:MAX_IDENTITY_CHARS]
+    return out
+
+
+# -- writing -------------------------------------------------------------------------------
+
+
+def _document(summary: RankSummary) -> dict[str, Any]:
+    table: dict[str, int] = {"": 0}
+    strings: list[str] = [""]
+
+    def sid(value: str) -> int:
+        i = table.get(value)
+        if i is None:
+            i = table[value] = len(strings)
+            strings.append(value)
+        return i
+
+    rows = []
+    for e in summary.entries:
+        row = []
+        for name, kind in ENTRY_COLUMNS:
+            value = getattr(e, name)
+            if kind == "s":
+                row.append(sid(value or ""))
+            elif kind == "b":
+                row.append(1 if value else 0)
+            else:
+                row.append(value)
+        rows.append(row)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": RANK_KIND,
+        "rank": summary.rank,
+        "world_size": summary.world_size,
+        "identity": summary.identity,
+        "taken_ns": summary.taken_ns,
+        "heartbeat_ns": summary.heartbeat_ns,
+        "stalled": summary.stalled,
+        "alive": summary.alive,
+        "wrapped": summary.wrapped,
+        "records_written": summary.records_written,
+        "omitted": summary.omitted,
+        "exit": {"kind": summary.exit_kind, "detail": summary.exit_detail},
+        "groups": [
+            {
+                "name": g.name,
+                "desc": g.desc,
+                "ranks": format_ranks(g.ranks, strides=True) if g.ranks else "",
+                "frontier": [
+                    g.last_enqueued_collective,
+                    g.last_started_collective,
+                    g.last_completed_collective,
+                    g.last_enqueued_p2p,
+                    g.last_completed_p2p,
+                ],
+            }
+            for g in summary.groups
+        ],
+        "columns": list(_COLUMN_NAMES),
+        "strings": strings,
+        "entries": rows,
+        "stacks": summary.stacks,
+        "notes": summary.notes,
+    }
+
+
+def encode(summary: RankSummary) -> bytes:
+    """One rank summary as compact JSON (UTF-8)."""
+    return json.dumps(_document(summary), separators=(",", ":"), allow_nan=False).encode()
+
+
+def encode_host(summaries: Sequence[RankSummary], host: str | None = None) -> bytes:
+    """A host summary: several rank summaries (one host's ranks) in one document."""
+    if len(summaries) > MAX_HOST_RANKS:
+        raise ValueError(f"a host summary holds at most {MAX_HOST_RANKS} ranks")
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": HOST_KIND,
+        "host": host,
+        "ranks": [_document(s) for s in summaries],
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def file_name(rank: int) -> str:
+    """``rank_<R>.summary.json``: the analyzer takes the rank from the content, people from
+    the name."""
+    return f"rank_{rank}{SUFFIX}"
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def looks_like_summary(head: bytes) -> bool:
+    """Whether the first bytes of a file are a summary's (the writer puts "format" first)."""
+    return bool(_HEAD.match(head))
+
+
+def decode(data: bytes | str) -> list[RankSummary]:
+    """The rank summaries in a document (one for a rank summary, several for a host
+    summary). Raises ``SummaryError`` for anything that is not a valid, bounded summary."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if len(raw) > MAX_DOCUMENT_BYTES:
+        raise SummaryError(f"summary of {len(raw)} bytes exceeds {MAX_DOCUMENT_BYTES}")
+    try:
+        doc = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise SummaryError("summary nests too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SummaryError(f"summary is not valid JSON: {str(e)[:120]}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise SummaryError("not an frtools summary (no \"format\": \"frtools-summary\")")
+    version = doc.get("version")
+    if version != VERSION:
+        raise SummaryError(f"unsupported summary version {version!r} (this frtools reads {VERSION})")
+    kind = doc.get("kind")
+    if kind == RANK_KIND:
+        if len(raw) > MAX_RANK_BYTES:
+            raise SummaryError(f"rank summary of {len(raw)} bytes exceeds {MAX_RANK_BYTES}")
+        return [_rank(doc)]
+    if kind == HOST_KIND:
+        ranks = doc.get("ranks")
+        if not isinstance(ranks, list):
+            raise SummaryError("host summary without a list of ranks")
+        if len(ranks) > MAX_HOST_RANKS:
+            raise SummaryError(f"host summary of {len(ranks)} ranks exceeds {MAX_HOST_RANKS}")
+        out = []
+        for i, item in enumerate(ranks):
+            if not isinstance(item, dict) or item.get("kind") != RANK_KIND:
+                raise SummaryError(f"host summary item {i} is not a rank summary")
+            out.append(_rank(item))
+        return out
+    raise SummaryError(f"unknown summary kind {kind!r} (rank or host)")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _want(cond: bool, what: str) -> None:
+    if not cond:
+        raise SummaryError(what)
+
+
+def _int(value: Any, what: str, lo: int = _INT64[0], hi: int = _INT64[1]) -> int:
+    _want(isinstance(value, int) and not isinstance(value, bool), f"{what} is not an integer")
+    _want(lo <= value <= hi, f"{what} {value} is out of range")
+    return value
+
+
+def _opt_int(value: Any, what: str, lo: int = _INT64[0], hi: int = _INT64[1]) -> int | None:
+    return None if value is None else _int(value, what, lo, hi)
+
+
+def _opt_bool(value: Any, what: str) -> bool | None:
+    _want(value is None or isinstance(value, bool), f"{what} is not true, false or null")
+    return value
+
+
+def _opt_str(value: Any, what: str, limit: int) -> str | None:
+    if value is None:
+        return None
+    _want(isinstance(value, str), f"{what} is not a string")
+    _want(len(value) <= limit, f"{what} is longer than {limit} characters")
+    return value
+
+
+def _rank(doc: dict[str, Any]) -> RankSummary:
+    rank = _int(doc.get("rank"), "rank", 0, MAX_WORLD_SIZE - 1)
+    world = _opt_int(doc.get("world_size"), "world_size", 1, MAX_WORLD_SIZE)
+    _want(world is None or rank < world, f"rank {rank} is not below world_size {world}")
+    ident_raw = doc.get("identity") or {}
+    _want(isinstance(ident_raw, dict), "identity is not an object")
+    identity = _clean_identity(ident_raw)
+    exit_raw = doc.get("exit") or {}
+    _want(isinstance(exit_raw, dict), "exit is not an object")
+    exit_kind = _opt_str(exit_raw.get("kind"), "exit.kind", 32)
+    from frtools.model.trace import EXIT_KINDS  # pyarrow: not in a training process's path
+
+    _want(exit_kind is None or exit_kind in EXIT_KINDS, f"unknown exit kind {exit_kind!r}")
+    strings = doc.get("strings")
+    _want(isinstance(strings, list) and len(strings) >= 1, "strings is not a list")
+    _want(len(strings) <= MAX_STRINGS, f"more than {MAX_STRINGS} strings")
+    for s in strings:
+        _want(isinstance(s, str) and len(s) <= MAX_STRING_CHARS, "a string is too long or not one")
+    _want(strings[0] == "", "strings[0] must be the empty string")
+    groups = _groups(doc.get("groups"))
+    entries = _entries(doc, strings, len(groups))
+    notes_raw = doc.get("notes") or []
+    _want(isinstance(notes_raw, list) and len(notes_raw) <= MAX_NOTES, "notes is not a short list")
+    notes = [_opt_str(n, "a note", 1024) or "" for n in notes_raw]
+    return RankSummary(
+        rank=rank,
+        world_size=world,
+        identity=identity,
+        groups=groups,
+        entries=entries,
+        taken_ns=_int(doc.get("taken_ns"), "taken_ns", 0),
+        heartbeat_ns=_opt_int(doc.get("heartbeat_ns"), "heartbeat_ns", 0),
+        stalled=_opt_bool(doc.get("stalled"), "stalled"),
+        alive=_opt_bool(doc.get("alive"), "alive"),
+        wrapped=bool(_opt_bool(doc.get("wrapped"), "wrapped")),
+        records_written=_int(doc.get("records_written", 0), "records_written", 0),
+        omitted=_int(doc.get("omitted", 0), "omitted", 0),
+        exit_kind=exit_kind,
+        exit_detail=_opt_str(exit_raw.get("detail"), "exit.detail", MAX_STRING_CHARS),
+        stacks=_opt_str(doc.get("stacks"), "stacks", MAX_STACKS_CHARS),
+        notes=notes,
+    )
+
+
+def _groups(raw: Any) -> list[SummaryGroup]:
+    _want(isinstance(raw, list), "groups is not a list")
+    _want(len(raw) <= MAX_GROUPS, f"more than {MAX_GROUPS} groups")
+    out = []
+    for i, g in enumerate(raw):
+        _want(isinstance(g, dict), f"group {i} is not an object")
+        name = _opt_str(g.get("name"), f"group {i} name", MAX_IDENTITY_CHARS) or ""
+        desc = _opt_str(g.get("desc"), f"group {i} desc", MAX_IDENTITY_CHARS) or ""
+        text = _opt_str(g.get("ranks"), f"group {i} ranks", MAX_STRING_CHARS) or ""
+        try:
+            ranks = parse_ranks(text)
+        except RankTextError as e:
+            raise SummaryError(f"group {i} ranks: {e}") from None
+        frontier = g.get("frontier")
+        _want(isinstance(frontier, list) and len(frontier) == 5, f"group {i} frontier")
+        f = [_int(v, f"group {i} frontier", -1) for v in frontier]
+        out.append(SummaryGroup(name, desc, ranks, *f))
+    return out
+
+
+def _entries(doc: dict[str, Any], strings: list[str], n_groups: int) -> list[SummaryEntry]:
+    columns = doc.get("columns")
+    _want(isinstance(columns, list) and all(isinstance(c, str) for c in columns), "columns")
+    where = {name: i for i, name in enumerate(columns)}
+    missing = [name for name in ("record_id", "op", "state", "time_created_ns") if name not in where]
+    _want(not missing, f"columns lack {', '.join(missing)}")
+    rows = doc.get("entries")
+    _want(isinstance(rows, list), "entries is not a list")
+    _want(len(rows) <= MAX_ENTRIES, f"more than {MAX_ENTRIES} entries")
+    n_strings = len(strings)
+    out = []
+    for k, row in enumerate(rows):
+        _want(isinstance(row, list) and len(row) == len(columns), f"entry {k} has the wrong shape")
+        values: dict[str, Any] = {}
+        for name, kind in ENTRY_COLUMNS:
+            i = where.get(name)
+            value = None if i is None else row[i]
+            what = f"entry {k} {name}"
+            if kind == "s":
+                idx = _int(0 if value is None else value, what, 0, n_strings - 1)
+                values[name] = strings[idx]
+            elif kind == "b":
+                values[name] = bool(_int(0 if value is None else value, what, 0, 1))
+            elif kind == "i":
+                values[name] = _int(0 if value is None else value, what)
+            elif kind == "n":
+                values[name] = _opt_int(value, what)
+            else:
+                _want(
+                    value is None
+                    or (isinstance(value, (int, float)) and not isinstance(value, bool)),
+                    f"{what} is not a number",
+                )
+                values[name] = None if value is None else float(value)
+        _want(values["state"] in _STATES, f"entry {k} state {values['state']!r} is unknown")
+        _want(-1 <= values["group"] < max(n_groups, 1) or n_groups == 0, f"entry {k} group")
+        if values["group"] >= n_groups:
+            values["group"] = -1
+        out.append(SummaryEntry(**values))
+    return out
+
+
+def renumbered(
+    summary: RankSummary, rank: int, world_size: int, groups: Iterable[tuple[int, ...]]
+) -> RankSummary:
+    """The same summary speaking for ``rank`` of ``world_size``, with new member lists for
+    its groups (in order): for a job whose ranks were renumbered (a group rebuilt without
+    some members). The caller maps P2P peers itself (they depend on each op's group)."""
+    new_groups = [replace(g, ranks=tuple(r)) for g, r in zip(summary.groups, groups, strict=True)]
+    return replace(summary, rank=rank, world_size=world_size, groups=new_groups)
