@@ -14,9 +14,12 @@ from frtools import __version__
 from frtools.analyze.stacks import StacksSummary
 from frtools.model.trace import InputFile, ProcessGroup
 
-SCHEMA_VERSION = "1.2"  # 1.1: optional top-level "stacks"; 1.2: "inconclusive", "decide"
+SCHEMA_VERSION = "1.3"  # 1.1: "stacks"; 1.2: "inconclusive", "decide"; 1.3: "exclusion"
 
 KINDS = ("healthy", "missing", "dead", "mismatch", "order", "stuck", "straggler", "inconclusive")
+# Kinds whose guilty ranks a job should go on without (a dead or hung rank, a collective
+# stuck on some ranks' devices), for orchestrators that restart or shrink (docs/recovery.md)
+EXCLUDE_KINDS = ("dead", "missing", "stuck")
 
 
 @dataclass
@@ -88,6 +91,18 @@ class Verdict:
         """0 when healthy, 1 for any problem found (the CLI's contract)."""
         return 0 if self.kind == "healthy" else 1
 
+    def exclusion(self) -> dict[str, Any] | None:
+        """The ranks (and their hosts) to leave out when the job restarts or shrinks; None
+        when the verdict names none (its kind is not in ``EXCLUDE_KINDS``, or it blames
+        every expected rank)."""
+        ranks = sorted(set(self.guilty_ranks))
+        if self.kind not in EXCLUDE_KINDS or not ranks:
+            return None
+        if self.ranks_expected and len(ranks) >= self.ranks_expected:
+            return None
+        hosts = sorted({g.host for g in self.guilty if g.host})
+        return {"kind": self.kind, "ranks": ranks, "hosts": hosts}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
@@ -117,4 +132,5 @@ class Verdict:
             },
             "inputs": [i.to_dict() for i in self.inputs],
             **({"stacks": self.stacks.to_dict()} if self.stacks is not None else {}),
+            **({"exclusion": exclusion} if (exclusion := self.exclusion()) else {}),
         }
