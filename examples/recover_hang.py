@@ -39,12 +39,16 @@ import time
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=0, help="launch this many workers (0: I am one)")
-    p.add_argument("--fault", choices=["hang", "kill", "none"], default="hang")
+    p.add_argument("--fault", choices=["hang", "kill", "slow", "none"], default="hang")
     p.add_argument("--fault-rank", type=int, default=3)
     p.add_argument("--fault-step", type=int, default=5)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--hang-seconds", type=float, default=600.0)
     p.add_argument("--stall-seconds", type=float, default=5.0, help="FRTOOLS_STALL_SECONDS")
+    p.add_argument("--slow-ms", type=float, default=80.0, help="--fault slow: late by this")
+    p.add_argument("--straggler-every", type=int, default=0, help="check every N steps")
+    p.add_argument("--drop-stragglers", action="store_true", help="policy: drop them")
+    p.add_argument("--dir", help="FRTOOLS_DIR for the workers (black boxes, incidents)")
     p.add_argument("--timeout", type=float, default=240.0, help="launcher: give up after")
     return p.parse_args(argv)
 
@@ -77,14 +81,14 @@ def launch(args: argparse.Namespace) -> int:
         CUDA_VISIBLE_DEVICES="",
         FRTOOLS_STALL_SECONDS=os.environ.get("FRTOOLS_STALL_SECONDS", str(args.stall_seconds)),
     )
+    if args.dir:
+        env["FRTOOLS_DIR"] = args.dir
     argv = [a for a in sys.argv[1:]]
     procs = []
     for rank in range(args.nproc):
         cmd = [sys.executable, os.path.abspath(__file__), *argv, "--nproc", "0"]
-        procs.append(
-            subprocess.Popen(cmd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
-        )
-    faulty = args.fault_rank if args.fault != "none" else -1
+        procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+    faulty = args.fault_rank if args.fault in ("hang", "kill") or args.drop_stragglers else -1
     survivors = [p for r, p in enumerate(procs) if r != faulty]
     deadline = time.monotonic() + args.timeout
     try:
@@ -119,20 +123,31 @@ def worker(args: argparse.Namespace) -> int:
     launch_rank = int(os.environ["RANK"])
     t_start = time.time()
 
-    def log(*a: object) -> None:
-        print(f"[rank {launch_rank} t={time.time() - t_start:6.2f}s]", *a, flush=True)
+    def log(*a: object) -> None:  # one write per line: 8 ranks share the launcher's pipe
+        line = " ".join([f"[rank {launch_rank} t={time.time() - t_start:6.2f}s]", *map(str, a)])
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
     frtools.recorder.enable()  # the black box, before the default group exists
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    # a hung rank learns it was dropped from frtools' thread and leaves by itself
-    recovery = frtools.recovery.Recovery(frtools.recovery.Policy(exit_when_excluded=True))
-    store = recovery.store
 
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)))
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = torch.Generator().manual_seed(1000 + launch_rank)
     w_true = torch.arange(16, dtype=torch.float32) / 16
+    # after the set-up collectives (DDP's): from here on a collective waiting longer than
+    # FRTOOLS_STALL_SECONDS fails. A hung rank learns it was dropped from frtools' thread
+    # and leaves by itself (under torchrun a rank that never exits would keep the job alive)
+    policy = frtools.recovery.Policy(
+        exit_when_excluded=True,
+        straggler_check_every=args.straggler_every,
+        drop_stragglers=args.drop_stragglers,
+    )
+    recovery = frtools.recovery.Recovery(policy)
+    store = recovery.store
 
     def resync() -> None:
         """After a recovery: every survivor takes the new rank 0's parameters."""
@@ -141,7 +156,14 @@ def worker(args: argparse.Namespace) -> int:
                 dist.broadcast(p.data, src=0)
 
     def train_step(step: int) -> float:
-        if launch_rank == args.fault_rank and step == args.fault_step and args.fault != "none":
+        slow = launch_rank == args.fault_rank and args.fault == "slow"
+        if slow:  # a slow GPU: late into each of the step's collectives
+            time.sleep(args.slow_ms / 2000)
+        if (
+            launch_rank == args.fault_rank
+            and step == args.fault_step
+            and args.fault in ("hang", "kill")
+        ):
             store.set("example/onset", repr(time.time()))
             if args.fault == "kill":
                 log("fault: SIGKILL myself")
@@ -153,6 +175,8 @@ def worker(args: argparse.Namespace) -> int:
         opt.zero_grad()
         loss.backward()  # DDP's all_reduce: raises when a peer hangs or died
         opt.step()
+        if slow:
+            time.sleep(args.slow_ms / 2000)
         stats = torch.tensor([loss.item(), 1.0])
         dist.all_reduce(stats)
         return stats[0].item() / stats[1].item()
@@ -179,10 +203,17 @@ def worker(args: argparse.Namespace) -> int:
             log(f"RECOVERED {time.time() - onset:.2f} s after the hang's onset")
         if dist.get_rank() == 0:
             log(f"step {step}: mean loss {mean_loss:.4f} over {dist.get_world_size()} ranks")
-        recovery.after_step(step)
+        try:
+            if recovery.after_step(step) is not None:  # a straggler was dropped
+                resync()
+        except frtools.recovery.Excluded:
+            log("dropped from the job as a straggler; leaving")
+            return 0
         step += 1
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    log(f"DONE {args.steps} steps on {dist.get_world_size()} ranks; checksum {params.sum().item():.6f}")
+    log(
+        f"DONE {args.steps} steps on {dist.get_world_size()} ranks; checksum {params.sum().item():.6f}"
+    )
     recovery.close()
     dist.destroy_process_group()
     return 0

@@ -449,10 +449,12 @@ def decode(data: bytes | str) -> list[RankSummary]:
     except (ValueError, UnicodeDecodeError) as e:
         raise SummaryError(f"summary is not valid JSON: {str(e)[:120]}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise SummaryError("not an frtools summary (no \"format\": \"frtools-summary\")")
+        raise SummaryError('not an frtools summary (no "format": "frtools-summary")')
     version = doc.get("version")
     if version != VERSION:
-        raise SummaryError(f"unsupported summary version {version!r} (this frtools reads {VERSION})")
+        raise SummaryError(
+            f"unsupported summary version {version!r} (this frtools reads {VERSION})"
+        )
     kind = doc.get("kind")
     if kind == RANK_KIND:
         if len(raw) > MAX_RANK_BYTES:
@@ -573,7 +575,9 @@ def _entries(doc: dict[str, Any], strings: list[str], n_groups: int) -> list[Sum
     columns = doc.get("columns")
     _want(isinstance(columns, list) and all(isinstance(c, str) for c in columns), "columns")
     where = {name: i for i, name in enumerate(columns)}
-    missing = [name for name in ("record_id", "op", "state", "time_created_ns") if name not in where]
+    missing = [
+        name for name in ("record_id", "op", "state", "time_created_ns") if name not in where
+    ]
     _want(not missing, f"columns lack {', '.join(missing)}")
     rows = doc.get("entries")
     _want(isinstance(rows, list), "entries is not a list")

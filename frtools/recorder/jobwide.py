@@ -181,7 +181,9 @@ class JobWideWatcher:
         if self.world_size:
             protocol.set_world_size(self.store, p, self.world_size)
         self._thread.start()
-        before_finalization(lambda: self.stop(join_s=2.0))
+        # a stall's gather may be waiting STALL_GATHER_S for ranks that never answer (a
+        # recovered job drops them and finishes): killed in a store call, we would abort
+        before_finalization(lambda: self.stop(join_s=STALL_GATHER_S + 2.0))
         return self
 
     def stop(self, join_s: float = 0.0) -> None:

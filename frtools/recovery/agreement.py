@@ -122,7 +122,9 @@ class Agreement:
         except (ValueError, TypeError, KeyError):
             return None
 
-    def wait_decision(self, deadline_ns: int, stop: Callable[[], bool] | None = None) -> Decision | None:
+    def wait_decision(
+        self, deadline_ns: int, stop: Callable[[], bool] | None = None
+    ) -> Decision | None:
         while True:
             decision = self.decision()
             if decision is not None or time.time_ns() >= deadline_ns:

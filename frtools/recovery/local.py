@@ -54,9 +54,7 @@ class Eras:
             i: (max(0, g.last_enqueued_collective), max(0, g.last_enqueued_p2p))
             for i, g in enumerate(snap.groups)
         }
-        self.eras.append(
-            Era(list(members), int(snap.records_written), len(snap.groups), base)
-        )
+        self.eras.append(Era(list(members), int(snap.records_written), len(snap.groups), base))
 
     def era_of_group(self, row: int) -> Era:
         for era in reversed(self.eras):

@@ -64,10 +64,10 @@ def unavailable_reason() -> str | None:
     """Why this process cannot recover by dropping ranks; None when it can."""
     if not (dist.is_available() and dist.is_initialized()):
         return "call it after init_process_group (it works on the default process group)"
-    if not hasattr(dist, "_reconfigure") and not hasattr(dist, "shrink_group"):
+    if not hasattr(dist, "_reconfigure"):  # new in 2.15, with Gloo's reconfigure
         return (
-            f"frtools.recovery needs torch >= {TORCH_REQUIRED} (dist.shrink_group or "
-            f"dist._reconfigure); this is torch {torch.__version__}"
+            f"frtools.recovery needs torch >= {TORCH_REQUIRED} (dist._reconfigure, "
+            f"dist.shrink_group); this is torch {torch.__version__}"
         )
     if method() is None:
         return (

@@ -52,9 +52,7 @@ class Excluded(Exception):  # noqa: N818 - what happened to the rank, not an err
     where a failing worker stops the whole job)."""
 
     def __init__(self, decision: Decision) -> None:
-        super().__init__(
-            f"rank dropped from the job by recovery {decision.key}: {decision.reason}"
-        )
+        super().__init__(f"rank dropped from the job by recovery {decision.key}: {decision.reason}")
         self.decision = decision
 
 
@@ -159,7 +157,8 @@ class Recovery:
         self._stop.set()
         w = self._watcher
         if w.is_alive() and w is not threading.current_thread():
-            w.join(timeout=2.0)
+            # it may be leading an agreement: killed in a store call at exit, we would abort
+            w.join(timeout=self.policy.summary_window_s + 5.0)
 
     # -- the watcher thread ----------------------------------------------------------------
 
@@ -339,7 +338,7 @@ class Recovery:
         if self.excluded is not None:
             raise Excluded(self.excluded)
         every = self.policy.straggler_check_every
-        if not every or step % every:
+        if not every or (step + 1) % every:
             return None
         detected = time.time_ns()
         self.checks += 1
