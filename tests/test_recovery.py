@@ -271,6 +271,11 @@ def test_decision_from_the_store_is_checked():
     bad["members_after"] = [7]
     store.set("p/fail/1/decision", json.dumps(bad))
     assert ag.decision() is None
+    for key in ("../../etc", "fail/2"):  # names the incident's folder: only ours
+        other = json.loads(_decision([0, 1], 0, [1]).to_json())
+        other["key"] = key
+        store.set("p/fail/1/decision", json.dumps(other))
+        assert ag.decision() is None
 
 
 # -- the policy ----------------------------------------------------------------------------

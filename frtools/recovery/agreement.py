@@ -106,9 +106,14 @@ class Agreement:
         return found
 
     def settle(self, decision: Decision) -> Decision:
-        """Write ``decision`` unless one is there already; returns the one that stands."""
-        won = self.store.compare_set(self.key("decision"), "", decision.to_json())
-        return Decision.from_json(won)
+        """Write ``decision`` unless one is there already; returns the one that stands
+        (a value there that is not a decision of this agreement: ValueError)."""
+        won = Decision.from_json(
+            self.store.compare_set(self.key("decision"), "", decision.to_json())
+        )
+        if not self.base.endswith(f"/{won.key}/"):
+            raise ValueError(f"the decision in the store is for {won.key!r}")
+        return won
 
     # -- everyone --------------------------------------------------------------------------
 
@@ -118,9 +123,10 @@ class Agreement:
         if not self.store.check([key]):
             return None
         try:
-            return Decision.from_json(self.store.get(key))
+            decision = Decision.from_json(self.store.get(key))
         except (ValueError, TypeError, KeyError):
             return None
+        return decision if self.base.endswith(f"/{decision.key}/") else None
 
     def wait_decision(
         self, deadline_ns: int, stop: Callable[[], bool] | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,11 +25,13 @@ from typing import Any
 from frtools.analyze.diagnose import diagnose
 from frtools.analyze.readers import UnusableInput, load_trace
 from frtools.analyze.verdict import Verdict
-from frtools.formats.summary import SummaryError, decode, file_name
+from frtools.formats.summary import MAX_RANK_BYTES, SummaryError, decode, file_name
 from frtools.recovery.policy import Policy
 
 DECISION_FORMAT = "frtools-recovery-decision"
 DROP, NONE = "drop", "none"
+# an agreement's key: it names the incident's folder, so a decision read back must match it
+KEY = re.compile(r"(fail|check)/[0-9]{1,9}")
 
 
 @dataclass
@@ -68,6 +71,8 @@ class Decision:
             raise ValueError("a recovery decision's rank lists are not lists of ints")
         if d.action not in (DROP, NONE) or not set(d.members_after) <= set(d.members_before):
             raise ValueError("a recovery decision that keeps ranks it did not have")
+        if not isinstance(d.key, str) or not KEY.fullmatch(d.key):
+            raise ValueError("a recovery decision for no agreement of ours")
         return d
 
 
@@ -87,6 +92,9 @@ def verdict_from_summaries(
     for current, launch in enumerate(members):
         raw = summaries.get(launch)
         if raw is None:
+            continue
+        if len(raw) > MAX_RANK_BYTES:
+            notes.append(f"rank {launch}: summary of {len(raw)} bytes refused")
             continue
         try:
             (summary,) = decode(raw)
