@@ -287,6 +287,7 @@ def _verdict_of(tmp_path: Path, fault: str, members: list[int] | None = None) ->
     members = members or list(range(8))
     # current rank r's summary, published under its launch rank members[r]
     raw = {members[int(p.name.split("_")[1].split(".")[0])]: p.read_bytes() for p in sums.iterdir()}
+    (tmp_path / f"d-{fault}").mkdir(exist_ok=True)
     verdict, used, notes = verdict_from_summaries(raw, members, tmp_path / f"d-{fault}")
     assert verdict is not None and not notes
     return verdict

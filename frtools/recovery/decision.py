@@ -17,7 +17,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +77,10 @@ class Decision:
 
 
 def verdict_from_summaries(
-    summaries: Mapping[int, bytes], members: Sequence[int], directory: str | os.PathLike[str]
+    summaries: Mapping[int, bytes],
+    members: Sequence[int],
+    directory: str | os.PathLike[str],
+    write: Callable[[Path, bytes], None] | None = None,
 ) -> tuple[Verdict | None, list[int], list[str]]:
     """Diagnose the summaries of an agreement (launch rank -> encoded summary).
 
@@ -85,9 +88,9 @@ def verdict_from_summaries(
     ``directory`` (``rank_<R>.summary.json``) and diagnosed as a dump folder of
     ``len(members)`` ranks: members without a usable summary have no record. Returns the
     verdict (None when no summary was usable), the launch ranks used, and notes on the ones
-    refused."""
+    refused. ``write(path, data)`` writes a file (default: a plain write); ``directory``
+    must exist."""
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True, mode=0o700)
     used, notes = [], []
     for current, launch in enumerate(members):
         raw = summaries.get(launch)
@@ -105,9 +108,10 @@ def verdict_from_summaries(
             notes.append(f"rank {launch}: summary speaks for rank {summary.rank}, not {current}")
             continue
         path = out / file_name(current)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(raw)
-        os.replace(tmp, path)
+        if write is not None:
+            write(path, raw)
+        else:
+            path.write_bytes(raw)
         used.append(launch)
     if not used:
         return None, used, notes

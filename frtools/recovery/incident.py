@@ -11,7 +11,10 @@ Every survivor writes, into its own dump folder (``FRTOOLS_DUMP_DIR``, default
   of that folder gives the same verdict).
 
 Nothing read from the store chooses a path here: the folder comes from this rank's own
-configuration and the agreement's key, which this rank made itself.
+configuration and the agreement's key, which this rank made itself. Folders and files are
+made as the recorder makes its own (``recorder.private``): each folder created 0700 (0750
+with ``FRTOOLS_SHARE_GROUP``) or checked to be ours, each file created new, never through a
+link.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from frtools.config import DUMP_DIR, SHARE_GROUP, ConfigError
+from frtools.recorder import private
 from frtools.recovery.decision import Decision
 
 INCIDENT_FORMAT = "frtools-incident"
@@ -83,17 +88,37 @@ class Incident:
         }
 
 
+def access() -> private.Access:
+    """The modes the recorder gives its files (``FRTOOLS_SHARE_GROUP``)."""
+    try:
+        return private.access_for(SHARE_GROUP.read())
+    except ConfigError:
+        return private.PRIVATE
+
+
 def incident_dir(dump_dir: str | os.PathLike[str], attempt: int, key: str) -> Path:
-    """``<dump_dir>/recovery/<attempt>-<key with / as ->``."""
-    safe = key.replace("/", "-")
-    return Path(dump_dir) / "recovery" / f"{attempt}-{safe}"
+    """``<dump_dir>/recovery/<attempt>-<key with / as ->``, every level made ours."""
+    mode = access()
+    private.prepare_dump_dir(str(dump_dir), mode, named=DUMP_DIR.is_set())
+    path = Path(dump_dir)
+    for part in ("recovery", f"{attempt}-{key.replace('/', '-')}"):
+        path = path / part
+        private.prepare_dump_dir(str(path), mode, named=False)
+    return path
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` (a folder of ours): created new under a temporary name, then
+    renamed over the old copy, so a reader sees one or the other."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = private.create_file(str(tmp), access())
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_file(path, (json.dumps(doc, indent=2) + "\n").encode())
 
 
 def write(incident: Incident, directory: Path) -> Path:

@@ -4,7 +4,6 @@ the guilty ranks from the default group (see ``frtools.recovery`` for the whole 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -19,12 +18,13 @@ import frtools.recorder
 from frtools.config import STORE_PREFIX
 from frtools.formats.blackbox import read_header
 from frtools.formats.store_protocol import unwrap_store
+from frtools.recorder import private
 from frtools.recorder.jobwide import default_dump_dir
 from frtools.recorder.shutdown import before_finalization
 from frtools.recovery import membership
 from frtools.recovery.agreement import Agreement
 from frtools.recovery.decision import DROP, Decision, decide, verdict_from_summaries
-from frtools.recovery.incident import Incident, incident_dir, write
+from frtools.recovery.incident import Incident, access, incident_dir, write, write_file
 from frtools.recovery.local import Eras, oldest_pending_ns, stall_since, summary_bytes
 from frtools.recovery.policy import Policy
 
@@ -210,20 +210,27 @@ class Recovery:
             f"rank {self.launch_rank}: dropped from the job ({decision.reason}); "
             + ("leaving now" if self.policy.exit_when_excluded else "leave when you can")
         )
-        try:
-            incident = Incident(
-                key=decision.key, trigger=decision.trigger, rank=self.launch_rank,
-                new_rank=None, world_size_before=len(decision.members_before),
-                world_size_after=len(decision.members_after), dropped=decision.drop,
-                dropped_hosts=decision.hosts, kind=decision.kind, headline=decision.headline,
-                leader=decision.leader, method=None, decided_ns=decision.decided_ns,
-                decision=decision,
-            )  # fmt: skip
-            write(incident, incident_dir(self.dump_dir, self.attempt, decision.key))
-        except Exception:
-            pass
+        incident = Incident(
+            key=decision.key, trigger=decision.trigger, rank=self.launch_rank,
+            new_rank=None, world_size_before=len(decision.members_before),
+            world_size_after=len(decision.members_after), dropped=decision.drop,
+            dropped_hosts=decision.hosts, kind=decision.kind, headline=decision.headline,
+            leader=decision.leader, method=None, decided_ns=decision.decided_ns,
+            decision=decision,
+        )  # fmt: skip
+        self._record(incident)
         if self.policy.exit_when_excluded:
             os._exit(self.policy.excluded_exit_code)
+
+    def _record(self, incident: Incident) -> Path | None:
+        """Write the verdict and this rank's incident record; never fails the recovery."""
+        try:
+            directory = incident_dir(self.dump_dir, self.attempt, incident.key)
+            write(incident, directory)
+            return directory
+        except Exception as exc:
+            _say(f"rank {self.launch_rank}: incident record not written: {exc}")
+            return None
 
     # -- deciding --------------------------------------------------------------------------
 
@@ -232,8 +239,13 @@ class Recovery:
         wins)."""
         deadline = t0 + int(self.policy.summary_window_s * 1e9)
         summaries = ag.collect(deadline)
-        folder = incident_dir(self.dump_dir, self.attempt, key) / "summaries"
-        verdict, used, notes = verdict_from_summaries(summaries, ag.members, folder)
+        try:  # the evidence stays in the incident folder ...
+            folder = incident_dir(self.dump_dir, self.attempt, key) / "summaries"
+            private.prepare_dump_dir(str(folder), access(), named=False)
+        except OSError as exc:  # ... unless it cannot be written: the decision comes first
+            _say(f"rank {self.launch_rank}: no incident folder ({exc}); summaries not kept")
+            folder = Path(tempfile.mkdtemp(prefix="frtools-recovery-"))
+        verdict, used, notes = verdict_from_summaries(summaries, ag.members, folder, write_file)
         decision = decide(
             verdict, key=key, trigger=trigger, leader=self.launch_rank, members=ag.members,
             published=used, policy=self.policy, notes=notes,
@@ -285,7 +297,6 @@ class Recovery:
         onset: int | None,
         detected: int,
     ) -> Incident:
-        directory = incident_dir(self.dump_dir, self.attempt, decision.key)
         incident = Incident(
             key=decision.key, trigger=trigger, rank=self.launch_rank, new_rank=None,
             world_size_before=len(decision.members_before),
@@ -295,7 +306,7 @@ class Recovery:
             detected_ns=detected, decided_ns=decision.decided_ns, decision=decision,
         )  # fmt: skip
         if decision.action != DROP:
-            write(incident, directory)
+            self._record(incident)
             raise RecoveryFailed(f"recovery {decision.key}: {decision.reason}", decision)
         if self.launch_rank in decision.drop:
             self._on_excluded(decision)
@@ -309,7 +320,7 @@ class Recovery:
             )  # fmt: skip
             membership.set_group_timeout(self.group_timeout_s)
         except Exception as exc:
-            write(incident, directory)
+            self._record(incident)
             raise RecoveryFailed(f"rebuilding the group failed: {exc}", decision) from exc
         with self._lock:
             self.generation += 1
@@ -317,7 +328,7 @@ class Recovery:
             self.eras.begin(self.members, self.box_path)
         incident.resumed_ns = time.time_ns()
         incident.new_rank = self.rank
-        write(incident, directory)
+        directory = self._record(incident)
         self.incidents.append(incident)
         took = incident.seconds_to_recover
         _say(
@@ -375,7 +386,9 @@ class Recovery:
             )  # fmt: skip
             if decision.action == DROP:
                 keep = incident_dir(self.dump_dir, self.attempt, key) / "summaries"
-                shutil.copytree(tmp, keep, dirs_exist_ok=True)
+                private.prepare_dump_dir(str(keep), access(), named=False)
+                for path in Path(tmp).iterdir():
+                    write_file(keep / path.name, path.read_bytes())
         return ag.settle(decision)
 
 
