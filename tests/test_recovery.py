@@ -390,6 +390,7 @@ def _run_example(tmp_path: Path, *args: str, nproc: int = 4, timeout: float = 24
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+    (tmp_path / "job.log").write_text(out)  # the whole story, when an assertion shows its tail
     records = [
         json.loads(p.read_text()) for p in work.glob("*/dumps/recovery/*/rank_*.incident.json")
     ]
