@@ -384,11 +384,14 @@ class Recovery:
                 members=ag.members, published=used, policy=self.policy, streak=streak,
                 notes=notes,
             )  # fmt: skip
-            if decision.action == DROP:
-                keep = incident_dir(self.dump_dir, self.attempt, key) / "summaries"
-                private.prepare_dump_dir(str(keep), access(), named=False)
-                for path in Path(tmp).iterdir():
-                    write_file(keep / path.name, path.read_bytes())
+            if decision.action == DROP:  # the evidence stays, unless it cannot be written
+                try:
+                    keep = incident_dir(self.dump_dir, self.attempt, key) / "summaries"
+                    private.prepare_dump_dir(str(keep), access(), named=False)
+                    for path in Path(tmp).iterdir():
+                        write_file(keep / path.name, path.read_bytes())
+                except OSError as exc:
+                    _say(f"rank {self.launch_rank}: summaries of {key} not kept: {exc}")
         return ag.settle(decision)
 
 
