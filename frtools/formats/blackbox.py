@@ -14,6 +14,12 @@ because the analyzer reads thousands of these files.
   watchdog through the mapping: it answers by writing every thread's Python stack.
 * ``pack_header``, ``file_offsets`` and ``StringTable`` are the writer's side, for files not
   written by the native black box (``frtools synth``): the layout exists once in Python.
+
+A black box is hostile until proven otherwise (docs/security.md): the header's regions must
+lie where the layout puts them, the ring, the group table and the strings are bounded by
+``frtools.formats.limits`` (slots, groups, string bytes, text bytes, members), slots are read
+in chunks, files are opened without following a planted link or waiting on a FIFO, and a
+big sparse file is refused. A refusal is a ``SnapshotError`` naming the limit.
 """
 
 from __future__ import annotations
@@ -23,12 +29,21 @@ import json
 import mmap
 import os
 import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from frtools.model.ranks import RankTextError, parse_ranks
+from frtools.formats import limits
+from frtools.formats.limits import InputRefused, open_regular
+from frtools.model.ranks import (
+    MAX_WORLD_SIZE,
+    RankTextError,
+    parse_ranks,
+    valid_rank,
+    valid_world_size,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -311,15 +326,53 @@ class Snapshot:
         return bool(self.header["stalled"])
 
     def string(self, sid: int) -> str:
-        """The interned string with id ``sid`` (``""`` for id 0)."""
-        return _decode_string(self.strings_blob, int(sid))
+        """The interned string with id ``sid`` (``""`` for id 0); ``SnapshotError`` for one
+        longer than the ``string_bytes`` limit."""
+        return _decode_string(self.strings_blob, int(sid), limits.current().string_bytes)
+
+    def strings(self, ids: Any) -> list[str]:
+        """The strings of distinct ids, in order; ``SnapshotError`` when one is longer than
+        ``string_bytes`` or all of them together longer than ``text_bytes`` (checked from
+        their lengths, before any is decoded)."""
+        ids = [int(i) for i in ids]
+        texts = _decode_many(self.strings_blob, ids, limits.current().string_bytes)
+        return [texts[sid] for sid in ids]
 
     def strings_for(self, ids: np.ndarray) -> dict[int, str]:
         """Decode each distinct id once."""
-        return {int(i): _decode_string(self.strings_blob, int(i)) for i in np.unique(ids)}
+        uniq = np.unique(ids)
+        return dict(zip((int(i) for i in uniq), self.strings(uniq), strict=True))
 
 
-def _decode_string(blob: bytes, sid: int) -> str:
+def _refused(exc: InputRefused) -> SnapshotError:
+    return SnapshotError(str(exc))
+
+
+def _decode_many(blob: bytes, ids: Any, max_each: int) -> dict[int, str]:
+    """Each distinct id decoded once; ``SnapshotError`` when one is longer than ``max_each``
+    or all together longer than ``text_bytes`` (checked from their lengths first: string
+    entries may overlap, so many ids can each claim most of the area)."""
+    lim = limits.current()
+    distinct = set(ids)
+    total = sum(_string_length(blob, sid) for sid in distinct)
+    if total > lim.text_bytes:
+        raise _refused(
+            limits.exceeded(
+                f"its strings hold {limits.size_text(total)} of text", "text_bytes", lim.text_bytes
+            )
+        )
+    return {sid: _decode_string(blob, sid, max_each) for sid in distinct}
+
+
+def _string_length(blob: bytes, sid: int) -> int:
+    """Bytes the string with id ``sid`` holds (0 where it reads as a placeholder)."""
+    if sid < STRINGS_RESERVED or sid == STRING_FULL or sid + 4 > len(blob):
+        return 0
+    (n,) = struct.unpack_from("<I", blob, sid)
+    return n if sid + 4 + n <= len(blob) else 0
+
+
+def _decode_string(blob: bytes, sid: int, max_bytes: int | None = None) -> str:
     if sid == STRING_NONE:
         return ""
     if sid == STRING_FULL:
@@ -330,6 +383,12 @@ def _decode_string(blob: bytes, sid: int) -> str:
     end = sid + 4 + n
     if end > len(blob):
         return STRING_MISSING_TEXT
+    if max_bytes is not None and n > max_bytes:
+        raise _refused(
+            limits.exceeded(
+                f"string {sid} is {limits.size_text(n)} long", "string_bytes", max_bytes
+            )
+        )
     return blob[sid + 4 : end].decode("utf-8", errors="replace")
 
 
@@ -351,7 +410,53 @@ def _parse_header(buf: bytes | memoryview, size: int) -> dict[str, Any]:
         )
     if header["header_bytes"] != HEADER_BYTES or header["capacity"] == 0:
         raise SnapshotError("corrupt frtools snapshot header")
+    if not 0 < header["pg_capacity"] <= _MAX_PG_CAPACITY:
+        raise SnapshotError(
+            f"corrupt frtools snapshot header: process-group table of {header['pg_capacity']} rows"
+        )
+    expected = file_offsets(header["capacity"], header["pg_capacity"])
+    got = (header["pg_offset"], header["slots_offset"], header["strings_offset"])
+    if got != expected:
+        # a black box is laid out by file_offsets; offsets elsewhere (past a sparse hole,
+        # overlapping) are no writer's
+        raise SnapshotError(
+            "corrupt frtools snapshot header: regions not where the layout puts them"
+        )
     return header
+
+
+# the native black box's largest process-group table (its pg_capacity bound)
+_MAX_PG_CAPACITY = 1 << 20
+
+
+def _check_limits(header: dict[str, Any]) -> None:
+    """Refuse a header whose ring, group table or string area exceeds the limits."""
+    lim = limits.current()
+    if header["capacity"] > lim.snapshot_slots:
+        raise _refused(
+            limits.exceeded(
+                f"black box of {header['capacity']:,} slots",
+                "snapshot_slots",
+                lim.snapshot_slots,
+                unit="slots",
+            )
+        )
+    if min(header["pg_count"], header["pg_capacity"]) > lim.snapshot_groups:
+        raise _refused(
+            limits.exceeded(
+                f"black box of {header['pg_count']:,} process groups",
+                "snapshot_groups",
+                lim.snapshot_groups,
+                unit="groups",
+            )
+        )
+    used = min(header["strings_used"], header["strings_bytes"])
+    if used > lim.text_bytes:
+        raise _refused(
+            limits.exceeded(
+                f"string area of {limits.size_text(used)}", "text_bytes", lim.text_bytes
+            )
+        )
 
 
 def _parse_identity(buf: bytes | memoryview, header: dict[str, Any]) -> tuple[dict, str | None]:
@@ -365,16 +470,42 @@ def _parse_identity(buf: bytes | memoryview, header: dict[str, Any]) -> tuple[di
         return {}, "identity in the header is not valid JSON"
     if not isinstance(identity, dict):
         return {}, "identity in the header is not a JSON object"
+    # numbers another process wrote: a rank or world size beyond the largest world is no
+    # rank (the file is refused) or no world size (ignored)
+    rank = _opt_int(identity.get("rank"))
+    if identity.get("rank") is not None and (rank is None or not valid_rank(rank)):
+        raise SnapshotError(
+            f"rank {str(identity.get('rank'))[:24]} in the header identity is not a rank "
+            f"(0 … {MAX_WORLD_SIZE - 1})"
+        )
+    world = identity.get("world_size")
+    if world is not None and not valid_world_size(_opt_int(world)):
+        del identity["world_size"]
+        return identity, (
+            f"world_size {str(world)[:24]} in the header identity is beyond the limit of "
+            f"{MAX_WORLD_SIZE} ranks; ignored"
+        )
     return identity, None
 
 
-def _valid_slots(raw: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
-    """Keep slots that are complete and consistent; count the torn ones."""
+def _opt_int(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().isdigit() and len(value) < 20:
+        return int(value)
+    return None
+
+
+def _valid_in(raw: np.ndarray, capacity: int, first: int) -> tuple[np.ndarray, int]:
+    """The complete and consistent slots of ``raw`` (slots ``first`` … of the ring) and the
+    number of torn ones."""
     seq = raw["seq"]
     written = seq != 0
     state = raw["state"]
     rid = raw["record_id"]
-    index = np.arange(len(raw), dtype=np.int64)
+    index = np.arange(first, first + len(raw), dtype=np.int64)
     ok = (
         written
         & ((seq & 1) == 0)
@@ -384,7 +515,10 @@ def _valid_slots(raw: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
         & (rid % capacity == index)
     )
     torn = int(np.count_nonzero(written & ~ok))
-    slots = raw if ok.all() else raw[ok]
+    return (raw if ok.all() else raw[ok]), torn
+
+
+def _in_order(slots: np.ndarray) -> np.ndarray:
     rid = slots["record_id"]
     if len(rid) > 1:
         # a ring is oldest-first from the slot after the newest: one rotation, no sort
@@ -394,11 +528,49 @@ def _valid_slots(raw: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
             rid = slots["record_id"]
         if not (rid[1:] > rid[:-1]).all():
             slots = slots[np.argsort(rid, kind="stable")]
-    return slots, torn
+    return slots
+
+
+def _valid_slots(raw: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Keep slots that are complete and consistent; count the torn ones."""
+    slots, torn = _valid_in(raw, capacity, 0)
+    return _in_order(slots), torn
+
+
+# slots copied and checked at a time (8 MB): a big ring costs one chunk of memory, plus the
+# slots that hold records
+SLOT_CHUNK = 1 << 16
+
+
+def _read_slots(buf: bytes | memoryview, offset: int, capacity: int) -> tuple[np.ndarray, int]:
+    """The readable slots of the ring, oldest first, and the number of torn ones, read
+    ``SLOT_CHUNK`` slots at a time with the seqlock check (a live file)."""
+    kept: list[np.ndarray] = []
+    torn = 0
+    for first in range(0, capacity, SLOT_CHUNK):
+        count = min(SLOT_CHUNK, capacity - first)
+        live = np.frombuffer(
+            buf, dtype=SLOT_DTYPE, count=count, offset=offset + first * SLOT_DTYPE.itemsize
+        )
+        # seqlock read: a slot whose counter moved while it was copied is torn (a live file)
+        before = live["seq"].copy()
+        raw = live.copy()
+        moved = before != live["seq"]
+        del live
+        if moved.any():
+            raw["seq"][moved] |= 1
+        good, bad = _valid_in(raw, capacity, first)
+        torn += bad
+        if len(good):
+            kept.append(good if len(good) < len(raw) else raw)
+    slots = kept[0] if len(kept) == 1 else np.concatenate(kept) if kept else np.empty(0, SLOT_DTYPE)
+    return _in_order(slots), torn
 
 
 def _parse(buf: bytes | memoryview, size: int, path: str | None) -> Snapshot:
     header = _parse_header(buf, size)
+    _check_limits(header)
+    lim = limits.current()
     notes: list[str] = []
     identity, why = _parse_identity(buf, header)
     if why:
@@ -409,15 +581,7 @@ def _parse(buf: bytes | memoryview, size: int, path: str | None) -> Snapshot:
         raise SnapshotError(
             f"truncated frtools snapshot: {size} bytes, the slots end at byte {slots_end}"
         )
-    live = np.frombuffer(buf, dtype=SLOT_DTYPE, count=capacity, offset=header["slots_offset"])
-    # seqlock read: a slot whose counter moved while it was copied is torn (a live file)
-    before = live["seq"].copy()
-    raw = live.copy()
-    moved = before != live["seq"]
-    del live
-    if moved.any():
-        raw["seq"][moved] |= 1
-    slots, torn = _valid_slots(raw, capacity)
+    slots, torn = _read_slots(buf, header["slots_offset"], capacity)
     if torn:
         notes.append(f"dropped {torn} torn slot(s) (being written when the file was read)")
 
@@ -434,18 +598,34 @@ def _parse(buf: bytes | memoryview, size: int, path: str | None) -> Snapshot:
     if size < pg_end:
         raise SnapshotError("truncated frtools snapshot: process-group table cut off")
     pg_rows = np.frombuffer(buf, dtype=PG_DTYPE, count=pg_count, offset=header["pg_offset"])
+    rows = pg_rows.tolist()
+    names = _decode_many(
+        strings_blob, [r[0] for r in rows] + [r[1] for r in rows], lim.string_bytes
+    )
+    rank_texts = _decode_many(strings_blob, [r[2] for r in rows], _MAX_MEMBER_TEXT)
     groups = []
-    for i, row in enumerate(pg_rows.tolist()):
+    members = 0
+    for i, row in enumerate(rows):
         name_id, desc_id, ranks_id, _size, lec, lsc, lcc, lep, lcp = row
         try:
-            ranks = parse_ranks(_decode_string(strings_blob, ranks_id))
+            ranks = parse_ranks(rank_texts[ranks_id])
         except RankTextError:
             ranks = ()
+        members += len(ranks)
+        if members > lim.members_per_file:
+            raise _refused(
+                limits.exceeded(
+                    f"its process groups list more than {lim.members_per_file:,} members",
+                    "members_per_file",
+                    lim.members_per_file,
+                    unit="ranks",
+                )
+            )
         groups.append(
             SnapshotGroup(
                 index=i,
-                name=_decode_string(strings_blob, name_id),
-                desc=_decode_string(strings_blob, desc_id),
+                name=names[name_id],
+                desc=names[desc_id],
                 ranks=ranks,
                 last_enqueued_collective=lec,
                 last_started_collective=lsc,
@@ -466,30 +646,49 @@ def _parse(buf: bytes | memoryview, size: int, path: str | None) -> Snapshot:
     )
 
 
+# the longest member-rank text a group may have: every rank of the largest world, one by one
+_MAX_MEMBER_TEXT = MAX_WORLD_SIZE * (len(str(MAX_WORLD_SIZE)) + 1)
+
+
 def read_snapshot(source: str | os.PathLike[str] | bytes | bytearray | memoryview) -> Snapshot:
     """Parse a black-box file (a path, live or not, or its bytes).
 
-    Raises ``SnapshotError`` for a file that is not a usable snapshot and ``OSError`` when it
-    cannot be read. A slot being written at that moment is dropped and counted in ``torn``.
+    Raises ``SnapshotError`` for a file that is not a usable snapshot or is refused (not a
+    regular file, sparse, beyond a limit) and ``OSError`` when it cannot be read. A slot
+    being written at that moment is dropped and counted in ``torn``.
     """
     if isinstance(source, (bytes, bytearray, memoryview)):
         buf = bytes(source)
         return _parse(buf, len(buf), None)
     path = os.fspath(source)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    try:
+        fd, st = open_regular(path)
+    except InputRefused as exc:
+        raise _refused(exc) from None
+    with os.fdopen(fd, "rb") as f:
+        size = st.st_size
         if size == 0:
             raise SnapshotError("empty file")
         head = f.read(2)
         f.seek(0)
-        if head == b"\x1f\x8b":
-            import gzip
-
-            buf = gzip.decompress(f.read())
+        if head == limits.GZIP_MAGIC:
+            try:
+                data = limits.read_regular(
+                    path, limits.current().dump_bytes, limit_name="dump_bytes"
+                )
+                buf = limits.gunzip(data)
+            except InputRefused as exc:
+                raise _refused(exc) from None
+            except (EOFError, zlib.error) as exc:
+                raise SnapshotError(f"corrupt gzip file: {exc}") from None
             return _parse(buf, len(buf), path)
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            limits.check_sparse(st)
+        except InputRefused as exc:
+            raise _refused(exc) from None
+        mm = _map_regions(f.fileno(), size)
     try:
-        return _parse(mm, size, path)
+        return _parse(mm, min(size, len(mm)), path)
     finally:
         # a view still alive somewhere: let the GC unmap it
         with contextlib.suppress(BufferError):
@@ -498,8 +697,13 @@ def read_snapshot(source: str | os.PathLike[str] | bytes | bytearray | memoryvie
 
 def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The header fields and identity of a black-box file: cheap (one page), for polling
-    the stall flag, the heartbeat and dump acknowledgements."""
-    with open(path, "rb") as f:
+    the stall flag, the heartbeat and dump acknowledgements. A link, a FIFO or a device
+    named like a black box is refused (``SnapshotError``), never followed or waited on."""
+    try:
+        fd, _ = open_regular(path, follow_symlinks=False)
+    except InputRefused as exc:
+        raise _refused(exc) from None
+    with os.fdopen(fd, "rb") as f:
         buf = f.read(HEADER_BYTES)
     header = _parse_header(buf, len(buf))
     header["identity"], _ = _parse_identity(buf, header)
@@ -515,15 +719,26 @@ def copy_consistent(src: str | os.PathLike[str], dst: str | os.PathLike[str]) ->
     writer keeps holding it. The process-group and string tables are copied after the slots:
     both only grow, and a slot only refers to entries written before it, so every reference in
     the copied slots resolves.
+
+    The source is hostile until proven otherwise: a link, a FIFO or a device is refused, the
+    header's regions must be where the layout puts them and within the limits (what the
+    analyzer would read), and the copy holds the regions read, no more: never the size the
+    header claims (``file_bytes``).
     """
     src = os.fspath(src)
-    with open(src, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    try:
+        fd, st = open_regular(src, follow_symlinks=False)
+    except InputRefused as exc:
+        raise _refused(exc) from None
+    with os.fdopen(fd, "rb") as f:
+        size = st.st_size
         if size < HEADER_BYTES:
             raise SnapshotError("not an frtools snapshot (too short)")
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        mm = _map_regions(f.fileno(), size)
     try:
+        size = min(size, len(mm))
         header = _parse_header(mm, size)
+        _check_limits(header)
         slot_bytes = SLOT_DTYPE.itemsize
         off = header["slots_offset"]
         cap = header["capacity"]
@@ -553,11 +768,14 @@ def copy_consistent(src: str | os.PathLike[str], dst: str | os.PathLike[str]) ->
         del live_seq, copied, copied_seq
         head = bytes(mm[:HEADER_BYTES])
         header = _parse_header(head, len(head))
+        _check_limits(header)
         pg_count = min(header["pg_count"], header["pg_capacity"])
         pg_off = header["pg_offset"]
-        pgs = mm[pg_off : pg_off + pg_count * PG_DTYPE.itemsize]
+        pgs = mm[pg_off : min(pg_off + pg_count * PG_DTYPE.itemsize, size)]
         s_off = header["strings_offset"]
-        strings = mm[s_off : s_off + min(header["strings_used"], header["strings_bytes"])]
+        strings = mm[
+            s_off : min(s_off + min(header["strings_used"], header["strings_bytes"]), size)
+        ]
     finally:
         with contextlib.suppress(BufferError):
             mm.close()
@@ -571,14 +789,37 @@ def copy_consistent(src: str | os.PathLike[str], dst: str | os.PathLike[str]) ->
         out.write(slots)
         out.seek(s_off)
         out.write(strings)
-        out.truncate(max(header["file_bytes"], s_off + len(strings)))
     os.replace(tmp, dst)
     return torn
 
 
+def _map_regions(fd: int, size: int) -> mmap.mmap:
+    """A read-only mapping of the file up to the end of the regions its header describes
+    (never the whole of a huge file: only what a reader may touch is mapped)."""
+    head = os.pread(fd, HEADER_BYTES, 0)
+    length = size
+    try:
+        header = _parse_header(head, len(head))
+    except SnapshotError:
+        length = min(size, HEADER_BYTES)
+    else:
+        _check_limits(header)
+        used = min(header["strings_used"], header["strings_bytes"])
+        length = min(size, header["strings_offset"] + used)
+    return mmap.mmap(fd, max(length, 1), access=mmap.ACCESS_READ)
+
+
 def _map_header_rw(path: str | os.PathLike[str]) -> mmap.mmap:
-    with open(path, "r+b") as f:
-        mm = mmap.mmap(f.fileno(), HEADER_BYTES, access=mmap.ACCESS_WRITE)
+    try:
+        fd, st = open_regular(path, follow_symlinks=False, write=True)
+    except InputRefused as exc:
+        raise _refused(exc) from None
+    try:
+        if st.st_size < HEADER_BYTES:
+            raise SnapshotError("not an frtools snapshot (too short)")
+        mm = mmap.mmap(fd, HEADER_BYTES, access=mmap.ACCESS_WRITE)
+    finally:
+        os.close(fd)
     try:
         _parse_header(mm, HEADER_BYTES)
     except SnapshotError:

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from frtools import __version__
+from frtools.formats import limits
+from frtools.model.ranks import MAX_WORLD_SIZE
 
 MANIFEST_NAME = "manifest.json"
 BOX_SUFFIX = ".frt"  # a rank's black box: ``rank_<R>.frt``
@@ -31,9 +33,10 @@ def rank_file_name(rank: int, suffix: str = BOX_SUFFIX) -> str:
 
 def rank_in_file_name(name: str, suffix: str = BOX_SUFFIX) -> int | None:
     """The rank of a ``rank_<R><suffix>`` name (``rank_file_name`` read back); ``None`` for
-    any other name."""
-    m = re.fullmatch(rf"rank_(\d+){re.escape(suffix)}", name)
-    return int(m.group(1)) if m else None
+    any other name, or a rank at or beyond ``model.ranks.MAX_WORLD_SIZE``."""
+    m = re.fullmatch(rf"rank_(\d{{1,{len(str(MAX_WORLD_SIZE))}}}){re.escape(suffix)}", name)
+    rank = int(m.group(1)) if m else None
+    return rank if rank is not None and rank < MAX_WORLD_SIZE else None
 
 
 def stacks_path(box_path: str | os.PathLike[str]) -> Path:
@@ -146,10 +149,21 @@ class NotAManifest(ManifestError):
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The manifest as a dict; ``NotAManifest`` when it is not one of ours,
-    ``ManifestError`` when it cannot be read."""
+    ``ManifestError`` when it cannot be read or is refused: a manifest is read only when it
+    is a regular file (not a link, a FIFO or a device) of at most ``manifest_bytes``
+    (``frtools.formats.limits``)."""
+    lim = limits.current()
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = limits.read_regular(
+            path, lim.manifest_bytes, limit_name="manifest_bytes", follow_symlinks=False
+        )
+        limits.check_json(raw, lim)
+        data = json.loads(raw)
+    except limits.InputRefused as exc:
+        raise ManifestError(f"manifest {exc}") from None
+    except RecursionError:
+        raise ManifestError("manifest nests too deeply; refused") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ManifestError(f"unreadable manifest: {exc}") from exc
     if not isinstance(data, dict) or data.get("kind") != MANIFEST_KIND:
         raise NotAManifest("not an frtools dump manifest")

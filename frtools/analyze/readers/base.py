@@ -9,7 +9,7 @@ file is a dump of its format but cannot be used.
 
 from __future__ import annotations
 
-import gzip
+import os
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from frtools.formats import limits
+from frtools.formats.limits import GZIP_MAGIC, InputRefused, open_regular
+from frtools.model.ranks import MAX_WORLD_SIZE
 from frtools.model.trace import ProcessGroup, RankInfo
 
-GZIP_MAGIC = b"\x1f\x8b"
 HEAD_BYTES = 4096
 
 
@@ -51,8 +53,10 @@ class RankDump:
 
 def read_head(path: Path, n: int = HEAD_BYTES) -> bytes:
     """First ``n`` bytes of the file's content; a gzip'd file is gunzipped on the fly
-    (partial decompression, so a truncated archive still sniffs)."""
-    with open(path, "rb") as f:
+    (partial decompression, so a truncated archive still sniffs). ``InputRefused`` for a
+    file that is not a regular one (a FIFO is never waited on)."""
+    fd, _ = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
         raw = f.read(n)
         if not raw.startswith(GZIP_MAGIC):
             return raw
@@ -65,14 +69,20 @@ def read_head(path: Path, n: int = HEAD_BYTES) -> bytes:
 
 
 def read_bytes(path: Path) -> bytes:
-    """The whole content, gunzipped when the file is gzip'd."""
+    """The whole content, gunzipped when the file is gzip'd; at most ``dump_bytes``, and a
+    gzip'd file at most ``gunzip_ratio`` times its size (``frtools.formats.limits``)."""
+    lim = limits.current()
     try:
-        data = path.read_bytes()
+        data = limits.read_regular(path, lim.dump_bytes, limit_name="dump_bytes")
+    except InputRefused as e:
+        raise DumpError(str(e)) from None
     except OSError as e:
         raise DumpError(f"cannot read: {e.strerror or e}") from e
     if data.startswith(GZIP_MAGIC):
         try:
-            data = gzip.decompress(data)
+            data = limits.gunzip(data, lim)
+        except InputRefused as e:
+            raise DumpError(str(e)) from None
         except EOFError as e:
             raise DumpError("truncated gzip file (compressed stream ended early)") from e
         except (OSError, zlib.error) as e:
@@ -107,6 +117,15 @@ _RANK_WORD = re.compile(r"(?:^|[_\-.])rank[_\-.]?(\d+)(?=$|[_\-.])", re.IGNORECA
 _RANK_GLUED = re.compile(r"rank[_\-.]?(\d+)$", re.IGNORECASE)
 _DUMP_WORD = re.compile(r"(?:^|[_\-.])dump[_\-.]?(\d+)$", re.IGNORECASE)
 _TRAILING = re.compile(r"(?:^|[_\-.])(\d+)$")
+_RANK_DIGITS = len(str(MAX_WORLD_SIZE))
+
+
+def _rank(digits: str) -> int | None:
+    """A rank a file name may carry: below ``MAX_WORLD_SIZE`` (a longer number is none)."""
+    if len(digits.lstrip("0")) > _RANK_DIGITS:
+        return None
+    rank = int(digits)
+    return rank if rank < MAX_WORLD_SIZE else None
 
 
 def strip_suffixes(name: str) -> str:
@@ -141,7 +160,7 @@ def rank_from_filename(name: str) -> tuple[int | None, str | None]:
     Understands ``rank_3``, ``rank3``, ``rank-3``, ``nccl_trace_rank_7``,
     ``comm_lib_trace_rank_0``, ``fr_trace_rank_2``, ``_dump_12``, ``host-a_rank_5``,
     ``node01-rank-5`` and a plain trailing number (``trace_4``), with any of the suffixes
-    ``.pkl``, ``.json``, ``.gz`` or none.
+    ``.pkl``, ``.json``, ``.gz`` or none. A number at or beyond ``MAX_WORLD_SIZE`` is no rank.
     """
     stem = strip_suffixes(Path(name).name)
     matches = list(_RANK_WORD.finditer(stem))
@@ -158,7 +177,7 @@ def rank_from_filename(name: str) -> tuple[int | None, str | None]:
         prefix = stem[: m.start()]
         if prefix:
             host = _host_from_prefix(prefix)
-        return int(m.group(1)), host
+        return _rank(m.group(1)), host
     prefix = stem[: m.start()]
     host = _host_from_prefix(prefix) if prefix else None
-    return int(m.group(1)), host
+    return _rank(m.group(1)), host

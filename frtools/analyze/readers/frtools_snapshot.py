@@ -141,18 +141,27 @@ def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
     )
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=2)
 def _all_ranks(world: int) -> tuple[int, ...]:
     return tuple(range(world))
 
 
 def _take(dictionary: pa.Array, indices: np.ndarray, valid: np.ndarray | None = None) -> pa.Array:
     """A dictionary column: the entries keep int32 codes into the few distinct values
-    (a null value in the dictionary becomes a null code: Arrow cannot unify the former)."""
+    (a null value in the dictionary becomes a null code: Arrow cannot unify the former).
+    Values that repeat (two stacks with one call site, two ids of one text) are merged:
+    a dictionary's values are distinct, as pandas' categories must be."""
     if dictionary.null_count:
         null_code = np.asarray(dictionary.is_null())[indices]
         valid = ~null_code if valid is None else valid & ~null_code
         dictionary = dictionary.fill_null("")
+    values = dictionary.to_pylist()
+    first = dict.fromkeys(values)
+    if len(first) < len(values):
+        code = {v: i for i, v in enumerate(first)}
+        remap = np.array([code[v] for v in values], dtype=np.int32)
+        indices = remap[indices]
+        dictionary = pa.array(list(first), type=dictionary.type)
     idx = pa.array(indices.astype(np.int32, copy=False), mask=None if valid is None else ~valid)
     return pa.DictionaryArray.from_arrays(idx, dictionary)
 
@@ -168,7 +177,7 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
     ids = np.concatenate([c[name] for name in STRING_COLUMNS])
     uniq, inverse = np.unique(ids, return_inverse=True)
     inverse = inverse.astype(np.int32)
-    texts = [snap.string(int(i)) for i in uniq]
+    texts = snap.strings(uniq)
     col_index = {name: inverse[k * n : (k + 1) * n] for k, name in enumerate(STRING_COLUMNS)}
     text_dict = pa.array(texts, type=pa.string())
     none = uniq == STRING_NONE
@@ -196,7 +205,6 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
     completed = c["time_completed_ns"]
     duration = c["duration_ms"]
     state = c["state"]
-    stack_idx = col_index["stack"]
 
     arrays = {
         "rank": pa.array(np.full(n, rank, dtype=np.int32)),
@@ -224,9 +232,7 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
         "thread_name": column("thread_name", text_dict, none_is_null=True),
         "call_site": column("stack", sites, none_is_null=True),
         # stacks repeat across thousands of entries: dictionary-encoded, as the schema says
-        "stack": pa.DictionaryArray.from_arrays(
-            pa.array(stack_idx, mask=none[stack_idx]), text_dict
-        ),
+        "stack": column("stack", text_dict, none_is_null=True),
     }
     columns = []
     for f in ENTRY_SCHEMA:

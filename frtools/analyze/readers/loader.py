@@ -13,6 +13,7 @@ import contextlib
 import gc
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from collections import Counter, defaultdict
@@ -26,7 +27,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from frtools.formats.limits import InputRefused
 from frtools.formats.manifest import MANIFEST_NAME, STACKS_SUFFIX
+from frtools.model.ranks import MAX_WORLD_SIZE, valid_world_size
 from frtools.model.trace import InputFile, ProcessGroup, Trace, concat_entries
 
 from .base import DumpError, RankDump, rank_from_filename, read_head
@@ -80,12 +83,16 @@ def _read_file(path: Path) -> FileResult:
     except OSError as e:
         return FileResult(InputFile(p, "error", f"cannot read: {e.strerror or e}"))
     side = _SIDE_FILES.get(path.name) or _SIDE_SUFFIXES.get(path.suffix.lower())
+    if not stat.S_ISREG(st.st_mode):
+        return FileResult(InputFile(p, "error", f"{_not_regular(st.st_mode)}; refused"))
     if st.st_size == 0:
         if side:
             return FileResult(InputFile(p, "skipped", side), mtime=st.st_mtime)
         return FileResult(InputFile(p, "error", "empty file (0 bytes)"), mtime=st.st_mtime)
     try:
         head = read_head(path)
+    except InputRefused as e:
+        return FileResult(InputFile(p, "error", str(e)))
     except OSError as e:
         return FileResult(InputFile(p, "error", f"cannot read: {e.strerror or e}"))
     reader = reader_for(path, head)
@@ -101,7 +108,7 @@ def _read_file(path: Path) -> FileResult:
     gc.disable()
     try:
         dump = reader.read(path)
-    except DumpError as e:
+    except (DumpError, InputRefused) as e:
         return FileResult(InputFile(p, "error", str(e), format=fmt), mtime=st.st_mtime)
     except RecursionError:
         reason = "nests too deeply to be a dump; refused"
@@ -119,6 +126,18 @@ def _read_file(path: Path) -> FileResult:
         p, "ok", "; ".join(dump.notes), rank=dump.rank_info.rank, format=dump.rank_info.format
     )
     return FileResult(info, dump, st.st_mtime)
+
+
+def _not_regular(mode: int) -> str:
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    )
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    return f"is {kind}, not a regular file" if kind != "not a regular file" else kind
 
 
 def _files_under(path: Path) -> list[Path]:
@@ -415,6 +434,10 @@ def load_trace(
     root = Path(path)
     if not root.exists():
         raise UnusableInput(f"{root}: no such file or directory")
+    if world_size is not None and not valid_world_size(world_size):
+        raise UnusableInput(
+            f"world size {world_size} is beyond the limit of {MAX_WORLD_SIZE} ranks"
+        )
     files = _files_under(root)
     if not files:
         raise UnusableInput(f"{root}: no files to read (empty directory)")

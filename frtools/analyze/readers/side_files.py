@@ -9,7 +9,10 @@ on the finished Trace:
   ``RankInfo.alive`` (process gone or not), the host where the record lacks one, and the
   job's world size where no record states it.
 
-Both never raise: a side file that cannot be used becomes its ``InputFile`` reason.
+Both never raise: a side file that cannot be used becomes its ``InputFile`` reason. Side
+files are opened as hostile files are (``frtools.formats.limits``): a link, a FIFO or a
+device named like one is refused, never followed or waited on, and only a capped amount is
+read.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from frtools.formats import limits
 from frtools.formats.manifest import (
     MANIFEST_NAME,
     STACKS_SUFFIX,
@@ -26,14 +30,12 @@ from frtools.formats.manifest import (
     NotAManifest,
     read_manifest,
 )
-from frtools.model.ranks import format_ranks
+from frtools.model.ranks import MAX_WORLD_SIZE, format_ranks, valid_rank, valid_world_size
 from frtools.model.trace import InputFile, Trace
 
 # the rank of a stacks file: the number its name ends with (``rank_3.stacks``,
 # ``host-a_3.stacks``)
 _STACKS_RE = re.compile(rf"(?:^|[^0-9])(\d+){re.escape(STACKS_SUFFIX)}$")
-# a stacks file larger than this is cut to its tail: the last dump is what counts
-MAX_STACKS_BYTES = 4 << 20
 
 
 def _walk(root: Path, match: Callable[[str], bool]) -> list[Path]:
@@ -56,10 +58,20 @@ def _set_input(trace: Trace, path: Path, status: str, reason: str, rank: int | N
 
 
 def _read_stacks(path: Path) -> str:
-    with open(path, "rb") as f:
-        size = f.seek(0, os.SEEK_END)
-        f.seek(max(0, size - MAX_STACKS_BYTES))
-        return f.read().decode("utf-8", errors="replace")
+    """The file's text, cut to its last ``stacks_bytes`` (the newest dump is what counts)."""
+    lim = limits.current()
+    data = limits.read_regular(
+        path, lim.stacks_bytes, limit_name="stacks_bytes", follow_symlinks=False, tail=True
+    )
+    return data.decode("utf-8", errors="replace")
+
+
+def _stacks_rank(name: str) -> int | None:
+    m = _STACKS_RE.search(name)
+    if not m or len(m.group(1)) > len(str(MAX_WORLD_SIZE)):
+        return None
+    rank = int(m.group(1))
+    return rank if valid_rank(rank) else None
 
 
 def attach_stacks(trace: Trace, root: str | os.PathLike[str]) -> None:
@@ -70,11 +82,11 @@ def attach_stacks(trace: Trace, root: str | os.PathLike[str]) -> None:
     """
     by_rank: dict[int, list[Path]] = {}
     for path in _walk(Path(root), lambda n: n.endswith(STACKS_SUFFIX)):
-        m = _STACKS_RE.search(path.name)
-        if not m:
+        rank = _stacks_rank(path.name)
+        if rank is None:
             _set_input(trace, path, "skipped", "stacks file without a rank in its name", None)
             continue
-        by_rank.setdefault(int(m.group(1)), []).append(path)
+        by_rank.setdefault(rank, []).append(path)
     for rank, paths in sorted(by_rank.items()):
         info = trace.ranks.get(rank)
         if info is None:
@@ -94,6 +106,9 @@ def attach_stacks(trace: Trace, root: str | os.PathLike[str]) -> None:
         chosen = ordered[0]
         try:
             text = _read_stacks(chosen)
+        except limits.InputRefused as exc:
+            _set_input(trace, chosen, "error", str(exc), rank)
+            continue
         except OSError as exc:
             _set_input(trace, chosen, "error", f"cannot read: {exc.strerror or exc}", rank)
             continue
@@ -116,9 +131,10 @@ def apply_manifest(trace: Trace, root: str | os.PathLike[str]) -> None:
         except ManifestError as exc:
             _set_input(trace, path, "error", str(exc), None)
             continue
+        notes: list[str] = []
         ranks = data.get("ranks") if isinstance(data.get("ranks"), dict) else {}
         for key, entry in ranks.items():
-            if not isinstance(entry, dict) or not str(key).isdigit():
+            if not isinstance(entry, dict) or not str(key).isdigit() or len(str(key)) > 8:
                 continue
             info = trace.ranks.get(int(key))
             if info is None:
@@ -129,16 +145,36 @@ def apply_manifest(trace: Trace, root: str | os.PathLike[str]) -> None:
             if info.host is None and isinstance(entry.get("host"), str):
                 info.host = entry["host"]
         world = data.get("world_size")
-        if trace.world_size is None and isinstance(world, int) and world > 0:
-            trace.world_size = world
-        gone = data.get("ranks_gone") or []
-        silent = data.get("ranks_no_answer") or []
-        parts = [f"collected by `frtools dump` ({data.get('mode', '?')}) on {data.get('host')}"]
+        if isinstance(world, int) and not isinstance(world, bool) and world > 0:
+            if not valid_world_size(world):
+                notes.append(
+                    f"world_size {world} is beyond the limit of {MAX_WORLD_SIZE} ranks; ignored"
+                )
+            elif trace.world_size is None:
+                trace.world_size = world
+        gone = _rank_list(data.get("ranks_gone"))
+        silent = _rank_list(data.get("ranks_no_answer"))
+        parts = [
+            f"collected by `frtools dump` ({_short(data.get('mode', '?'))}) on "
+            f"{_short(data.get('host'))}"
+        ]
         if gone:
-            parts.append(f"process gone: ranks {format_ranks(gone)}")
+            parts.append(f"process gone: ranks {format_ranks(gone, 200)}")
         if silent:
-            parts.append(f"did not answer: ranks {format_ranks(silent)}")
-        _set_input(trace, path, "ok", "; ".join(parts), None)
+            parts.append(f"did not answer: ranks {format_ranks(silent, 200)}")
+        _set_input(trace, path, "ok", "; ".join(parts + notes), None)
+
+
+def _rank_list(value: object) -> list[int]:
+    """The valid ranks of a manifest's rank list (anything else in it is ignored)."""
+    if not isinstance(value, list):
+        return []
+    return [r for r in value if valid_rank(r)]
+
+
+def _short(value: object, n: int = 80) -> str:
+    text = str(value) if isinstance(value, (str, int, float)) or value is None else "?"
+    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def apply_side_files(trace: Trace, root: str | os.PathLike[str]) -> None:

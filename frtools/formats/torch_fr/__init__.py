@@ -19,7 +19,6 @@ the version (``ENTRY_KEY_HISTORY``, ``TOP_LEVEL_KEY_HISTORY``; docs/dump-formats
 from __future__ import annotations
 
 import ast
-import functools
 import json
 import pickle
 import re
@@ -27,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from frtools.model.ops import P2P_OPS
-from frtools.model.ranks import MAX_WORLD_SIZE
+from frtools.model.ranks import MAX_WORLD_SIZE, MemberCache
 
 # PyTorch's default dump file name (``TORCH_FR_DUMP_TEMP_FILE`` /
 # ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, under /tmp) without the rank; ``torchfrtrace`` reads a
@@ -216,11 +215,13 @@ def parse_member_list(value: Any) -> tuple[int, ...] | str | None:
     return _parse_members(value)
 
 
-@functools.lru_cache(maxsize=4096)
+_MEMBER_TEXTS = MemberCache()
+
+
 def _parse_member_text(value: str) -> tuple[int, ...] | str | None:
     if len(value) > _MAX_MEMBER_TEXT:
         return None
-    return _parse_members(value)
+    return _MEMBER_TEXTS.get(value, lambda: _parse_members(value))
 
 
 def _parse_members(value: Any) -> tuple[int, ...] | str | None:
