@@ -7,13 +7,26 @@ globals for typed lists (``torch.jit._pickle.build_intlist`` …, and
 ``restore_type_tag``); those are mapped to harmless identity functions here. Anything else —
 ``os.system``, ``builtins.eval``, a tensor rebuild — is refused before it can run: a dump
 is data, never code.
+
+A pickle is also bounded before and after it is loaded (``frtools.formats.limits``):
+
+* ``scan`` walks the opcodes first (nothing is built) and refuses a memo index beyond the
+  input (CPython's unpickler sizes its memo from it: 9 bytes could take gigabytes) and a
+  pickle whose objects would take more than ``parsed_bytes``, estimated per opcode
+  (``estimate``, the same formula the native parser applies);
+* ``expanded_values`` counts what the loaded data expands to when every shared (memo)
+  reference counts for what it refers to: 60 KB can refer to one 15,000-int list 15,000
+  times, and every reader that renders values as text would build it out.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 from typing import Any
+
+from frtools.formats import limits
 
 
 class RefusedPickle(pickle.UnpicklingError):
@@ -55,5 +68,215 @@ class DataUnpickler(pickle.Unpickler):
 
 
 def loads_data(data: bytes) -> Any:
-    """Unpickle ``data`` allowing plain containers and scalars only."""
-    return DataUnpickler(io.BytesIO(data)).load()
+    """Unpickle ``data`` allowing plain containers and scalars only, within the limits:
+    ``RefusedPickle`` (before anything is built) for a memo index beyond the input or an
+    estimated size beyond ``parsed_bytes``, and (once loaded) for data that expands beyond
+    ``expanded_values``."""
+    lim = limits.current()
+    scan(data, lim)
+    obj = DataUnpickler(io.BytesIO(data)).load()
+    check_expansion(obj, lim)
+    return obj
+
+
+# --- what a pickle costs, before it is loaded ------------------------------------------------
+
+# per opcode: how its argument is read (-1 a line, -2 two lines, -11/-14/-18 a length of
+# 1/4/8 bytes then that many bytes, -24 a signed 4-byte length; >= 0 a fixed size)
+_ARG: list[int | None] = [None] * 256
+for _op in pickletools.opcodes:
+    _arg = _op.arg
+    _code = ord(_op.code)
+    if _arg is None:
+        _ARG[_code] = 0
+    elif _arg.n >= 0:
+        _ARG[_code] = _arg.n
+    elif _arg.n == pickletools.UP_TO_NEWLINE:
+        _ARG[_code] = -2 if _arg.name == "stringnl_noescape_pair" else -1
+    elif _arg.n == pickletools.TAKEN_FROM_ARGUMENT1:
+        _ARG[_code] = -11
+    elif _arg.n == pickletools.TAKEN_FROM_ARGUMENT4:
+        _ARG[_code] = -24
+    elif _arg.n == pickletools.TAKEN_FROM_ARGUMENT4U:
+        _ARG[_code] = -14
+    elif _arg.n == pickletools.TAKEN_FROM_ARGUMENT8U:
+        _ARG[_code] = -18
+del _op, _arg, _code
+
+# opcodes that build a new container (or object): they cost more than a value
+_CONTAINERS = frozenset(b"}])dlt\x85\x86\x87\x8f\x91Rbio\x81\x92")
+_PUTS = frozenset(b"pqr")
+STOP = ord(".")
+
+# The estimate, in bytes, of what a pickle's objects take once loaded (CPython: ~72 bytes
+# a dict or list with its slot, ~60 + length a str; 8 a reference, plus the memo array):
+#   OP_BYTES per opcode + the bytes of the pickle up to STOP (every argument: string
+#   contents, numbers) + CONTAINER_BYTES per container + MEMO_BYTES per memo slot up to the
+#   highest index PUT names. The native parser (_frpickle.cpp) computes the same number.
+OP_BYTES = 39
+CONTAINER_BYTES = 40
+MEMO_BYTES = 16
+
+
+def estimate(ops: int, consumed: int, containers: int, memo_top: int) -> int:
+    """The estimate above: ``ops`` opcodes up to STOP, ``consumed`` bytes, ``containers``
+    container opcodes, ``memo_top`` = highest explicit memo index + 1."""
+    return OP_BYTES * ops + consumed + CONTAINER_BYTES * containers + MEMO_BYTES * memo_top
+
+
+def _truncated() -> RefusedPickle:
+    return RefusedPickle("truncated pickle (data ends before the dump does)")
+
+
+def scan(data: bytes, limit: limits.Limits | None = None) -> int:
+    """Walk the opcodes of ``data`` up to STOP without building anything; returns the
+    estimate of what loading it takes. ``RefusedPickle`` for a memo index beyond the input,
+    a length beyond the end, or an estimate beyond ``parsed_bytes``. An opcode the scan does
+    not know, or bytes ending without STOP, are left to the unpickler (it reports them)."""
+    lim = limit or limits.current()
+    n = len(data)
+    i = ops = containers = memo_top = 0
+    arg = _ARG
+    find = data.find
+    from_bytes = int.from_bytes
+    while i < n:
+        op = data[i]
+        i += 1
+        ops += 1
+        a = arg[op]
+        if a is None:
+            break  # not an opcode: the unpickler says so
+        if a > 0:
+            if op in _PUTS:
+                if i + a > n:
+                    raise _truncated()
+                idx = data[i] if a == 1 else from_bytes(data[i : i + a], "little")
+                memo_top = _memo(idx, memo_top, n)
+            i += a
+        elif a == 0:
+            if op in _CONTAINERS:
+                containers += 1
+            elif op == STOP:
+                break
+        elif a == -1 or a == -2:
+            end = find(b"\n", i)
+            if a == -2 and end >= 0:
+                end = find(b"\n", end + 1)
+            if end < 0:
+                raise _truncated()
+            if op == 112:  # PUT: a decimal line
+                text = data[i:end].strip()
+                if text.isdigit() and len(text) < 20:
+                    memo_top = _memo(int(text), memo_top, n)
+            if op in _CONTAINERS:
+                containers += 1
+            i = end + 1
+        else:
+            width = -a % 10
+            if i + width > n:
+                raise _truncated()
+            size = from_bytes(data[i : i + width], "little", signed=a == -24)
+            if size < 0:
+                break  # a negative length: the unpickler refuses it
+            i += width + size
+            if i > n:
+                raise _truncated()
+    need = estimate(ops, min(i, n), containers, memo_top)
+    if need > lim.parsed_bytes:
+        raise RefusedPickle(
+            str(
+                limits.exceeded(
+                    f"pickle would take about {limits.size_text(need)} once loaded",
+                    "parsed_bytes",
+                    lim.parsed_bytes,
+                )
+            )
+        )
+    return need
+
+
+def _memo(idx: int, top: int, n: int) -> int:
+    if idx >= n:
+        raise RefusedPickle(
+            f"pickle memo index {idx:,} beyond its own {n:,} bytes (no pickler writes one); refused"
+        )
+    return max(top, idx + 1)
+
+
+# --- what loaded data expands to -------------------------------------------------------------
+
+# a string (or bytes) counts one value, plus one per this many bytes
+STRING_UNIT = 8
+
+
+def expanded_values(obj: Any, cap: int | None = None) -> int:
+    """The number of values ``obj`` holds when every reference is counted for what it
+    refers to (a list shared 15,000 times counts 15,000 times): containers and scalars one
+    each, strings one plus one per ``STRING_UNIT`` characters. Each distinct container is
+    visited once (a memo by identity), so this costs what the data costs, not its
+    expansion. Stops early once beyond ``cap``; a container that holds itself gives
+    ``ValueError``."""
+    memo: dict[int, int | None] = {}
+    stack: list[tuple[Any, bool]] = [(obj, False)]
+    limit = cap if cap is not None else float("inf")
+    while stack:
+        item, done = stack.pop()
+        cls = item.__class__
+        if cls is dict:
+            children: Any = (*item.keys(), *item.values())
+        elif cls is list or cls is tuple:
+            children = item
+        else:
+            continue
+        key = id(item)
+        if done:
+            total = 1
+            for c in children:
+                cc = c.__class__
+                if cc is str or cc is bytes:
+                    total += 1 + len(c) // STRING_UNIT
+                elif cc is dict or cc is list or cc is tuple:
+                    sub = memo[id(c)]
+                    if sub is None:
+                        raise ValueError("the pickle refers to itself (a container holds itself)")
+                    total += sub
+                else:
+                    total += 1
+            memo[key] = total
+            if total > limit:
+                return total
+            continue
+        if key in memo:
+            continue
+        memo[key] = None
+        stack.append((item, True))
+        for c in children:
+            cc = c.__class__
+            if (cc is dict or cc is list or cc is tuple) and id(c) not in memo:
+                stack.append((c, False))
+    top = obj.__class__
+    if top is str or top is bytes:
+        return 1 + len(obj) // STRING_UNIT
+    if top is dict or top is list or top is tuple:
+        return memo[id(obj)] or 0
+    return 1
+
+
+def check_expansion(obj: Any, limit: limits.Limits | None = None) -> None:
+    """``RefusedPickle`` when ``obj`` expands beyond ``expanded_values`` or holds itself."""
+    lim = limit or limits.current()
+    try:
+        got = expanded_values(obj, lim.expanded_values)
+    except ValueError as e:
+        raise RefusedPickle(f"{e}; a dump never does; refused") from None
+    if got > lim.expanded_values:
+        raise RefusedPickle(
+            str(
+                limits.exceeded(
+                    "pickle expands to more values than allowed through shared references",
+                    "expanded_values",
+                    lim.expanded_values,
+                    unit="values",
+                )
+            )
+        )

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from frtools.formats import limits
+
 from .base import DumpError, RankDump, read_bytes
 from .torch_fr import rank_dump
 
@@ -23,7 +25,10 @@ def sniff(path: Path, head: bytes) -> bool:
 def read(path: Path) -> RankDump:
     data = read_bytes(path)
     try:
+        limits.check_json(data)
         dump = json.loads(data)
+    except limits.InputRefused as e:
+        raise DumpError(str(e)) from None
     except UnicodeDecodeError:
         raise DumpError("not UTF-8 text; not a JSON dump") from None
     except RecursionError:

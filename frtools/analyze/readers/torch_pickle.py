@@ -17,6 +17,7 @@ import pickle
 from pathlib import Path
 
 from frtools.config import NATIVE_PICKLE
+from frtools.formats import limits
 
 from .base import DumpError, RankDump, read_bytes
 from .safe_pickle import RefusedPickle, loads_data
@@ -57,9 +58,15 @@ def read(path: Path) -> RankDump:
 
 
 def read_native(data: bytes, path: Path) -> RankDump | None:
-    """The dump via the native parser, or None when the parser leaves it to Python.
+    """The dump via the native parser, or None when the parser leaves it to Python (also
+    when the pickle is beyond a limit: Python then refuses it, naming the limit).
     Thread-safe; the parse runs without the GIL."""
-    parsed = _frpickle.parse(data) if _frpickle is not None else None
+    lim = limits.current()
+    parsed = (
+        _frpickle.parse(data, lim.parsed_bytes, lim.expanded_values)
+        if _frpickle is not None
+        else None
+    )
     if parsed is None:
         return None
     top, columns = parsed

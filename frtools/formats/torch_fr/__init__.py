@@ -164,8 +164,9 @@ STATUS_KEYS = ("last_enqueued_collective", "last_started_collective", "last_comp
 
 # --- values that have a format of their own ----------------------------------------------
 
-_SEND = re.compile(r"^\s*(-?\d+)\s*->\s*(-?\d+)\s*$")
-_RECV = re.compile(r"^\s*(-?\d+)\s*<-\s*(-?\d+)\s*$")
+# (a group-local rank has at most as many digits as the largest world's)
+_SEND = re.compile(r"^\s*(-?\d{1,12})\s*->\s*(-?\d{1,12})\s*$")
+_RECV = re.compile(r"^\s*(-?\d{1,12})\s*<-\s*(-?\d{1,12})\s*$")
 
 
 def p2p_profiling_name(name: str, me: int, peer: int) -> str:

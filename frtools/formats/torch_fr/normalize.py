@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from frtools.formats import limits
 from frtools.model.ops import P2P_OPS
+from frtools.model.ranks import MAX_WORLD_SIZE, valid_rank
 from frtools.model.trace import (
     ENTRY_SCHEMA,
     ProcessGroup,
@@ -289,14 +291,17 @@ def _top_level(
             "cannot tell which rank this dump belongs to: the dump has no 'rank' and the file "
             "name carries none (expected e.g. rank_3.pkl)"
         )
-    if not 0 <= rank < 2**31:
-        raise TorchDumpError(f"rank {rank} is out of range (0 … 2**31-1)")
+    if not valid_rank(rank):
+        shown = str(rank) if len(str(rank)) <= 24 else str(rank)[:20] + "…"
+        raise TorchDumpError(f"rank {shown} is out of range (0 … {MAX_WORLD_SIZE - 1})")
     if isinstance(dump.get("host"), str) and dump["host"]:
         host = dump["host"]
 
     # process groups this file knows
     groups: dict[str, ProcessGroup] = {}
     default_pg_all = False
+    members = 0
+    max_members = limits.current().members_per_file
     pg_config = dump.get("pg_config")
     if isinstance(pg_config, Mapping):
         for key, cfg in pg_config.items():
@@ -313,6 +318,18 @@ def _top_level(
             if ranks == "all":
                 default_pg_all = default_pg_all or desc == "default_pg" or name == "0"
                 ranks = ()
+            members += len(ranks or ())
+            if members > max_members:
+                raise TorchDumpError(
+                    str(
+                        limits.exceeded(
+                            f"pg_config lists more than {max_members:,} group members",
+                            "members_per_file",
+                            max_members,
+                            unit="ranks",
+                        )
+                    )
+                )
             groups[name] = ProcessGroup(name=name, desc=desc, ranks=ranks or ())
     return _TopLevel(dump, rank, host, version, groups, default_pg_all, notes)
 

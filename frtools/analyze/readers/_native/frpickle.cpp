@@ -13,6 +13,13 @@
 // makes parse() return None; Python then takes its own restricted-unpickler path, which
 // owns every error message and the refusal of hostile pickles. Every read is checked
 // against the buffer end; allocations are bounded by the input size.
+//
+// Bounded work (frtools.formats.limits, passed in by the reader): the parser keeps the
+// estimate safe_pickle.scan computes — 39 bytes per opcode + the bytes up to STOP + 40 per
+// container + 16 per memo slot up to the highest PUT index — and leaves a pickle beyond
+// max_parsed_bytes to Python (which refuses it with the reason) as soon as the running
+// estimate passes it; likewise a pickle whose values, each shared reference counted for
+// what it refers to (strings one plus one per 8 bytes), exceed max_expanded.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -141,8 +148,12 @@ class Parser {
     nodes.emplace_back(K_BOOL, true, 0, 0);
   }
 
-  // Runs to STOP; false when the pickle is not plain data or not consistent.
-  bool run();
+  // Runs to STOP; false when the pickle is not plain data or not consistent, or its
+  // estimate passes max_bytes (0: no limit).
+  bool run(uint64_t max_bytes = 0);
+  // The values the root expands to (shared references counted for what they refer to)
+  // are at most max_values (0: no limit), and no container holds itself.
+  bool expansion_within(uint64_t max_values) const;
 
   const uint8_t* data_;
   std::vector<Node>& nodes;
@@ -165,6 +176,7 @@ class Parser {
   std::vector<uint32_t>& memo_;
   size_t memo_len_ = 0;
   std::array<uint32_t, 1024> small_ints_{};  // value -> node (0: none yet)
+  uint64_t ops_ = 0, containers_ = 0, memo_top_ = 0;  // for the estimate (safe_pickle.scan)
 
   // Bytes readable before the end of the data or of the current frame. CPython's
   // unpickler (reading a file) drops the rest of a frame when a read crosses its end, so
@@ -270,11 +282,12 @@ class Parser {
     stack_.resize(x);
     return true;
   }
-  bool put(uint64_t idx) {
+  bool put(uint64_t idx, bool explicit_index = true) {
     if (stack_.size() <= fence()) return false;
     // a pickler numbers its memo from 0, one PUT at a time: an index beyond the bytes read
     // so far is no pickler's, and the memo stays smaller than the input
     if (idx >= static_cast<uint64_t>(p_ - data_)) return false;
+    if (explicit_index && idx + 1 > memo_top_) memo_top_ = idx + 1;
     if (idx >= memo_.size()) memo_.resize(idx + 1, kAbsent);
     if (memo_[idx] == kAbsent) ++memo_len_;
     memo_[idx] = stack_.back();
@@ -293,12 +306,33 @@ class Parser {
   }
 };
 
-bool Parser::run() {
+bool Parser::run(uint64_t max_bytes) {
   const uint8_t* a;
   std::string_view s;
   int64_t v;
   while (p_ < end_) {
+    if (max_bytes) {  // the estimate so far (it only grows): beyond the limit, Python refuses
+      uint64_t estimate = 39 * ops_ + static_cast<uint64_t>(p_ - data_) + 40 * containers_ +
+                          16 * memo_top_;
+      if (estimate > max_bytes) return false;
+    }
+    ++ops_;
     uint8_t op = *p_++;
+    switch (op) {
+      case '}':
+      case ']':
+      case ')':
+      case 'd':
+      case 'l':
+      case 't':
+      case 0x85:
+      case 0x86:
+      case 0x87:
+        ++containers_;
+        break;
+      default:
+        break;
+    }
     switch (op) {
       case 0x80:  // PROTO
         if (!take(1, &a) || a[0] > 5) return false;
@@ -309,6 +343,10 @@ bool Parser::run() {
         break;
       case '.':  // STOP
         if (stack_.size() <= fence()) return false;
+        if (max_bytes && 39 * ops_ + static_cast<uint64_t>(p_ - data_) + 40 * containers_ +
+                                 16 * memo_top_ >
+                             max_bytes)
+          return false;
         root = stack_.back();
         return true;
       case '(':  // MARK
@@ -453,7 +491,7 @@ bool Parser::run() {
         if (!take(4, &a) || !put(le_uint(a, 4))) return false;
         break;
       case 0x94:  // MEMOIZE
-        if (!put(memo_len_)) return false;
+        if (!put(memo_len_, false)) return false;
         break;
       case 'g':  // GET
         if (!line(&s) || !decimal(s, &v) || v < 0 || !get(static_cast<uint64_t>(v)))
@@ -470,6 +508,46 @@ bool Parser::run() {
     }
   }
   return false;  // no STOP: truncated
+}
+
+bool Parser::expansion_within(uint64_t max_values) const {
+  if (!max_values) return true;
+  constexpr uint64_t kUnseen = 0, kOpen = UINT64_MAX;
+  std::vector<uint64_t> total(nodes.size(), kUnseen);  // values + 1, once known
+  auto leaf = [&](uint32_t n) -> uint64_t {
+    const Node& x = nodes[n];
+    return x.kind == K_STR ? 1 + x.len / 8 : 1;
+  };
+  auto container = [&](uint32_t n) {
+    Kind k = nodes[n].kind;
+    return k == K_LIST || k == K_TUPLE || k == K_DICT;
+  };
+  if (!container(root)) return leaf(root) <= max_values;
+  std::vector<std::pair<uint32_t, size_t>> stack;  // (node, next child)
+  stack.emplace_back(root, 0);
+  total[root] = kOpen;
+  while (!stack.empty()) {
+    auto& [n, next] = stack.back();
+    const auto& kids = items(n);
+    if (next < kids.size()) {
+      uint32_t c = kids[next++];
+      if (!container(c)) continue;
+      if (total[c] == kOpen) return false;  // holds itself
+      if (total[c] == kUnseen) {
+        total[c] = kOpen;
+        stack.emplace_back(c, 0);
+      }
+      continue;
+    }
+    uint64_t sum = 1;
+    for (uint32_t c : kids) {
+      sum += container(c) ? total[c] - 1 : leaf(c);
+      if (sum > max_values) return false;
+    }
+    total[n] = sum + 1;
+    stack.pop_back();
+  }
+  return total[root] - 1 <= max_values;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1099,7 +1177,10 @@ PyObject* Builder::columns(const Extractor& ex) {
 
 // ---------------------------------------------------------------------------------------
 
-PyObject* parse(PyObject*, PyObject* arg) {
+PyObject* parse(PyObject*, PyObject* args) {
+  PyObject* arg;
+  unsigned long long max_bytes = 0, max_values = 0;
+  if (!PyArg_ParseTuple(args, "O|KK:parse", &arg, &max_bytes, &max_values)) return nullptr;
   Py_buffer view;
   if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return nullptr;
   const uint8_t* data = static_cast<const uint8_t*>(view.buf);
@@ -1116,7 +1197,7 @@ PyObject* parse(PyObject*, PyObject* arg) {
   try {
     if (size < UINT32_MAX / 2) {  // node indexes are 32-bit
       ps = new Parser(data, size, scratch);
-      if (ps->run()) {
+      if (ps->run(max_bytes) && ps->expansion_within(max_values)) {
         ex = new Extractor(*ps);
         ok = ex->run();
       }
@@ -1136,6 +1217,7 @@ PyObject* parse(PyObject*, PyObject* arg) {
   }
   delete ex;
   delete ps;
+  scratch.reset();  // a huge input does not keep its buffers while Python goes on
   scratch.busy = false;
   PyBuffer_Release(&view);
   if (!result) {
@@ -1146,9 +1228,11 @@ PyObject* parse(PyObject*, PyObject* arg) {
 }
 
 PyMethodDef kMethods[] = {
-    {"parse", parse, METH_O,
-     "parse(data) -> (top, columns) | None: a Flight Recorder pickle as columns, or None when "
-     "it is anything but plain data of the expected shape (Python's reader then decides)."},
+    {"parse", parse, METH_VARARGS,
+     "parse(data, max_parsed_bytes=0, max_expanded=0) -> (top, columns) | None: a Flight "
+     "Recorder pickle as columns, or None when it is anything but plain data of the expected "
+     "shape, or beyond the limits (0: none), as safe_pickle.scan and expanded_values count "
+     "them (Python's reader then decides)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
