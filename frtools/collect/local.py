@@ -7,20 +7,27 @@ the GIL — and acknowledges). All ranks are asked at once and waited for togeth
 by one timeout. Then every file is copied consistently (``copy_consistent``), dead ranks'
 included: the kernel kept their mapping. Only the part of ``rank_<R>.stacks`` written for
 this request is kept when the rank answered (the file is appended to on every request).
+
+The job folder may hold files someone else planted (docs/security.md): a link, a FIFO or a
+device named like a rank file or a stacks file is refused for that rank, never followed,
+waited on or copied; every copy holds what was read, at most the limits of
+``frtools.formats.limits``, never the size a header claims.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from frtools.config import DIR
+from frtools.formats import limits
 from frtools.formats.manifest import Manifest, RankEntry, rank_in_file_name, stacks_path
+from frtools.model.ranks import valid_world_size
 
 
 def frtools_dir() -> Path:
@@ -41,7 +48,7 @@ def find_jobs(root: str | os.PathLike[str] | None = None) -> dict[str, Path]:
 
 def pid_alive(pid: int | None) -> bool:
     """True when ``pid`` is a running (not zombie) process on this host."""
-    if not pid or pid <= 0:
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31:
         return False
     try:
         os.kill(pid, 0)
@@ -102,10 +109,11 @@ def collect_job(
             entry.error = f"{rf.path}: {exc}"
             continue
         ident = rf.header.get("identity") or {}
-        entry.host = ident.get("host")
-        entry.pid = ident.get("pid") or rf.header.get("owner_pid")
-        if ident.get("world_size"):
-            manifest.world_size = max(manifest.world_size or 0, int(ident["world_size"]))
+        entry.host = ident.get("host") if isinstance(ident.get("host"), str) else None
+        entry.pid = _pid(ident.get("pid")) or _pid(rf.header.get("owner_pid"))
+        world = ident.get("world_size")
+        if valid_world_size(world):
+            manifest.world_size = max(manifest.world_size or 0, world)
         if entry.host and entry.host != host:
             entry.note = f"written on host {entry.host}; liveness unknown here"
             continue
@@ -113,8 +121,7 @@ def collect_job(
         if not entry.alive:
             entry.note = f"process {entry.pid} is gone; its black box is collected as it was left"
             continue
-        stacks = stacks_path(rf.path)
-        rf.stacks_offset = stacks.stat().st_size if stacks.exists() else 0
+        rf.stacks_offset = _regular_size(stacks_path(rf.path))
         try:
             rf.seq = request_dump(rf.path)
         except (OSError, SnapshotError) as exc:
@@ -161,20 +168,25 @@ def collect_job(
                 entry.note = _join(entry.note, f"{torn} slot(s) torn while copying, dropped")
         except (OSError, SnapshotError) as exc:
             try:  # keep the bytes: the reader says what is wrong with them
-                shutil.copyfile(rf.path, dst)
+                _copy_bounded(rf.path, dst, limits.current().dump_bytes)
                 entry.files.append(dst.name)
-            except OSError:
-                pass
+            except (OSError, limits.InputRefused):
+                pass  # not a regular file: nothing of it is copied
             if not entry.error:
                 entry.error = f"{rf.path}: not copied consistently: {exc}"
         stacks = stacks_path(rf.path)
-        if stacks.exists():
+        try:
             text = _read_from(stacks, rf.stacks_offset if entry.answered else 0)
             if entry.answered and not text.strip():
                 text = _read_from(stacks, 0)
-            if text.strip():
-                (out / stacks.name).write_text(text)
-                entry.files.append(stacks.name)
+        except FileNotFoundError:
+            text = ""
+        except (OSError, limits.InputRefused) as exc:
+            text = ""
+            entry.note = _join(entry.note, f"{stacks.name} not collected: {exc}")
+        if text.strip():
+            (out / stacks.name).write_text(text)
+            entry.files.append(stacks.name)
     if not files:
         manifest.notes.append(f"no rank files in {job_dir}")
     manifest.elapsed_s = time.monotonic() - started
@@ -182,10 +194,42 @@ def collect_job(
     return manifest
 
 
+def _pid(value: object) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 31
+    return value if ok else None  # type: ignore[return-value]
+
+
+def _regular_size(path: Path) -> int:
+    """The size of a regular file (0 when missing or not a regular file: never followed)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
 def _read_from(path: Path, offset: int) -> str:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read().decode("utf-8", errors="replace")
+    """The text of a stacks file from ``offset``: a regular file only (no link, FIFO or
+    device), its last ``stacks_bytes`` at most."""
+    cap = limits.current().stacks_bytes
+    fd, st = limits.open_regular(path, follow_symlinks=False)
+    with os.fdopen(fd, "rb") as f:
+        f.seek(max(offset, st.st_size - cap) if offset <= st.st_size else 0)
+        return f.read(cap).decode("utf-8", errors="replace")
+
+
+def _copy_bounded(src: Path, dst: Path, cap: int) -> None:
+    """Copy a regular file (never a link, FIFO or device), at most ``cap`` bytes: the copy
+    holds what was read, whatever size the file claims."""
+    fd, _ = limits.open_regular(src, follow_symlinks=False)
+    with os.fdopen(fd, "rb") as f, open(dst, "wb") as out:
+        left = cap
+        while left > 0:
+            chunk = f.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            out.write(chunk)
+            left -= len(chunk)
 
 
 def _join(a: str, b: str) -> str:

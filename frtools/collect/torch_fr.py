@@ -25,6 +25,13 @@ build and the backend (checked on torch 2.13):
 Each collected trace lands as ``rank_<R>.pkl`` or ``rank_<R>.json`` (the bytes as PyTorch
 wrote them; never unpickled here) and the stacks as ``rank_<R>.stacks``, so
 ``frtools analyze DIR`` reads them.
+
+What answers may be hostile (docs/security.md): every socket read runs against one
+deadline for the whole request (a server dripping a byte at a time cannot hold the
+collection past ``--timeout``) and an answer is at most ``response_bytes``; a debug-info
+pipe is written only when it is a FIFO (a planted regular file or link is left alone); a
+dump file is taken only when it is a regular file (not a link) owned by the user who asked,
+written after the request, and copied up to what was read.
 """
 
 from __future__ import annotations
@@ -34,15 +41,17 @@ import glob
 import http.client
 import os
 import re
-import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from frtools.formats import limits
 from frtools.formats.manifest import STACKS_SUFFIX, Manifest, RankEntry, rank_file_name
 from frtools.formats.torch_fr import DUMP_FILE_PREFIX
+from frtools.model.ranks import MAX_WORLD_SIZE, valid_rank
 
 # Every recorder a rank may hold, and the file each answer lands in (``rank_<R><suffix>``).
 _TRACE_HANDLERS = (
@@ -68,31 +77,128 @@ _STACKS_HANDLER = "dump_traceback"
 DEFAULT_NCCL_DUMP_PREFIX = f"/tmp/{DUMP_FILE_PREFIX}"
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._unix_path = path
+class ResponseTooLarge(OSError):
+    """An answer longer than the ``response_bytes`` limit."""
+
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose every read waits at most until one deadline for the whole request
+    (not a timeout per read: a server sending a byte every half second would otherwise
+    never time out) and that refuses to receive more than ``max_bytes``."""
+
+    deadline: float = 0.0
+    max_bytes: int = 0
+    received: int = 0
+
+    def _arm(self) -> None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("timed out")
+        self.settimeout(remaining)
+
+    def recv_into(self, buffer, nbytes=0, flags=0):  # type: ignore[no-untyped-def,override]
+        self._arm()
+        n = super().recv_into(buffer, nbytes, flags)
+        self._count(n)
+        return n
+
+    def recv(self, bufsize, flags=0):  # type: ignore[no-untyped-def,override]
+        self._arm()
+        data = super().recv(bufsize, flags)
+        self._count(len(data))
+        return data
+
+    def _count(self, n: int) -> None:
+        self.received += n
+        if self.received > self.max_bytes:
+            raise ResponseTooLarge(
+                f"answer larger than {limits.size_text(self.max_bytes)} "
+                "(limit response_bytes); refused"
+            )
+
+
+def _deadline_socket(family: int, deadline: float, max_bytes: int) -> _DeadlineSocket:
+    sock = _DeadlineSocket(family, socket.SOCK_STREAM)
+    sock.deadline, sock.max_bytes = deadline, max_bytes
+    return sock
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    """HTTP over a unix socket (``unix_path``) or TCP, every read bounded by one deadline
+    and the answer by ``max_bytes``."""
+
+    def __init__(
+        self, host: str, port: int | None, deadline: float, max_bytes: int, unix_path: str = ""
+    ) -> None:
+        super().__init__(host, port, timeout=max(deadline - time.monotonic(), 0.001))
+        self._deadline, self._max_bytes, self._unix_path = deadline, max_bytes, unix_path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        sock.connect(self._unix_path)
-        self.sock = sock
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("timed out")
+        if self._unix_path:
+            sock = _deadline_socket(socket.AF_UNIX, self._deadline, self._max_bytes)
+            try:
+                sock.settimeout(remaining)
+                sock.connect(self._unix_path)
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+            return
+        error: OSError | None = None
+        for family, _, _, _, addr in socket.getaddrinfo(
+            self.host, self.port, 0, socket.SOCK_STREAM
+        ):
+            sock = _deadline_socket(family, self._deadline, self._max_bytes)
+            try:
+                sock.settimeout(max(self._deadline - time.monotonic(), 0.001))
+                sock.connect(addr)
+            except OSError as exc:
+                sock.close()
+                error = exc
+                continue
+            self.sock = sock
+            return
+        raise error or OSError(f"cannot connect to {self.host}:{self.port}")
 
 
-ConnFactory = Callable[[float], http.client.HTTPConnection]
+# (deadline, max_bytes) -> a connection
+ConnFactory = Callable[[float, int], http.client.HTTPConnection]
+
+
+def _unix(path: str) -> ConnFactory:
+    return lambda deadline, cap: _DeadlineConnection("localhost", None, deadline, cap, path)
+
+
+def _tcp(host: str, port: int) -> ConnFactory:
+    return lambda deadline, cap: _DeadlineConnection(host, port, deadline, cap)
 
 
 def _post(conn_factory: ConnFactory, handler: str, deadline: float) -> bytes | None:
-    """Body of ``POST /handler/<handler>``; None when the handler does not exist."""
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
+    """Body of ``POST /handler/<handler>``; None when the handler does not exist. The whole
+    request (connecting, every read) ends by ``deadline``; an answer longer than
+    ``response_bytes`` is refused (``ResponseTooLarge``)."""
+    if deadline - time.monotonic() <= 0:
         raise TimeoutError("timed out")
-    conn = conn_factory(remaining)
+    cap = limits.current().response_bytes
+    conn = conn_factory(deadline, cap)
     try:
         conn.request("POST", f"/handler/{handler}")
         resp = conn.getresponse()
-        body = resp.read()
+        if resp.length is not None and resp.length > cap:
+            raise ResponseTooLarge(
+                f"answer of {limits.size_text(resp.length)} announced "
+                f"(limit response_bytes = {limits.size_text(cap)}); refused"
+            )
+        parts = []
+        while True:  # in pieces: a length the server announces is never allocated at once
+            part = resp.read(1 << 20)
+            if not part:
+                break
+            parts.append(part)
+        body = b"".join(parts)
         if resp.status == 404:
             return None
         if resp.status != 200:
@@ -103,9 +209,13 @@ def _post(conn_factory: ConnFactory, handler: str, deadline: float) -> bytes | N
 
 
 def rank_from_name(path: str) -> int | None:
-    """The rank in a per-rank file name: the last number of its stem (``ws_3.sock`` → 3)."""
+    """The rank in a per-rank file name: the last number of its stem (``ws_3.sock`` → 3);
+    None when it has none or one at or beyond ``MAX_WORLD_SIZE``."""
     numbers = re.findall(r"\d+", Path(path).name.split(".")[0])
-    return int(numbers[-1]) if numbers else None
+    if not numbers or len(numbers[-1].lstrip("0")) > len(str(MAX_WORLD_SIZE)):
+        return None
+    rank = int(numbers[-1])
+    return rank if valid_rank(rank) else None
 
 
 def _collect_worker(
@@ -178,7 +288,7 @@ def collect_sockets(
             manifest.notes.append(f"{path}: no rank number in the socket name, using {index}")
             rank = index
         manifest.ranks[rank] = RankEntry(rank=rank, host=manifest.host, note=path)
-        targets[rank] = lambda t, p=path: _UnixHTTPConnection(p, t)
+        targets[rank] = _unix(path)
     _collect_parallel(targets, manifest, out, timeout)
     return manifest
 
@@ -203,15 +313,21 @@ def collect_debug_servers(
     manifest = Manifest(job_id=store_addr, mode="torch-store")
     targets: dict[int, ConnFactory] = {}
     rank = 0
-    while store.check([f"{prefix}rank{rank}"]):
-        url = store.get(f"{prefix}rank{rank}").decode()
-        m = re.match(r"https?://\[?([^\]/]+?)\]?:(\d+)", url)
+    # the store has no authentication: its keys are bounded like any hostile input (at most
+    # MAX_WORLD_SIZE ranks, found within the timeout, addresses of a sane length)
+    deadline = time.monotonic() + timeout
+    while (
+        rank < MAX_WORLD_SIZE
+        and time.monotonic() < deadline
+        and store.check([f"{prefix}rank{rank}"])
+    ):
+        url = store.get(f"{prefix}rank{rank}")[:512].decode(errors="replace")
+        m = re.match(r"https?://\[?([^\]/]+?)\]?:(\d{1,5})(?:/|$)", url)
         entry = RankEntry(rank=rank, note=url)
         manifest.ranks[rank] = entry
-        if m:
+        if m and int(m.group(2)) < 65536:
             entry.host = m.group(1)
-            host, port = m.group(1), int(m.group(2))
-            targets[rank] = lambda t, h=host, p=port: http.client.HTTPConnection(h, p, timeout=t)
+            targets[rank] = _tcp(m.group(1), int(m.group(2)))
         else:
             entry.note = f"unusable address {url!r}"
         rank += 1
@@ -234,49 +350,121 @@ def collect_pipes(
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", DEFAULT_NCCL_DUMP_PREFIX
     )
     manifest = Manifest(job_id="torch-fr", mode="torch-pipe")
-    started = time.time()
+    # the file system's clock may lag this one by a tick: a dump written in answer is newer
+    # than this (a planted file older than the request is not taken)
+    requested_ns = time.time_ns() - 10_000_000
     pending: dict[int, Path] = {}
     for path in sorted(glob.glob(glob.escape(prefix) + "*.pipe")):
         tail = path[len(prefix) : -len(".pipe")]
-        if not tail.isdigit():
+        if not tail.isdigit() or len(tail) > len(str(MAX_WORLD_SIZE)):
             continue
         rank = int(tail)
+        if not valid_rank(rank):
+            continue
         entry = RankEntry(rank=rank, host=manifest.host)
         manifest.ranks[rank] = entry
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as exc:
-            entry.note = (
-                "nobody reads the pipe (process gone?)" if exc.errno == errno.ENXIO else str(exc)
-            )
+        why = _poke_pipe(path)
+        if why:
+            entry.note = why
             continue
-        try:
-            os.write(fd, b"1\n")
-        finally:
-            os.close(fd)
         pending[rank] = Path(f"{dump_prefix}{rank}")
     deadline = time.monotonic() + timeout
     sizes: dict[int, int] = {}
     while pending and time.monotonic() < deadline:
         for rank, dump in list(pending.items()):
-            try:
-                st = dump.stat()
-            except FileNotFoundError:
+            got = _answer_file(dump, requested_ns)
+            if isinstance(got, str):
+                manifest.ranks[rank].note = got
                 continue
-            if st.st_mtime >= started - 1 and st.st_size > 0 and sizes.get(rank) == st.st_size:
+            if got is None:
+                continue
+            size = got.st_size
+            if size > 0 and sizes.get(rank) == size:
                 name = rank_file_name(rank, ".pkl")
-                shutil.copyfile(dump, out / name)
+                try:
+                    _copy_answer(dump, out / name, requested_ns)
+                except (OSError, limits.InputRefused) as exc:
+                    manifest.ranks[rank].note = f"{dump}: not collected: {exc}"
+                    del pending[rank]
+                    continue
                 manifest.ranks[rank].files.append(name)
                 manifest.ranks[rank].answered = True
+                manifest.ranks[rank].note = ""
                 del pending[rank]
             else:
-                sizes[rank] = st.st_size
+                sizes[rank] = size
         time.sleep(0.1)
     for rank in pending:
-        manifest.ranks[rank].note = f"no dump appeared at {dump_prefix}{rank}"
+        note = manifest.ranks[rank].note
+        manifest.ranks[rank].note = note or f"no dump appeared at {dump_prefix}{rank}"
     if not manifest.ranks:
         manifest.notes.append(
             f"no {prefix}<rank>.pipe found: the pipe exists only with ProcessGroupNCCL "
             "and TORCH_NCCL_DEBUG_INFO_PIPE_FILE set"
         )
     return manifest
+
+
+def _poke_pipe(path: str) -> str:
+    """Write one byte to a rank's debug-info pipe; the reason when nothing was written. Only
+    a FIFO is written to: a regular file or a link planted where the pipe should be (the
+    byte would land in whatever it names) is left alone, as is a device."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return str(exc)
+    if not stat.S_ISFIFO(st.st_mode):
+        return f"{path} is not a FIFO (a planted file or link?); not written to"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            return "nobody reads the pipe (process gone?)"
+        if exc.errno == errno.ELOOP:
+            return f"{path} is a link, not a FIFO; not written to"
+        return str(exc)
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):  # swapped since the lstat
+            return f"{path} is not a FIFO (a planted file or link?); not written to"
+        os.write(fd, b"1\n")
+    except BlockingIOError:
+        return "the pipe is full (its reader is not reading)"
+    except OSError as exc:
+        return str(exc)
+    finally:
+        os.close(fd)
+    return ""
+
+
+def _answer_file(path: Path, requested_ns: int) -> os.stat_result | str | None:
+    """The ``lstat`` of a dump file that may be the answer; None while it is not there yet
+    (or older than the request: it may still be rewritten), the reason when it can never be
+    one: not a regular file, or not owned by the user who asked (planted in a shared
+    ``/tmp``)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return str(exc)
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file (a planted link?); not taken"
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to uid {st.st_uid}, not to this user (planted?); not taken"
+    if st.st_mtime_ns < requested_ns:
+        return None
+    return st
+
+
+def _copy_answer(src: Path, dst: Path, requested_ns: int) -> None:
+    """Copy the answer, checked again on the opened file (regular, ours, newer than the
+    request), at most ``dump_bytes``."""
+    fd, st = limits.open_regular(src, follow_symlinks=False)
+    with os.fdopen(fd, "rb") as f:
+        if st.st_uid != os.getuid() or st.st_mtime_ns < requested_ns:
+            raise limits.InputRefused("changed owner or age while collected; not taken")
+        cap = limits.current().dump_bytes
+        data = f.read(cap + 1)
+        if len(data) > cap:
+            raise limits.exceeded("dump file", "dump_bytes", cap)
+    dst.write_bytes(data)

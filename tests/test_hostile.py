@@ -1,0 +1,490 @@
+"""Hostile inputs hold (issue #11): each case a security review reproduced, run through the
+real code in a child process whose address space is capped at 1 GiB (``RLIMIT_AS``) and
+killed at 30 s: the file is refused, named, with the limit or the reason, and the rest of
+the analysis (or collection) goes on. The builders are in tests/hostile.py; the limits in
+``frtools.formats.limits`` (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import socket
+import socketserver
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hostile import (
+    NO_NATIVE,
+    analyze_limited,
+    code_pickles,
+    deep_pickle,
+    gzip_bomb,
+    huge_group_pickle,
+    inputs_by_name,
+    load_limited,
+    long_strings_snapshot,
+    manifest,
+    memo_bomb,
+    rank_inside_pickle,
+    run_limited,
+    shared_sizes_pickle,
+    slots_2_32_snapshot,
+    snapshot,
+    sparse_snapshot,
+    valid_dump,
+    valid_snapshot,
+)
+
+from frtools.model.ranks import MAX_WORLD_SIZE
+
+PY = sys.executable
+# the three ways a pickle can be read: the native parser first (it leaves a hostile pickle
+# to Python), the Python unpickler turned on by the variable, and no native parser at all
+PICKLE_PATHS = {
+    "native": ({}, ""),
+    "FRTOOLS_NATIVE_PICKLE=0": ({"FRTOOLS_NATIVE_PICKLE": "0"}, ""),
+    "not built": ({}, NO_NATIVE),
+}
+
+
+def _load(directory: Path, path_kind: str = "native") -> dict:
+    env, prelude = PICKLE_PATHS[path_kind]
+    got = load_limited(directory, env=env, prelude=prelude)
+    assert got.returncode == 0, f"rc={got.returncode} after {got.seconds:.1f} s: {got.stderr[-2000:]}"
+    return got.json()
+
+
+def _refused(result: dict, name: str, *words: str) -> str:
+    item = inputs_by_name(result)[name]
+    assert item["status"] == "error", item
+    for word in words:
+        assert word in item["reason"], item
+    return item["reason"]
+
+
+# --- analyzer: tiny files that took gigabytes --------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path_kind", sorted(PICKLE_PATHS))
+def test_memo_index_beyond_the_input_is_refused(tmp_path: Path, path_kind: str) -> None:
+    """9 bytes with memo index 2**27: CPython's unpickler sized its memo from it (2 GB)."""
+    valid_dump(tmp_path, 1)
+    (tmp_path / "rank_0.pkl").write_bytes(memo_bomb())
+    result = _load(tmp_path, path_kind)
+    _refused(result, "rank_0.pkl", "memo index 134,217,728 beyond its own 9 bytes")
+    assert result["ranks"] == [1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path_kind", sorted(PICKLE_PATHS))
+def test_shared_references_count_for_what_they_expand_to(tmp_path: Path, path_kind: str) -> None:
+    """60 KB whose input_sizes is one 15,000-int list 15,000 times (pickle memo sharing):
+    2.4 GB and exit 0 before; both the native parser and the Python unpickler count it."""
+    valid_dump(tmp_path, 1)
+    data = shared_sizes_pickle()
+    assert len(data) < 80_000
+    (tmp_path / "rank_0.pkl").write_bytes(data)
+    result = _load(tmp_path, path_kind)
+    _refused(result, "rank_0.pkl", "limit expanded_values")
+
+
+@pytest.mark.timeout(120)
+def test_gzip_bomb_is_refused_at_its_ratio(tmp_path: Path) -> None:
+    """About 1 MB of gzip holding 1 GiB of zeros."""
+    valid_dump(tmp_path, 1)
+    bomb = gzip_bomb(tmp_path / "rank_0.pkl.gz")
+    assert bomb.stat().st_size < 2 << 20
+    result = _load(tmp_path)
+    _refused(result, "rank_0.pkl.gz", "limit gunzip_ratio")
+
+
+@pytest.mark.timeout(120)
+def test_sparse_snapshot_claiming_millions_of_slots_is_refused(tmp_path: Path) -> None:
+    """A black box claiming 2**23 slots (1 GiB of ring), all holes on disk."""
+    (tmp_path / "rank_1.frt").write_bytes(valid_snapshot(1, 2))
+    sparse_snapshot(tmp_path / "rank_0.frt")
+    result = _load(tmp_path)
+    reason = _refused(result, "rank_0.frt")
+    assert "limit sparse_bytes" in reason or "limit snapshot_slots" in reason, reason
+    # not sparse, but too many slots: refused by the slot limit, before any is read
+    (tmp_path / "rank_0.frt").write_bytes(snapshot(capacity=(1 << 20) + 1))
+    _refused(_load(tmp_path), "rank_0.frt", "limit snapshot_slots")
+
+
+@pytest.mark.timeout(120)
+def test_snapshot_strings_of_a_mebibyte_each_are_refused(tmp_path: Path) -> None:
+    """A gzip'd black box of a few KB whose 1,024 string ids each decode to 1 MiB."""
+    (tmp_path / "rank_1.frt").write_bytes(valid_snapshot(1, 2))
+    data = long_strings_snapshot()
+    assert len(data) < 16_000
+    (tmp_path / "rank_0.frt.gz").write_bytes(data)
+    reason = _refused(_load(tmp_path), "rank_0.frt.gz")
+    assert "limit text_bytes" in reason or "limit string_bytes" in reason, reason
+
+
+@pytest.mark.timeout(180)
+def test_world_sizes_and_ranks_beyond_the_largest_world(tmp_path: Path) -> None:
+    """Every path a rank or world size comes in by is bounded by MAX_WORLD_SIZE (2**20):
+    a group's member list, a manifest's world_size, --world-size, a snapshot header's
+    world_size and rank, a snapshot's rank-range text, a rank in a file name or inside a
+    dump. Before, each built set(range(4e9)) or a world of 4e9 expected ranks."""
+    # a member list: the group is inferred from who recorded ops instead
+    one = tmp_path / "members"
+    one.mkdir()
+    (one / "rank_0.pkl").write_bytes(huge_group_pickle())
+    result = _load(one)
+    assert result["ranks"] == [0] and result["world_size"] == 1
+
+    # a manifest's world_size: ignored, and said so
+    two = tmp_path / "manifest"
+    two.mkdir()
+    valid_dump(two, 0)
+    (two / "manifest.json").write_text(manifest(4_000_000_000))
+    result = _load(two)
+    assert result["expected"] == 1
+    assert "world_size 4000000000 is beyond the limit" in inputs_by_name(result)["manifest.json"][
+        "reason"
+    ]
+
+    # --world-size: a usage error, exit 2, one line
+    got = analyze_limited(two, "--world-size", "4000000000")
+    assert got.returncode == 2 and "beyond the limit of 1048576 ranks" in got.stderr, got
+
+    # a snapshot header's world_size (ignored, noted) and rank (refused); a rank-range text
+    three = tmp_path / "snapshot"
+    three.mkdir()
+    (three / "rank_0.frt").write_bytes(
+        snapshot(
+            identity={"rank": 0, "world_size": 4_000_000_000, "backend": "gloo"},
+            groups=[("0", "default_pg", "0"), ("1", "tp", "0-4000000000")],
+            entries=[{"op": "gloo:all_reduce"}],
+        )
+    )
+    (three / "rank_1.frt").write_bytes(
+        snapshot(identity={"rank": 4_000_000_000, "world_size": 2}, entries=[{"op": "x"}])
+    )
+    result = _load(three)
+    assert result["ranks"] == [0] and result["expected"] == 1
+    assert "world_size 4000000000 in the header identity is beyond the limit" in inputs_by_name(
+        result
+    )["rank_0.frt"]["reason"]
+    _refused(result, "rank_1.frt", "rank 4000000000 in the header identity is not a rank")
+
+    # a rank in a file name, a rank inside a dump
+    four = tmp_path / "names"
+    four.mkdir()
+    valid_dump(four, 0)
+    (four / "rank_4000000000.pkl").write_bytes((four / "rank_0.pkl").read_bytes())
+    (four / "rank_1.pkl").write_bytes(rank_inside_pickle(2_000_000_000))
+    result = _load(four)
+    assert result["ranks"] == [0] and result["expected"] == 2
+    _refused(result, "rank_4000000000.pkl", "cannot tell which rank")
+    _refused(result, "rank_1.pkl", f"out of range (0 … {MAX_WORLD_SIZE - 1})")
+
+
+# --- analyzer: side files that hung it -----------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_fifo_and_device_named_as_side_files_are_refused(tmp_path: Path) -> None:
+    """A FIFO named manifest.json hung ``frtools analyze``; a link to /dev/zero named
+    rank_0.stacks read forever (MemoryError)."""
+    valid_dump(tmp_path, 0)
+    valid_dump(tmp_path, 1)
+    os.mkfifo(tmp_path / "manifest.json")
+    (tmp_path / "rank_0.stacks").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "rank_1.stacks")
+    got = analyze_limited(tmp_path)
+    assert got.returncode in (0, 1), f"rc={got.returncode}: {got.stderr[-2000:]}"
+    inputs = {Path(i["path"]).name: i for i in got.json()["inputs"]}
+    assert inputs["manifest.json"]["status"] == "error"
+    assert "FIFO" in inputs["manifest.json"]["reason"]
+    assert "symbolic link" in inputs["rank_0.stacks"]["reason"]
+    assert "FIFO" in inputs["rank_1.stacks"]["reason"]
+
+
+# --- analyzer: a real snapshot that crashed it ------------------------------------------------------
+
+JOB = """
+import os
+import torch
+import torch.distributed as dist
+
+
+def reduce(t):
+    dist.all_reduce(t)  # the innermost user frame of both call sites
+
+
+def forward(t):
+    reduce(t)
+
+
+def backward(t):
+    reduce(t)
+
+
+dist.init_process_group(
+    "gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}", rank=0, world_size=1
+)
+t = torch.ones(4)
+forward(t)
+backward(t)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_two_call_sites_sharing_their_innermost_frame(tmp_path: Path) -> None:
+    """A real 1-rank recorder run calling all_reduce from two functions through one helper:
+    two stacks, one call site. The reader's dictionaries repeated the call site and the
+    analysis died ("Categorical categories must be unique")."""
+    pytest.importorskip("torch")
+    from jobs import free_port
+
+    (tmp_path / "job.py").write_text(JOB)
+    env = dict(os.environ, PORT=str(free_port()), FRTOOLS_JOB_ID="shared-frame")
+    run = subprocess.run(
+        [PY, "-m", "frtools", "run", "--dir", str(tmp_path / "rec"), "--",
+         PY, str(tmp_path / "job.py")],
+        capture_output=True, text=True, timeout=150, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    got = analyze_limited(tmp_path / "rec" / "shared-frame")
+    assert got.returncode == 0, got.stderr
+    verdict = got.json()["verdict"]
+    assert verdict["kind"] == "healthy"
+
+
+# --- frtools dump --------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_dump_of_a_job_folder_with_planted_files(tmp_path: Path) -> None:
+    """A FIFO, a /dev/zero link and a header claiming a 1 TiB file in a job folder: the
+    dump hung, copied /dev/zero without end, or wrote a 1 TiB sparse file. Now each is
+    refused for its rank, and every copy is no larger than what was read."""
+    job = tmp_path / "root" / "job"
+    job.mkdir(parents=True)
+    os.mkfifo(job / "rank_0.frt")
+    (job / "rank_1.frt").symlink_to("/dev/zero")
+    box = snapshot(
+        identity={"rank": 2, "world_size": 4, "backend": "gloo", "pid": 2**22 + 7},
+        groups=[("0", "default_pg", "0-3")],
+        entries=[{"op": "gloo:all_reduce"}],
+        file_bytes=1 << 40,
+    )
+    (job / "rank_2.frt").write_bytes(box)
+    os.mkfifo(job / "rank_2.stacks")
+    (job / "rank_3.frt").write_bytes(b"garbage " * 100)
+    (job / "rank_3.stacks").symlink_to("/dev/zero")
+    out = tmp_path / "out"
+    got = run_limited(
+        [PY, "-m", "frtools", "dump", "job", "--dir", str(job.parent), "-o", str(out),
+         "--timeout", "2"],
+        timeout=20, file_size=64 << 20,
+    )  # fmt: skip
+    assert got.returncode == 0, f"rc={got.returncode} after {got.seconds:.1f} s: {got.stderr}"
+    assert got.seconds < 15
+    sizes = {p.name: p.stat().st_size for p in out.iterdir()}
+    assert sizes["rank_2.frt"] <= len(box)
+    assert sizes["rank_3.frt"] == 800  # the garbage, kept for the reader to name
+    assert set(sizes) == {"rank_2.frt", "rank_3.frt", "manifest.json"}
+    ranks = json.loads((out / "manifest.json").read_text())["ranks"]
+    assert "FIFO" in ranks["0"]["error"]
+    assert "symbolic link" in ranks["1"]["error"]
+    assert "rank_2.stacks not collected" in ranks["2"]["note"]
+    assert "rank_3.stacks not collected" in ranks["3"]["note"]
+
+
+class _Dripping(socketserver.BaseRequestHandler):
+    """Answers a request with a promised 1,000-byte body, one byte every 0.5 s."""
+
+    def handle(self) -> None:
+        self.request.recv(65536)
+        try:
+            self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+            for _ in range(1000):
+                self.request.sendall(b"x")
+                time.sleep(0.5)
+        except OSError:
+            pass
+
+
+class _Huge(socketserver.BaseRequestHandler):
+    """Announces a 1 TiB body, then sends zeros as fast as it can."""
+
+    def handle(self) -> None:
+        self.request.recv(65536)
+        try:
+            self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1099511627776\r\n\r\n")
+            zeros = bytes(1 << 20)
+            while True:
+                self.request.sendall(zeros)
+        except OSError:
+            pass
+
+
+class _Chunked(http.server.BaseHTTPRequestHandler):
+    """An endless chunked body: no length announced."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        chunk = b"%x\r\n%s\r\n" % (1 << 20, bytes(1 << 20))
+        try:
+            while True:
+                self.wfile.write(chunk)
+        except OSError:
+            pass
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _serve(path: Path, handler: type) -> socketserver.UnixStreamServer:
+    server = socketserver.ThreadingUnixStreamServer(str(path), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.timeout(120)
+def test_torch_socket_answers_are_bounded_in_time_and_size(tmp_path: Path) -> None:
+    """A worker socket dripping a byte every 0.5 s kept ``--timeout 2`` running past 20 s;
+    an answer's size was unbounded. Now one deadline bounds every read of the request and
+    an answer beyond ``response_bytes`` is refused."""
+    servers = [
+        _serve(tmp_path / "ws_0.sock", _Dripping),
+        _serve(tmp_path / "ws_1.sock", _Huge),
+        _serve(tmp_path / "ws_2.sock", _Chunked),
+    ]
+    try:
+        got = run_limited(
+            [PY, "-m", "frtools", "dump", "--torch-socket", str(tmp_path / "ws_*.sock"),
+             "--timeout", "2", "-o", str(tmp_path / "out")],
+            timeout=20,
+        )  # fmt: skip
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    assert got.returncode is not None, f"still running after 20 s: {got.stdout}"
+    assert got.seconds < 10, got.seconds
+    ranks = json.loads((tmp_path / "out" / "manifest.json").read_text())["ranks"]
+    assert "timed out" in ranks["0"]["note"]
+    assert "limit response_bytes" in ranks["1"]["note"]
+    assert "limit response_bytes" in ranks["2"]["note"] or "timed out" in ranks["2"]["note"]
+    assert not any(ranks[r]["files"] for r in ("0", "1", "2"))
+
+
+@pytest.mark.timeout(60)
+def test_torch_pipe_is_written_only_when_it_is_a_fifo(tmp_path: Path) -> None:
+    """A regular file planted as a link where rank 0's pipe should be got "1\\n" written
+    into it; a regular file planted as rank 1's pipe too."""
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    (tmp_path / "pipe_0.pipe").symlink_to(target)
+    (tmp_path / "pipe_1.pipe").write_text("not a pipe\n")
+    got = run_limited(
+        [PY, "-m", "frtools", "dump", "--torch-pipe", str(tmp_path / "pipe_"),
+         "--torch-dump-prefix", str(tmp_path / "dump_"), "--timeout", "1",
+         "-o", str(tmp_path / "out")],
+        timeout=30,
+    )  # fmt: skip
+    assert got.returncode == 2, got.stderr  # nothing collected
+    assert target.read_text() == "keep me\n"
+    assert (tmp_path / "pipe_1.pipe").read_text() == "not a pipe\n"
+    assert "rank 0: " in got.stdout and "not a FIFO" in got.stdout
+
+
+@pytest.mark.timeout(60)
+def test_planted_torch_dump_file_is_not_taken(tmp_path: Path) -> None:
+    """``/tmp/nccl_trace_rank_0`` planted by another user was taken as rank 0's answer.
+    Now a dump file counts only when it is a regular file of the user who asked, written
+    after the request."""
+    if os.getuid() != 0:
+        pytest.skip("planting a file of another user needs root")
+    prefix, dump_prefix = tmp_path / "pipe_", tmp_path / "nccl_trace_rank_"
+    for rank in (0, 1):
+        os.mkfifo(f"{prefix}{rank}.pipe")
+    planted = Path(f"{dump_prefix}0")
+    planted.write_bytes(b"\x80\x04planted")
+    os.chown(planted, 65534, 65534)  # nobody's, fresh
+    stale = Path(f"{dump_prefix}1")
+    stale.write_bytes(b"\x80\x04stale")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))  # ours, from an hour ago
+
+    def monitor(rank: int) -> None:  # reads the byte, writes nothing (its dump never comes)
+        fd = os.open(f"{prefix}{rank}.pipe", os.O_RDONLY)
+        os.read(fd, 16)
+        os.close(fd)
+
+    readers = [threading.Thread(target=monitor, args=(r,), daemon=True) for r in (0, 1)]
+    for t in readers:
+        t.start()
+    time.sleep(0.2)
+    got = run_limited(
+        [PY, "-m", "frtools", "dump", "--torch-pipe", str(prefix), "--torch-dump-prefix",
+         str(dump_prefix), "--timeout", "2", "-o", str(tmp_path / "out")],
+        timeout=30,
+    )  # fmt: skip
+    for t in readers:
+        t.join(timeout=5)
+    assert got.returncode == 2, got.stdout + got.stderr  # nothing taken
+    assert not (tmp_path / "out" / "rank_0.pkl").exists()
+    assert not (tmp_path / "out" / "rank_1.pkl").exists()
+    assert "belongs to uid 65534" in got.stdout
+
+
+# --- all of it at once, and what held up before --------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_analyze_on_the_hostile_directory_stays_within_1_gib_and_30_s(tmp_path: Path) -> None:
+    """Every analyzer case above in one directory, with what held up before (code in a
+    pickle, deep nesting, a device or a FIFO as a rank file, a header claiming 2**32 slots)
+    and one real dump: ``frtools analyze`` finishes under 1 GiB and 30 s, names every
+    hostile file with its reason, and analyzes the real dump."""
+    valid_dump(tmp_path, 0)
+    files = {
+        "rank_1.pkl": memo_bomb(),
+        "rank_2.pkl": shared_sizes_pickle(),
+        "rank_3.pkl": huge_group_pickle(),
+        "rank_4.frt.gz": long_strings_snapshot(),
+        "rank_5.frt": slots_2_32_snapshot(),
+        "rank_6.pkl": deep_pickle(),
+        "rank_7.pkl": rank_inside_pickle(),
+        **{f"rank_{8 + i}_{name}": data for i, (name, data) in enumerate(code_pickles().items())},
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    gzip_bomb(tmp_path / "rank_11.pkl.gz")
+    sparse_snapshot(tmp_path / "rank_12.frt")
+    (tmp_path / "rank_13.pkl").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "rank_14.pkl")
+    os.mkfifo(tmp_path / "manifest.json")
+    (tmp_path / "rank_0.stacks").symlink_to("/dev/zero")
+    got = analyze_limited(tmp_path)
+    assert got.returncode in (0, 1), f"rc={got.returncode} after {got.seconds:.1f} s: {got.stderr}"
+    inputs = {Path(i["path"]).name: i for i in got.json()["inputs"]}
+    hostile = set(files) | {"rank_11.pkl.gz", "rank_12.frt", "rank_13.pkl", "rank_14.pkl"}
+    for name in hostile - {"rank_3.pkl"}:
+        assert inputs[name]["status"] == "error" and inputs[name]["reason"], inputs[name]
+    assert inputs["rank_3.pkl"]["status"] in ("ok", "duplicate")  # its group is inferred
+    for name in ("manifest.json", "rank_0.stacks"):
+        assert inputs[name]["status"] == "error", inputs[name]
+    assert "a dump is data, never code" in inputs["rank_8_global_reduce.pkl"]["reason"]
+    assert "never code" in inputs["rank_9_inst.pkl"]["reason"]
+    assert "never code" in inputs["rank_10_stack_global.pkl"]["reason"]
+    assert not Path("/tmp/frtools-pwned").exists()
+    assert inputs["rank_0.pkl"]["status"] == "ok"
