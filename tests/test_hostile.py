@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import socket
 import socketserver
 import subprocess
 import sys
@@ -56,7 +55,9 @@ PICKLE_PATHS = {
 def _load(directory: Path, path_kind: str = "native") -> dict:
     env, prelude = PICKLE_PATHS[path_kind]
     got = load_limited(directory, env=env, prelude=prelude)
-    assert got.returncode == 0, f"rc={got.returncode} after {got.seconds:.1f} s: {got.stderr[-2000:]}"
+    assert got.returncode == 0, (
+        f"rc={got.returncode} after {got.seconds:.1f} s: {got.stderr[-2000:]}"
+    )
     return got.json()
 
 
@@ -149,9 +150,10 @@ def test_world_sizes_and_ranks_beyond_the_largest_world(tmp_path: Path) -> None:
     (two / "manifest.json").write_text(manifest(4_000_000_000))
     result = _load(two)
     assert result["expected"] == 1
-    assert "world_size 4000000000 is beyond the limit" in inputs_by_name(result)["manifest.json"][
-        "reason"
-    ]
+    assert (
+        "world_size 4000000000 is beyond the limit"
+        in inputs_by_name(result)["manifest.json"]["reason"]
+    )
 
     # --world-size: a usage error, exit 2, one line
     got = analyze_limited(two, "--world-size", "4000000000")
@@ -172,9 +174,10 @@ def test_world_sizes_and_ranks_beyond_the_largest_world(tmp_path: Path) -> None:
     )
     result = _load(three)
     assert result["ranks"] == [0] and result["expected"] == 1
-    assert "world_size 4000000000 in the header identity is beyond the limit" in inputs_by_name(
-        result
-    )["rank_0.frt"]["reason"]
+    assert (
+        "world_size 4000000000 in the header identity is beyond the limit"
+        in inputs_by_name(result)["rank_0.frt"]["reason"]
+    )
     _refused(result, "rank_1.frt", "rank 4000000000 in the header identity is not a rank")
 
     # a rank in a file name, a rank inside a dump
