@@ -8,13 +8,16 @@ the analysis (or collection) goes on. The builders are in tests/hostile.py; the 
 from __future__ import annotations
 
 import http.server
+import io
 import json
 import os
+import pickle
 import socketserver
 import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -40,9 +43,11 @@ from hostile import (
     valid_snapshot,
 )
 
+from frtools.analyze.readers import safe_pickle
 from frtools.model.ranks import MAX_WORLD_SIZE
 
 PY = sys.executable
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_dumps"
 # the three ways a pickle can be read: the native parser first (it leaves a hostile pickle
 # to Python), the Python unpickler turned on by the variable, and no native parser at all
 PICKLE_PATHS = {
@@ -491,3 +496,61 @@ def test_analyze_on_the_hostile_directory_stays_within_1_gib_and_30_s(tmp_path: 
     assert "never code" in inputs["rank_10_stack_global.pkl"]["reason"]
     assert not Path("/tmp/frtools-pwned").exists()
     assert inputs["rank_0.pkl"]["status"] == "ok"
+
+
+# --- the estimate both parsers keep ------------------------------------------------------------
+
+
+def _pickles() -> dict[str, bytes]:
+    from hostile import sample_dump_dict
+
+    dump = sample_dump_dict(2)
+    return {
+        **{p.parent.name: p.read_bytes() for p in sorted(SAMPLES.glob("*/rank_1.pkl"))},
+        "protocol 4": pickle.dumps(dump, protocol=4),
+        "shared frames": pickle.dumps(
+            dict(
+                dump,
+                entries=[dict(e, frames=dump["entries"][0]["frames"]) for e in dump["entries"]],
+            ),
+            protocol=2,
+        ),
+    }
+
+
+@pytest.mark.timeout(60)
+def test_native_parser_keeps_the_estimate_and_expansion_python_computes() -> None:
+    """The native parser reads a pickle at exactly the estimate and expansion
+    safe_pickle computes, and leaves it to Python one byte or one value below."""
+    native = pytest.importorskip("frtools.analyze.readers._frpickle")
+    for name, data in _pickles().items():
+        need = safe_pickle.scan(data)
+        values = safe_pickle.expanded_values(pickle.loads(data))
+        assert native.parse(data, need, values) is not None, name
+        assert native.parse(data, need - 1, values) is None, name
+        assert native.parse(data, need, values - 1) is None, name
+
+
+@pytest.mark.timeout(60)
+def test_estimate_bounds_what_loading_takes() -> None:
+    """For every kind of opcode a pickle may repeat, what CPython takes to load it
+    (tracemalloc's peak) stays within the estimate the limit is checked against."""
+    patterns = {
+        "empty dict": b"}", "empty list": b"]", "empty set": b"\x8f", "dict item": b"}K\x01K\x01s",
+        "dict from mark": b"(K\x01K\x02d", "str": b"\x8c\x02ab", "bytes": b"C\x02ab",
+        "int": b"J\x01\x02\x03\x04", "int2": b"M\x01\x02", "float": b"G?\xf0\x00\x00\x00\x00\x00\x00",
+        "tuple": b"M\x01\x02M\x03\x04\x86", "list item": b"]K\x01a", "nested": b"]]a",
+        "None": b"N", "memoized dict": b"}\x94",
+    }  # fmt: skip
+    n = 50_000
+    for name, pattern in patterns.items():
+        data = b"\x80\x04(" + pattern * n + b"l."
+        need = safe_pickle.scan(data)
+        tracemalloc.start()
+        try:
+            obj = safe_pickle.DataUnpickler(io.BytesIO(data)).load()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        del obj
+        assert peak <= need, f"{name}: {peak} bytes taken, {need} estimated"

@@ -57,6 +57,10 @@ class Limits:
     # values a pickle expands to when every shared (memo) reference is counted for what it
     # refers to; a string counts one value per 8 bytes
     expanded_values: int = 1 << 25
+    # ... but a file may always take this many bytes of memory (and an eighth as many
+    # values) per byte it has on disk: a big real dump is never refused for its size alone,
+    # and up to ~12 MB on disk the two limits above decide
+    per_stored_byte: int = 32
     # slots of a frtools black box (its ring capacity)
     snapshot_slots: int = 1 << 20
     # rows of a black box's process-group table
@@ -77,6 +81,14 @@ class Limits:
     stacks_bytes: int = 4 * MIB
     # one answer of a PyTorch worker server (``frtools dump --torch-socket/--torch-store``)
     response_bytes: int = 128 * MIB
+
+    def parsed_cap(self, stored: int) -> int:
+        """``parsed_bytes`` for a file of ``stored`` bytes on disk."""
+        return max(self.parsed_bytes, self.per_stored_byte * stored)
+
+    def expanded_cap(self, stored: int) -> int:
+        """``expanded_values`` for a file of ``stored`` bytes on disk."""
+        return max(self.expanded_values, self.per_stored_byte * stored // 8)
 
 
 DEFAULTS = Limits()
@@ -260,9 +272,10 @@ def gunzip(data: bytes, limit: Limits | None = None) -> bytes:
 
 # --- what parsing a text would cost ----------------------------------------------------------
 
-# estimated bytes per parsed JSON value: a container (dict or list, with its slot in its
-# parent) and any other value (a number or string object and its slot)
-_JSON_CONTAINER = 96
+# estimated bytes per parsed JSON value: a dict (CPython: 232 bytes once it holds an item),
+# a list, and any other value (a number or string object and its slot in its parent)
+_JSON_DICT = 240
+_JSON_LIST = 96
 _JSON_VALUE = 64
 
 
@@ -271,16 +284,20 @@ def json_parsed_bytes(data: bytes) -> int:
     structural characters before anything is built: every value but the first of a
     container follows a ``,`` or a ``:``, every container starts with ``{`` or ``[`` (inside
     strings they are counted too, so the estimate only errs upwards)."""
-    containers = data.count(b"{") + data.count(b"[")
     values = data.count(b",") + data.count(b":") + 1
-    return containers * _JSON_CONTAINER + values * _JSON_VALUE + len(data)
+    return (
+        data.count(b"{") * _JSON_DICT
+        + data.count(b"[") * _JSON_LIST
+        + values * _JSON_VALUE
+        + len(data)
+    )
 
 
-def check_json(data: bytes, limit: Limits | None = None) -> None:
-    """``InputRefused`` when parsing ``data`` as JSON would take more than ``parsed_bytes``."""
+def check_json(data: bytes, limit: Limits | None = None, stored: int | None = None) -> None:
+    """``InputRefused`` when parsing ``data`` as JSON would take more than ``parsed_bytes``
+    (or ``per_stored_byte`` times ``stored``, the file's size on disk, when larger)."""
     lim = limit or _current
+    cap = lim.parsed_cap(len(data) if stored is None else stored)
     need = json_parsed_bytes(data)
-    if need > lim.parsed_bytes:
-        raise exceeded(
-            f"JSON would take about {size_text(need)} once parsed", "parsed_bytes", lim.parsed_bytes
-        )
+    if need > cap:
+        raise exceeded(f"JSON would take about {size_text(need)} once parsed", "parsed_bytes", cap)

@@ -71,6 +71,11 @@ def read_head(path: Path, n: int = HEAD_BYTES) -> bytes:
 def read_bytes(path: Path) -> bytes:
     """The whole content, gunzipped when the file is gzip'd; at most ``dump_bytes``, and a
     gzip'd file at most ``gunzip_ratio`` times its size (``frtools.formats.limits``)."""
+    return read_content(path)[0]
+
+
+def read_content(path: Path) -> tuple[bytes, int]:
+    """``read_bytes`` and the file's size as stored (what the per-file limits scale with)."""
     lim = limits.current()
     try:
         data = limits.read_regular(path, lim.dump_bytes, limit_name="dump_bytes")
@@ -78,6 +83,7 @@ def read_bytes(path: Path) -> bytes:
         raise DumpError(str(e)) from None
     except OSError as e:
         raise DumpError(f"cannot read: {e.strerror or e}") from e
+    stored = len(data)
     if data.startswith(GZIP_MAGIC):
         try:
             data = limits.gunzip(data, lim)
@@ -89,7 +95,7 @@ def read_bytes(path: Path) -> bytes:
             raise DumpError(f"corrupt gzip file: {e}") from e
     if not data:
         raise DumpError("empty file")
-    return data
+    return data, stored
 
 
 # --- rank and host from the file name ----------------------------------------------------

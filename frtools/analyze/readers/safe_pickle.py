@@ -22,8 +22,10 @@ A pickle is also bounded before and after it is loaded (``frtools.formats.limits
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import pickletools
+import sys
 from typing import Any
 
 from frtools.formats import limits
@@ -67,15 +69,16 @@ class DataUnpickler(pickle.Unpickler):
         raise RefusedPickle("refused: the pickle uses persistent ids; a dump is data, never code")
 
 
-def loads_data(data: bytes) -> Any:
+def loads_data(data: bytes, stored: int | None = None) -> Any:
     """Unpickle ``data`` allowing plain containers and scalars only, within the limits:
     ``RefusedPickle`` (before anything is built) for a memo index beyond the input or an
     estimated size beyond ``parsed_bytes``, and (once loaded) for data that expands beyond
-    ``expanded_values``."""
+    ``expanded_values`` (both scaled up for a file of ``stored`` bytes on disk by
+    ``per_stored_byte``; default: ``len(data)``)."""
     lim = limits.current()
-    scan(data, lim)
+    scan(data, lim, stored)
     obj = DataUnpickler(io.BytesIO(data)).load()
-    check_expansion(obj, lim)
+    check_expansion(obj, lim, stored if stored is not None else len(data))
     return obj
 
 
@@ -103,46 +106,66 @@ for _op in pickletools.opcodes:
         _ARG[_code] = -18
 del _op, _arg, _code
 
-# opcodes that build a new container (or object): they cost more than a value
+# opcodes that build a new container (or object): they cost more than a value; a dict
+# (or a set) more again (CPython: 232 bytes once it holds an item, 224 an empty set)
 _CONTAINERS = frozenset(b"}])dlt\x85\x86\x87\x8f\x91Rbio\x81\x92")
+_DICTS = frozenset(b"}d\x8f\x91")
+# opcodes that build a str or bytes object (CPython: ~50 bytes + its length)
+_STRINGS = frozenset(b"STUVXBC\x8c\x8d\x8e\x96")
 _PUTS = frozenset(b"pqr")
 STOP = ord(".")
 
-# The estimate, in bytes, of what a pickle's objects take once loaded (CPython: ~72 bytes
-# a dict or list with its slot, ~60 + length a str; 8 a reference, plus the memo array):
+# The estimate, in bytes, of what a pickle's objects take once loaded, an upper bound of
+# what CPython takes for any sequence of opcodes (measured: 72 bytes an empty dict, 232 one
+# holding an item, 64 a list, ~60 + length a str, 8 a reference and ~30 a dict item):
 #   OP_BYTES per opcode + the bytes of the pickle up to STOP (every argument: string
-#   contents, numbers) + CONTAINER_BYTES per container + MEMO_BYTES per memo slot up to the
-#   highest index PUT names. The native parser (_frpickle.cpp) computes the same number.
-OP_BYTES = 39
-CONTAINER_BYTES = 40
+#   contents, numbers) + OBJECT_BYTES per container or string + DICT_BYTES more per dict +
+#   MEMO_BYTES per memo slot up to the highest index PUT names. The native parser
+#   (_frpickle.cpp) computes the same number.
+OP_BYTES = 48
+OBJECT_BYTES = 40
+DICT_BYTES = 200
 MEMO_BYTES = 16
 
 
-def estimate(ops: int, consumed: int, containers: int, memo_top: int) -> int:
-    """The estimate above: ``ops`` opcodes up to STOP, ``consumed`` bytes, ``containers``
-    container opcodes, ``memo_top`` = highest explicit memo index + 1."""
-    return OP_BYTES * ops + consumed + CONTAINER_BYTES * containers + MEMO_BYTES * memo_top
+def estimate(ops: int, consumed: int, objects: int, dicts: int, memo_top: int) -> int:
+    """The estimate above: ``ops`` opcodes up to STOP, ``consumed`` bytes, ``objects``
+    opcodes building a container or a string, of which ``dicts`` dicts, ``memo_top`` =
+    highest explicit memo index + 1."""
+    return (
+        OP_BYTES * ops
+        + consumed
+        + OBJECT_BYTES * objects
+        + DICT_BYTES * dicts
+        + MEMO_BYTES * memo_top
+    )
 
 
 def _truncated() -> RefusedPickle:
     return RefusedPickle("truncated pickle (data ends before the dump does)")
 
 
-def scan(data: bytes, limit: limits.Limits | None = None) -> int:
+def scan(data: bytes, limit: limits.Limits | None = None, stored: int | None = None) -> int:
     """Walk the opcodes of ``data`` up to STOP without building anything; returns the
     estimate of what loading it takes. ``RefusedPickle`` for a memo index beyond the input,
     a length beyond the end, or an estimate beyond ``parsed_bytes``. An opcode the scan does
     not know, or bytes ending without STOP, are left to the unpickler (it reports them)."""
     lim = limit or limits.current()
     n = len(data)
-    i = ops = containers = memo_top = 0
+    cap = lim.parsed_cap(n if stored is None else stored)
+    i = ops = objects = dicts = memo_top = 0
     arg = _ARG
     find = data.find
     from_bytes = int.from_bytes
+    check_at = 1 << 16
     while i < n:
         op = data[i]
         i += 1
         ops += 1
+        if ops == check_at:  # beyond the limit already: no need to read the rest
+            check_at += 1 << 16
+            if estimate(ops, i, objects, dicts, memo_top) > cap:
+                break
         a = arg[op]
         if a is None:
             break  # not an opcode: the unpickler says so
@@ -155,7 +178,8 @@ def scan(data: bytes, limit: limits.Limits | None = None) -> int:
             i += a
         elif a == 0:
             if op in _CONTAINERS:
-                containers += 1
+                objects += 1
+                dicts += op in _DICTS
             elif op == STOP:
                 break
         elif a == -1 or a == -2:
@@ -168,8 +192,7 @@ def scan(data: bytes, limit: limits.Limits | None = None) -> int:
                 text = data[i:end].strip()
                 if text.isdigit() and len(text) < 20:
                     memo_top = _memo(int(text), memo_top, n)
-            if op in _CONTAINERS:
-                containers += 1
+            objects += op in _CONTAINERS or op in _STRINGS
             i = end + 1
         else:
             width = -a % 10
@@ -178,17 +201,18 @@ def scan(data: bytes, limit: limits.Limits | None = None) -> int:
             size = from_bytes(data[i : i + width], "little", signed=a == -24)
             if size < 0:
                 break  # a negative length: the unpickler refuses it
+            objects += op in _STRINGS
             i += width + size
             if i > n:
                 raise _truncated()
-    need = estimate(ops, min(i, n), containers, memo_top)
-    if need > lim.parsed_bytes:
+    need = estimate(ops, min(i, n), objects, dicts, memo_top)
+    if need > cap:
         raise RefusedPickle(
             str(
                 limits.exceeded(
                     f"pickle would take about {limits.size_text(need)} once loaded",
                     "parsed_bytes",
-                    lim.parsed_bytes,
+                    cap,
                 )
             )
         )
@@ -212,70 +236,105 @@ STRING_UNIT = 8
 def expanded_values(obj: Any, cap: int | None = None) -> int:
     """The number of values ``obj`` holds when every reference is counted for what it
     refers to (a list shared 15,000 times counts 15,000 times): containers and scalars one
-    each, strings one plus one per ``STRING_UNIT`` characters. Each distinct container is
-    visited once (a memo by identity), so this costs what the data costs, not its
-    expansion. Stops early once beyond ``cap``; a container that holds itself gives
-    ``ValueError``."""
-    memo: dict[int, int | None] = {}
-    stack: list[tuple[Any, bool]] = [(obj, False)]
-    limit = cap if cap is not None else float("inf")
-    while stack:
-        item, done = stack.pop()
-        cls = item.__class__
-        if cls is dict:
-            children: Any = (*item.keys(), *item.values())
-        elif cls is list or cls is tuple:
-            children = item
-        else:
-            continue
-        key = id(item)
-        if done:
-            total = 1
-            for c in children:
-                cc = c.__class__
-                if cc is str or cc is bytes:
-                    total += 1 + len(c) // STRING_UNIT
-                elif cc is dict or cc is list or cc is tuple:
-                    sub = memo[id(c)]
-                    if sub is None:
-                        raise ValueError("the pickle refers to itself (a container holds itself)")
-                    total += sub
-                else:
-                    total += 1
-            memo[key] = total
-            if total > limit:
-                return total
-            continue
-        if key in memo:
-            continue
-        memo[key] = None
-        stack.append((item, True))
-        for c in children:
-            cc = c.__class__
-            if (cc is dict or cc is list or cc is tuple) and id(c) not in memo:
-                stack.append((c, False))
-    top = obj.__class__
-    if top is str or top is bytes:
+    each, strings one plus one per ``STRING_UNIT`` characters. A container referenced from
+    more than one place is summed once and remembered by identity; the others (known from
+    their reference count) are visited once and forgotten, so this costs a pass over the
+    data and memory for its nesting depth. Stops early once beyond ``cap``; a container
+    that holds itself gives ``ValueError``."""
+    cls = obj.__class__
+    if cls is str or cls is bytes:
         return 1 + len(obj) // STRING_UNIT
-    if top is dict or top is list or top is tuple:
-        return memo[id(obj)] or 0
-    return 1
+    if cls is not dict and cls is not list and cls is not tuple:
+        return 1
+    limit = cap if cap is not None else float("inf")
+    refcount = sys.getrefcount
+    shared: dict[int, int | None] = {id(obj): None}  # id -> total (None: being summed)
+    # frames: [container, its children (an iterator), the sum so far, remembered]
+    frames: list[list[Any]] = [[obj, _children(obj), 1, True]]
+    while frames:
+        frame = frames[-1]
+        total = frame[2]
+        entered = False
+        for c in frame[1]:
+            cc = c.__class__
+            if cc is str or cc is bytes:
+                total += 1 + len(c) // STRING_UNIT
+            elif cc is dict or cc is list or cc is tuple:
+                # referenced by its parent, ``c`` and the call's argument: 3 when unshared
+                remember = refcount(c) > _UNSHARED_REFS
+                if remember:
+                    key = id(c)
+                    if key in shared:
+                        got = shared[key]
+                        if got is None:
+                            raise ValueError(
+                                "the pickle refers to itself (a container holds itself)"
+                            )
+                        total += got
+                        continue
+                    shared[key] = None
+                else:
+                    flat = _flat_values(c)  # most containers hold scalars only: no frame
+                    if flat:
+                        total += flat
+                        continue
+                frame[2] = total
+                frames.append([c, _children(c), 1, remember])
+                entered = True
+                break
+            else:
+                total += 1
+        if entered:
+            continue
+        frames.pop()
+        if frame[3]:
+            shared[id(frame[0])] = total
+        if total > limit or not frames:
+            return total
+        frames[-1][2] += total
+    return 0  # not reached
 
 
-def check_expansion(obj: Any, limit: limits.Limits | None = None) -> None:
-    """``RefusedPickle`` when ``obj`` expands beyond ``expanded_values`` or holds itself."""
+# what a container's reference count is when only its parent refers to it, seen from the
+# loop above (the parent, the loop variable, the argument of sys.getrefcount)
+_UNSHARED_REFS = 3
+
+
+def _flat_values(c: Any) -> int:
+    """``expanded_values`` of a container holding no container, else 0."""
+    total = 1
+    for part in (c.keys(), c.values()) if c.__class__ is dict else (c,):
+        for g in part:
+            gc = g.__class__
+            if gc is str or gc is bytes:
+                total += 1 + len(g) // STRING_UNIT
+            elif gc is dict or gc is list or gc is tuple:
+                return 0
+            else:
+                total += 1
+    return total
+
+
+def _children(c: Any) -> Any:
+    return itertools.chain(c.keys(), c.values()) if c.__class__ is dict else iter(c)
+
+
+def check_expansion(obj: Any, limit: limits.Limits | None = None, stored: int = 0) -> None:
+    """``RefusedPickle`` when ``obj`` expands beyond ``expanded_values`` (scaled for a file
+    of ``stored`` bytes) or holds itself."""
     lim = limit or limits.current()
+    cap = lim.expanded_cap(stored)
     try:
-        got = expanded_values(obj, lim.expanded_values)
+        got = expanded_values(obj, cap)
     except ValueError as e:
         raise RefusedPickle(f"{e}; a dump never does; refused") from None
-    if got > lim.expanded_values:
+    if got > cap:
         raise RefusedPickle(
             str(
                 limits.exceeded(
                     "pickle expands to more values than allowed through shared references",
                     "expanded_values",
-                    lim.expanded_values,
+                    cap,
                     unit="values",
                 )
             )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from frtools.formats import limits
 
-from .base import DumpError, RankDump, read_bytes
+from .base import DumpError, RankDump, read_content
 from .torch_fr import rank_dump
 
 FORMAT = "torch-json"
@@ -23,9 +23,9 @@ def sniff(path: Path, head: bytes) -> bool:
 
 
 def read(path: Path) -> RankDump:
-    data = read_bytes(path)
+    data, stored = read_content(path)
     try:
-        limits.check_json(data)
+        limits.check_json(data, stored=stored)
         dump = json.loads(data)
     except limits.InputRefused as e:
         raise DumpError(str(e)) from None

@@ -19,7 +19,7 @@ from pathlib import Path
 from frtools.config import NATIVE_PICKLE
 from frtools.formats import limits
 
-from .base import DumpError, RankDump, read_bytes
+from .base import DumpError, RankDump, read_content
 from .safe_pickle import RefusedPickle, loads_data
 from .torch_fr import native_rank_dump, rank_dump
 
@@ -49,21 +49,23 @@ def native_available() -> bool:
 
 
 def read(path: Path) -> RankDump:
-    data = read_bytes(path)
+    data, stored = read_content(path)
     if native_available():
-        dump = read_native(data, path)
+        dump = read_native(data, path, stored)
         if dump is not None:
             return dump
-    return read_python(data, path)
+    return read_python(data, path, stored)
 
 
-def read_native(data: bytes, path: Path) -> RankDump | None:
+def read_native(data: bytes, path: Path, stored: int | None = None) -> RankDump | None:
     """The dump via the native parser, or None when the parser leaves it to Python (also
     when the pickle is beyond a limit: Python then refuses it, naming the limit).
-    Thread-safe; the parse runs without the GIL."""
+    ``stored``: the file's size on disk (default: ``len(data)``), which the limits scale
+    with. Thread-safe; the parse runs without the GIL."""
     lim = limits.current()
+    size = len(data) if stored is None else stored
     parsed = (
-        _frpickle.parse(data, lim.parsed_bytes, lim.expanded_values)
+        _frpickle.parse(data, lim.parsed_cap(size), lim.expanded_cap(size))
         if _frpickle is not None
         else None
     )
@@ -73,14 +75,15 @@ def read_native(data: bytes, path: Path) -> RankDump | None:
     return native_rank_dump(top, columns, path, FORMAT)
 
 
-def read_python(data: bytes, path: Path) -> RankDump:
-    """The dump via the restricted Python unpickler (every error message comes from here)."""
+def read_python(data: bytes, path: Path, stored: int | None = None) -> RankDump:
+    """The dump via the restricted Python unpickler (every error message comes from here);
+    ``stored`` as for ``read_native``."""
     # a dump is ~20 small containers per entry: the cyclic GC would rescan them all many
     # times while they are built (2-3x the load time), and none of them form cycles
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        dump = loads_data(data)
+        dump = loads_data(data, stored)
     except RefusedPickle as e:
         raise DumpError(str(e)) from None
     except EOFError:

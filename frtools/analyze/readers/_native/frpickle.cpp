@@ -15,8 +15,9 @@
 // against the buffer end; allocations are bounded by the input size.
 //
 // Bounded work (frtools.formats.limits, passed in by the reader): the parser keeps the
-// estimate safe_pickle.scan computes — 39 bytes per opcode + the bytes up to STOP + 40 per
-// container + 16 per memo slot up to the highest PUT index — and leaves a pickle beyond
+// estimate safe_pickle.scan computes — 48 bytes per opcode + the bytes up to STOP + 40 per
+// container or string + 200 more per dict + 16 per memo slot up to the highest PUT index —
+// and leaves a pickle beyond
 // max_parsed_bytes to Python (which refuses it with the reason) as soon as the running
 // estimate passes it; likewise a pickle whose values, each shared reference counted for
 // what it refers to (strings one plus one per 8 bytes), exceed max_expanded.
@@ -176,7 +177,12 @@ class Parser {
   std::vector<uint32_t>& memo_;
   size_t memo_len_ = 0;
   std::array<uint32_t, 1024> small_ints_{};  // value -> node (0: none yet)
-  uint64_t ops_ = 0, containers_ = 0, memo_top_ = 0;  // for the estimate (safe_pickle.scan)
+  // for the estimate (safe_pickle.scan)
+  uint64_t ops_ = 0, objects_ = 0, dicts_ = 0, memo_top_ = 0;
+  uint64_t estimate() const {
+    return 48 * ops_ + static_cast<uint64_t>(p_ - data_) + 40 * objects_ + 200 * dicts_ +
+           16 * memo_top_;
+  }
 
   // Bytes readable before the end of the data or of the current frame. CPython's
   // unpickler (reading a file) drops the rest of a frame when a read crosses its end, so
@@ -311,24 +317,28 @@ bool Parser::run(uint64_t max_bytes) {
   std::string_view s;
   int64_t v;
   while (p_ < end_) {
-    if (max_bytes) {  // the estimate so far (it only grows): beyond the limit, Python refuses
-      uint64_t estimate = 39 * ops_ + static_cast<uint64_t>(p_ - data_) + 40 * containers_ +
-                          16 * memo_top_;
-      if (estimate > max_bytes) return false;
-    }
+    // the estimate so far (it only grows): beyond the limit, Python refuses
+    if (max_bytes && estimate() > max_bytes) return false;
     ++ops_;
     uint8_t op = *p_++;
     switch (op) {
       case '}':
+      case 'd':
+        ++dicts_;
+        [[fallthrough]];
       case ']':
       case ')':
-      case 'd':
       case 'l':
       case 't':
       case 0x85:
       case 0x86:
       case 0x87:
-        ++containers_;
+      case 'T':  // strings (BINSTRING, SHORT_BINSTRING, BINUNICODE, SHORT_BINUNICODE, 8)
+      case 'U':
+      case 'X':
+      case 0x8c:
+      case 0x8d:
+        ++objects_;
         break;
       default:
         break;
@@ -343,10 +353,7 @@ bool Parser::run(uint64_t max_bytes) {
         break;
       case '.':  // STOP
         if (stack_.size() <= fence()) return false;
-        if (max_bytes && 39 * ops_ + static_cast<uint64_t>(p_ - data_) + 40 * containers_ +
-                                 16 * memo_top_ >
-                             max_bytes)
-          return false;
+        if (max_bytes && estimate() > max_bytes) return false;
         root = stack_.back();
         return true;
       case '(':  // MARK
