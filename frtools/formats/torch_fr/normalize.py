@@ -155,6 +155,9 @@ _FRAME_KEY = itemgetter("filename", "line", "name")
 # (filename, line, name) per frame -> (call site, stack text), process-wide
 _STACK_TEXTS: dict[tuple, tuple[str | None, str]] = {}
 _STACK_TEXTS_MAX = 100_000
+# caches that outlive a file keep only texts up to this long: a hostile file's huge values
+# must not stay in memory once it is read
+_CACHED_TEXT_MAX = 64 << 10
 
 
 class _Stacks:
@@ -202,7 +205,7 @@ class _Stacks:
             texts = _STACK_TEXTS.get(key) if plain else None
             if texts is None:
                 texts = (call_site(frames), "\n".join(format_frame(f) for f in frames))
-                if plain:
+                if plain and len(texts[1]) <= _CACHED_TEXT_MAX:
                     if len(_STACK_TEXTS) >= _STACK_TEXTS_MAX:
                         _STACK_TEXTS.clear()
                     _STACK_TEXTS[key] = texts
@@ -642,6 +645,8 @@ def _string_array(values: Sequence[str | None]) -> pa.Array:
     got = _STRING_ARRAYS.get(key)
     if got is None:
         got = pa.array(values, type=pa.string())
+        if got.nbytes > _CACHED_TEXT_MAX:
+            return got
         if len(_STRING_ARRAYS) >= 4096:
             _STRING_ARRAYS.clear()
         _STRING_ARRAYS[key] = got
