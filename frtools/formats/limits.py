@@ -219,7 +219,13 @@ def read_regular(
             if not tail:
                 raise exceeded(f"file of {size_text(st.st_size)}", limit_name, max_bytes)
             f.seek(st.st_size - max_bytes)
-        data = f.read(max_bytes + 1)
+        want = min(st.st_size, max_bytes)
+        data = f.read(want + 1)  # one byte more: a file that grew is seen
+        while len(data) <= max_bytes and len(data) > want:  # still growing: read on, capped
+            more = f.read(min(max_bytes + 1 - len(data), 1 << 20))
+            if not more:
+                break
+            data += more
     if len(data) > max_bytes:  # grew while read
         if not tail:
             raise exceeded("file grew while read", limit_name, max_bytes)

@@ -42,6 +42,7 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // Value nodes
 
+// (containers last: ``kind >= K_LIST`` is a container)
 enum Kind : uint8_t { K_NONE, K_BOOL, K_INT, K_FLOAT, K_STR, K_LIST, K_TUPLE, K_DICT };
 
 struct Node {
@@ -111,9 +112,20 @@ bool valid_utf8(const uint8_t* s, size_t n) {
 struct Scratch {
   std::vector<Node> nodes;
   std::vector<std::vector<uint32_t>> conts;  // items of lists / tuples, k,v pairs of dicts
+  // per container (as conts): values it expands to so far; whether a container holds it
+  std::vector<uint64_t> expanded;
+  std::vector<uint8_t> adopted;
   std::vector<uint32_t> stack, memo;
   std::vector<size_t> marks;
   bool busy = false;
+
+  // after a parse: give back the buffers of a huge input now, not at the next parse
+  void release_if_big() {
+    constexpr size_t kKeep = 1 << 18;
+    if (nodes.capacity() > kKeep * 4 || conts.size() > kKeep || memo.capacity() > kKeep * 4 ||
+        stack.capacity() > kKeep)
+      reset();
+  }
 
   void reset() {
     constexpr size_t kKeep = 1 << 18;  // a hostile or huge input does not pin its memory
@@ -123,6 +135,10 @@ struct Scratch {
       if (c.capacity() > kKeep / 16) std::vector<uint32_t>().swap(c);
     if (memo.capacity() > kKeep * 4) std::vector<uint32_t>().swap(memo);
     if (stack.capacity() > kKeep) std::vector<uint32_t>().swap(stack);
+    if (expanded.capacity() > kKeep) {
+      std::vector<uint64_t>().swap(expanded);
+      std::vector<uint8_t>().swap(adopted);
+    }
     nodes.clear();
     stack.clear();
     memo.clear();
@@ -138,6 +154,8 @@ class Parser {
       : data_(data),
         nodes(scratch.nodes),
         conts(scratch.conts),
+        expanded_(scratch.expanded),
+        adopted_(scratch.adopted),
         p_(data),
         end_(data + size),
         stack_(scratch.stack),
@@ -159,6 +177,8 @@ class Parser {
   const uint8_t* data_;
   std::vector<Node>& nodes;
   std::vector<std::vector<uint32_t>>& conts;  // only the first nconts are this pickle's
+  std::vector<uint64_t>& expanded_;            // as conts
+  std::vector<uint8_t>& adopted_;              // as conts
   size_t nconts = 0;
   uint32_t root = kNone;
 
@@ -177,6 +197,43 @@ class Parser {
   std::vector<uint32_t>& memo_;
   size_t memo_len_ = 0;
   std::array<uint32_t, 1024> small_ints_{};  // value -> node (0: none yet)
+  // The expansion is summed as containers are built: a container's items are complete
+  // when they go in, except when a container already held by another one (or by itself)
+  // gets more items later; then the sums may be stale and expansion_within walks the data.
+  bool walk_needed_ = false;
+  static uint64_t sat_add(uint64_t a, uint64_t b) {
+    uint64_t s = a + b;
+    return s < a || s > (1ULL << 62) ? (1ULL << 62) : s;
+  }
+  uint64_t expansion_of(uint32_t n) const {
+    const Node& x = nodes[n];
+    switch (x.kind) {
+      case K_LIST:
+      case K_TUPLE:
+      case K_DICT:
+        return expanded_[x.payload];
+      case K_STR:
+        return 1 + x.len / 8;
+      default:
+        return 1;
+    }
+  }
+  // items stack[from:] go into container ``target``'s sum (and are held by it)
+  void adopt(uint32_t target, size_t from) {
+    uint64_t leaves = 0, sum = expanded_[nodes[target].payload];
+    for (size_t i = from; i < stack_.size(); ++i) {
+      uint32_t item = stack_[i];
+      const Node& x = nodes[item];
+      if (x.kind >= K_LIST) {  // a container (K_LIST, K_TUPLE, K_DICT)
+        sum = sat_add(sum, expanded_[x.payload]);
+        adopted_[x.payload] = 1;
+        if (item == target) walk_needed_ = true;  // holds itself
+      } else {
+        leaves += x.kind == K_STR ? 1 + x.len / 8 : 1;  // < 2**29 each: no overflow
+      }
+    }
+    expanded_[nodes[target].payload] = sat_add(sum, leaves);
+  }
   // for the estimate (safe_pickle.scan)
   uint64_t ops_ = 0, objects_ = 0, dicts_ = 0, memo_top_ = 0;
   uint64_t estimate() const {
@@ -215,10 +272,17 @@ class Parser {
   // A new container holding stack[from:] (which is popped).
   uint32_t add_container(Kind k, size_t from) {
     if (nconts == conts.size()) conts.emplace_back();
+    if (nconts >= expanded_.size()) {
+      expanded_.resize(nconts + 1);
+      adopted_.resize(nconts + 1);
+    }
+    expanded_[nconts] = 1;
+    adopted_[nconts] = 0;
     std::vector<uint32_t>& items = conts[nconts];
     items.assign(stack_.begin() + from, stack_.end());
-    stack_.resize(from);
     uint32_t n = add(k, nconts++);
+    adopt(n, from);
+    stack_.resize(from);
     if (k == K_TUPLE)
       for (uint32_t i : items)
         if (!nodes[i].hashable) nodes[n].hashable = false;
@@ -283,6 +347,8 @@ class Parser {
     uint32_t target = stack_[x - 1];
     if (nodes[target].kind != want) return false;
     if (want == K_DICT && !check_pairs(x)) return false;
+    if (adopted_[nodes[target].payload]) walk_needed_ = true;  // its holders' sums go stale
+    adopt(target, x);
     auto& dst = conts[nodes[target].payload];
     dst.insert(dst.end(), stack_.begin() + x, stack_.end());
     stack_.resize(x);
@@ -317,32 +383,11 @@ bool Parser::run(uint64_t max_bytes) {
   std::string_view s;
   int64_t v;
   while (p_ < end_) {
-    // the estimate so far (it only grows): beyond the limit, Python refuses
-    if (max_bytes && estimate() > max_bytes) return false;
+    // the estimate so far (it only grows), every 1,024 opcodes: beyond the limit, Python
+    // refuses (checked again exactly at STOP)
+    if (max_bytes && (ops_ & 1023) == 0 && estimate() > max_bytes) return false;
     ++ops_;
     uint8_t op = *p_++;
-    switch (op) {
-      case '}':
-      case 'd':
-        ++dicts_;
-        [[fallthrough]];
-      case ']':
-      case ')':
-      case 'l':
-      case 't':
-      case 0x85:
-      case 0x86:
-      case 0x87:
-      case 'T':  // strings (BINSTRING, SHORT_BINSTRING, BINUNICODE, SHORT_BINUNICODE, 8)
-      case 'U':
-      case 'X':
-      case 0x8c:
-      case 0x8d:
-        ++objects_;
-        break;
-      default:
-        break;
-    }
     switch (op) {
       case 0x80:  // PROTO
         if (!take(1, &a) || a[0] > 5) return false;
@@ -439,40 +484,52 @@ bool Parser::run(uint64_t max_bytes) {
         break;
       }
       case 'T':  // BINSTRING: decoded as ASCII by Python 3's default unpickler
+        ++objects_;
         if (!take(4, &a) || static_cast<int32_t>(le_uint(a, 4)) < 0) return false;
         if (!push_str(le_uint(a, 4), true)) return false;
         break;
       case 'U':  // SHORT_BINSTRING
+        ++objects_;
         if (!take(1, &a) || !push_str(a[0], true)) return false;
         break;
       case 'X':  // BINUNICODE
+        ++objects_;
         if (!take(4, &a) || !push_str(le_uint(a, 4), false)) return false;
         break;
       case 0x8c:  // SHORT_BINUNICODE
+        ++objects_;
         if (!take(1, &a) || !push_str(a[0], false)) return false;
         break;
       case 0x8d:  // BINUNICODE8
+        ++objects_;
         if (!take(8, &a) || !push_str(le_uint(a, 8), false)) return false;
         break;
       case '}':  // EMPTY_DICT
       case ']':  // EMPTY_LIST
       case ')': {  // EMPTY_TUPLE
+        ++objects_;
+        dicts_ += op == '}';
         uint32_t n = add_container(op == '}' ? K_DICT : op == ']' ? K_LIST : K_TUPLE, stack_.size());
         stack_.push_back(n);
         break;
       }
       case 'd':  // DICT
+        ++objects_;
+        ++dicts_;
         if (!push_from_mark(K_DICT)) return false;
         break;
       case 'l':  // LIST
+        ++objects_;
         if (!push_from_mark(K_LIST)) return false;
         break;
       case 't':  // TUPLE
+        ++objects_;
         if (!push_from_mark(K_TUPLE)) return false;
         break;
       case 0x85:  // TUPLE1-3
       case 0x86:
       case 0x87:
+        ++objects_;
         if (!push_tuple(op - 0x84)) return false;
         break;
       case 'a':  // APPEND
@@ -519,6 +576,7 @@ bool Parser::run(uint64_t max_bytes) {
 
 bool Parser::expansion_within(uint64_t max_values) const {
   if (!max_values) return true;
+  if (!walk_needed_) return expansion_of(root) <= max_values;
   constexpr uint64_t kUnseen = 0, kOpen = UINT64_MAX;
   std::vector<uint64_t> total(nodes.size(), kUnseen);  // values + 1, once known
   auto leaf = [&](uint32_t n) -> uint64_t {
@@ -1224,7 +1282,7 @@ PyObject* parse(PyObject*, PyObject* args) {
   }
   delete ex;
   delete ps;
-  scratch.reset();  // a huge input does not keep its buffers while Python goes on
+  scratch.release_if_big();  // a huge input does not keep its buffers while Python goes on
   scratch.busy = false;
   PyBuffer_Release(&view);
   if (!result) {
