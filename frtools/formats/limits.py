@@ -10,7 +10,7 @@ analysis goes on. The defaults keep ``frtools analyze`` on any file of up to 10 
 slots).
 
 ``current()`` gives the limits in force; ``configure(name=value, ...)`` raises or lowers
-them for this process (tests, or a future ``FRTOOLS_LIMITS`` setting read in
+them for this process (tests, or a future environment setting read in
 ``frtools.config``). Worker processes forked by the loader inherit them.
 
 This module also opens files the way every reader and collector must open a file that
