@@ -33,6 +33,7 @@ __all__ = [
     "Limits",
     "configure",
     "current",
+    "file_kind",
     "gunzip",
     "open_regular",
     "read_regular",
@@ -142,7 +143,8 @@ def exceeded(what: str, limit_name: str, limit: int, unit: str = "bytes") -> Inp
 # --- opening files someone else may have planted ---------------------------------------
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is: ``"a FIFO"``, ``"a character device"`` …"""
     if stat.S_ISFIFO(mode):
         return "a FIFO"
     if stat.S_ISCHR(mode):
@@ -153,7 +155,7 @@ def _kind(mode: int) -> str:
         return "a socket"
     if stat.S_ISDIR(mode):
         return "a directory"
-    return "not a regular file"
+    return "a special file"
 
 
 def open_regular(
@@ -179,7 +181,7 @@ def open_regular(
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise InputRefused(f"is {_kind(st.st_mode)}, not a regular file; refused")
+            raise InputRefused(f"is {file_kind(st.st_mode)}, not a regular file; refused")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

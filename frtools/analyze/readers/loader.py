@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from frtools.formats.limits import InputRefused
+from frtools.formats.limits import InputRefused, file_kind
 from frtools.formats.manifest import MANIFEST_NAME, STACKS_SUFFIX
 from frtools.model.ranks import MAX_WORLD_SIZE, valid_world_size
 from frtools.model.trace import InputFile, ProcessGroup, Trace, concat_entries
@@ -84,7 +84,8 @@ def _read_file(path: Path) -> FileResult:
         return FileResult(InputFile(p, "error", f"cannot read: {e.strerror or e}"))
     side = _SIDE_FILES.get(path.name) or _SIDE_SUFFIXES.get(path.suffix.lower())
     if not stat.S_ISREG(st.st_mode):
-        return FileResult(InputFile(p, "error", f"{_not_regular(st.st_mode)}; refused"))
+        reason = f"is {file_kind(st.st_mode)}, not a regular file; refused"
+        return FileResult(InputFile(p, "error", reason))
     if st.st_size == 0:
         if side:
             return FileResult(InputFile(p, "skipped", side), mtime=st.st_mtime)
@@ -126,18 +127,6 @@ def _read_file(path: Path) -> FileResult:
         p, "ok", "; ".join(dump.notes), rank=dump.rank_info.rank, format=dump.rank_info.format
     )
     return FileResult(info, dump, st.st_mtime)
-
-
-def _not_regular(mode: int) -> str:
-    kinds = (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory"),
-    )
-    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
-    return f"is {kind}, not a regular file" if kind != "not a regular file" else kind
 
 
 def _files_under(path: Path) -> list[Path]:

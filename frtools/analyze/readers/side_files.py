@@ -159,9 +159,9 @@ def apply_manifest(trace: Trace, root: str | os.PathLike[str]) -> None:
             f"{_short(data.get('host'))}"
         ]
         if gone:
-            parts.append(f"process gone: ranks {format_ranks(gone, 200)}")
+            parts.append(f"process gone: ranks {format_ranks(gone)}")
         if silent:
-            parts.append(f"did not answer: ranks {format_ranks(silent, 200)}")
+            parts.append(f"did not answer: ranks {format_ranks(silent)}")
         _set_input(trace, path, "ok", "; ".join(parts + notes), None)
 
 
