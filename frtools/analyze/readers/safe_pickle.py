@@ -112,15 +112,23 @@ _CONTAINERS = frozenset(b"}])dlt\x85\x86\x87\x8f\x91Rbio\x81\x92")
 _DICTS = frozenset(b"}d\x8f\x91")
 # opcodes that build a str or bytes object (CPython: ~50 bytes + its length)
 _STRINGS = frozenset(b"STUVXBC\x8c\x8d\x8e\x96")
-_PUTS = frozenset(b"pqr")
 STOP = ord(".")
+# per opcode, for the scan's fast path: the size of its argument when it is fixed and
+# nothing about it is counted, else -1 (a container, STOP, LONG_BINPUT, PUT, a line or a
+# counted length). BINPUT's index (< 256) can size no memo worth counting.
+_STEP = [
+    -1
+    if a is None or a < 0 or (a == 0 and (code in _CONTAINERS or code == STOP)) or code == ord("r")
+    else a
+    for code, a in enumerate(_ARG)
+]
 
 # The estimate, in bytes, of what a pickle's objects take once loaded, an upper bound of
 # what CPython takes for any sequence of opcodes (measured: 72 bytes an empty dict, 232 one
 # holding an item, 64 a list, ~60 + length a str, 8 a reference and ~30 a dict item):
 #   OP_BYTES per opcode + the bytes of the pickle up to STOP (every argument: string
 #   contents, numbers) + OBJECT_BYTES per container or string + DICT_BYTES more per dict +
-#   MEMO_BYTES per memo slot up to the highest index PUT names. The native parser
+#   MEMO_BYTES per memo slot up to the highest index PUT or LONG_BINPUT names. The native parser
 #   (_frpickle.cpp) computes the same number.
 OP_BYTES = 48
 OBJECT_BYTES = 40
@@ -154,34 +162,31 @@ def scan(data: bytes, limit: limits.Limits | None = None, stored: int | None = N
     n = len(data)
     cap = lim.parsed_cap(n if stored is None else stored)
     i = ops = objects = dicts = memo_top = 0
+    step_of = _STEP
     arg = _ARG
     find = data.find
     from_bytes = int.from_bytes
-    check_at = 1 << 16
     while i < n:
         op = data[i]
         i += 1
         ops += 1
-        if ops == check_at:  # beyond the limit already: no need to read the rest
-            check_at += 1 << 16
-            if estimate(ops, i, objects, dicts, memo_top) > cap:
-                break
+        step = step_of[op]
+        if step >= 0:  # most opcodes: a fixed-size argument, nothing to count
+            i += step
+            continue
         a = arg[op]
         if a is None:
             break  # not an opcode: the unpickler says so
-        if a > 0:
-            if op in _PUTS:
-                if i + a > n:
-                    raise _truncated()
-                idx = data[i] if a == 1 else from_bytes(data[i : i + a], "little")
-                memo_top = _memo(idx, memo_top, n)
-            i += a
-        elif a == 0:
-            if op in _CONTAINERS:
-                objects += 1
-                dicts += op in _DICTS
-            elif op == STOP:
+        if a == 0:
+            if op == STOP:
                 break
+            objects += 1  # a container
+            dicts += op in _DICTS
+        elif a > 0:  # LONG_BINPUT
+            if i + a > n:
+                raise _truncated()
+            memo_top = _memo(from_bytes(data[i : i + a], "little"), memo_top, n)
+            i += a
         elif a == -1 or a == -2:
             end = find(b"\n", i)
             if a == -2 and end >= 0:
@@ -303,7 +308,8 @@ _UNSHARED_REFS = 3
 def _flat_values(c: Any) -> int:
     """``expanded_values`` of a container holding no container, else 0."""
     total = 1
-    for part in (c.keys(), c.values()) if c.__class__ is dict else (c,):
+    # a dict's values first: where a container is, if any (keys seldom are)
+    for part in (c.values(), c.keys()) if c.__class__ is dict else (c,):
         for g in part:
             gc = g.__class__
             if gc is str or gc is bytes:

@@ -16,7 +16,8 @@
 //
 // Bounded work (frtools.formats.limits, passed in by the reader): the parser keeps the
 // estimate safe_pickle.scan computes — 48 bytes per opcode + the bytes up to STOP + 40 per
-// container or string + 200 more per dict + 16 per memo slot up to the highest PUT index —
+// container or string + 200 more per dict + 16 per memo slot up to the highest PUT or
+// LONG_BINPUT index —
 // and leaves a pickle beyond
 // max_parsed_bytes to Python (which refuses it with the reason) as soon as the running
 // estimate passes it; likewise a pickle whose values, each shared reference counted for
@@ -548,8 +549,8 @@ bool Parser::run(uint64_t max_bytes) {
         if (!line(&s) || !decimal(s, &v) || v < 0 || !put(static_cast<uint64_t>(v)))
           return false;
         break;
-      case 'q':  // BINPUT
-        if (!take(1, &a) || !put(a[0])) return false;
+      case 'q':  // BINPUT (an index below 256 sizes no memo worth counting)
+        if (!take(1, &a) || !put(a[0], false)) return false;
         break;
       case 'r':  // LONG_BINPUT
         if (!take(4, &a) || !put(le_uint(a, 4))) return false;
