@@ -157,8 +157,12 @@ def check(seed: Seed, data: bytes, workdir: Path) -> None:
 
 
 def run(seconds: float, save: Path, batch: int = 40) -> int:
+    with tempfile.TemporaryDirectory(prefix="frtools-fuzz-") as tmp:
+        return _run(seconds, save, batch, Path(tmp))
+
+
+def _run(seconds: float, save: Path, batch: int, workdir: Path) -> int:
     pool = seeds()
-    workdir = Path(tempfile.mkdtemp(prefix="frtools-fuzz-"))
     failures: list[str] = []
 
     @settings(
