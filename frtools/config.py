@@ -132,6 +132,28 @@ def parse_signal(text: str) -> int:
     return int(sig)
 
 
+_SIZE_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_limits(text: str) -> dict[str, int]:
+    """``dump_bytes=1G, parsed_bytes=4G`` -> ``{"dump_bytes": 1 << 30, ...}``: names of
+    ``frtools.formats.limits.Limits`` (checked there), positive integers with an optional
+    K/M/G/T suffix (powers of 1024; ``KiB``, ``MB`` … read the same)."""
+    out: dict[str, int] = {}
+    for part in re.split(r"[,\s]+", text.strip()):
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        m = re.fullmatch(r"(\d+)\s*([kmgt]?)(?:i?b)?", value.strip().lower())
+        if not sep or not name.strip() or m is None:
+            raise ValueError(f"is not name=value[,name=value...] (at {part!r})")
+        number = int(m.group(1)) * _SIZE_SUFFIXES[m.group(2)]
+        if number < 1:
+            raise ValueError(f"sets {name.strip()} to {number}: a limit is a positive integer")
+        out[name.strip()] = number
+    return out
+
+
 # -- the variables -------------------------------------------------------------------------
 
 RECORD: Setting[bool] = Setting(
@@ -266,6 +288,15 @@ NATIVE_PICKLE: Setting[bool] = Setting(
     "native parser (same results, ~10x slower; for debugging)",
     flag_off,
 )
+LIMITS: Setting[dict[str, int]] = Setting(
+    "FRTOOLS_LIMITS",
+    {},
+    "unset",
+    "raise (or lower) what one input file may cost when `frtools analyze` or `frtools dump` "
+    "reads it: `name=value,...` of the limits in docs/security.md (e.g. "
+    "`dump_bytes=1G,parsed_bytes=4G`; K/M/G/T are powers of 1024)",
+    parse_limits,
+)
 HISTORY: Setting[str | None] = Setting(
     "FRTOOLS_HISTORY",
     None,
@@ -293,6 +324,7 @@ SETTINGS: tuple[Setting[Any], ...] = (
     CUDART,
     DEBUG,
     NATIVE_PICKLE,
+    LIMITS,
     HISTORY,
 )
 ENV_VARS = tuple(s.name for s in SETTINGS)

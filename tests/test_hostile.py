@@ -554,3 +554,37 @@ def test_estimate_bounds_what_loading_takes() -> None:
             tracemalloc.stop()
         del obj
         assert peak <= need, f"{name}: {peak} bytes taken, {need} estimated"
+
+
+@pytest.mark.timeout(120)
+def test_frtools_limits_raises_or_lowers_a_limit_and_a_wrong_name_is_one_line() -> None:
+    """``FRTOOLS_LIMITS`` reaches the readers of `frtools analyze` (a lowered ``dump_bytes``
+    refuses three of four sample dumps, each named with the limit, and the analysis goes on);
+    a name that is not a limit stops the command with one line (exit 2)."""
+    from frtools import config
+    from frtools.formats import limits
+
+    assert config.parse_limits("dump_bytes=1G, parsed_bytes=512MiB gunzip_ratio=1000") == {
+        "dump_bytes": 1 << 30, "parsed_bytes": 512 << 20, "gunzip_ratio": 1000,
+    }  # fmt: skip
+    assert limits.from_environment({"FRTOOLS_LIMITS": "string_bytes=4M"}).string_bytes == 4 << 20
+    for wrong in ("dump_byte=1G", "dump_bytes=0", "dump_bytes=lots", "dump_bytes"):
+        with pytest.raises(config.ConfigError, match="FRTOOLS_LIMITS"):
+            limits.from_environment({"FRTOOLS_LIMITS": wrong})
+
+    def analyze(value: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "FRTOOLS_LIMITS": value}
+        cmd = [PY, "-m", "frtools", "analyze", str(SAMPLES / "missing"), "--format", "json"]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+    got = analyze("dump_bytes=2700")  # rank_1.pkl: 2,663 bytes; the others 2,787
+    assert got.returncode == 1, got.stderr
+    inputs = {Path(i["path"]).name: i for i in json.loads(got.stdout)["inputs"]}
+    assert inputs["rank_1.pkl"]["status"] == "ok"
+    for name in ("rank_0.pkl", "rank_2.pkl", "rank_3.pkl"):
+        assert inputs[name]["status"] == "error"
+        assert "(limit dump_bytes = 2.6 KiB); refused" in inputs[name]["reason"]
+    got = analyze("dump_byte=1G")
+    assert got.returncode == 2
+    assert got.stdout == ""
+    assert got.stderr.count("\n") == 1 and "FRTOOLS_LIMITS: not a limit: dump_byte" in got.stderr

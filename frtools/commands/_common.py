@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import click
 
-from frtools.config import DEBUG
+from frtools.config import DEBUG, ConfigError
 
 USAGE_ERROR = 2
 
@@ -51,6 +51,8 @@ def run_guarded(prefix: str, body: Callable[[], int]) -> NoReturn:
         sys.exit(0)
     except KeyboardInterrupt:
         fail(prefix, "interrupted")
+    except ConfigError as e:  # an FRTOOLS_* value that cannot be used: a usage error
+        fail(prefix, f"error: {e}")
     except Exception as e:  # noqa: BLE001 - the user gets one line, never a traceback
         if DEBUG.read():
             traceback.print_exc()

@@ -10,7 +10,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from frtools.config import DEFAULT_DIR, DEFAULT_STORE_PREFIX, DIR
+from frtools.config import DEFAULT_DIR, DEFAULT_STORE_PREFIX, DIR, ConfigError
+from frtools.formats import limits
 from frtools.formats.manifest import Manifest
 
 _err = Console(stderr=True, highlight=False)
@@ -156,6 +157,10 @@ def dump(
     console = Console(highlight=False)
     if timeout <= 0:
         _fail("--timeout must be positive")
+    try:
+        limits.current()  # FRTOOLS_LIMITS, read once: a bad value is a usage error
+    except ConfigError as exc:
+        _fail(str(exc))
     modes = sum(bool(x) for x in (job_wide, torch_sockets, torch_store, torch_pipe))
     if modes > 1:
         _fail("choose one of --job-wide, --torch-socket, --torch-store, --torch-pipe")

@@ -9,9 +9,10 @@ analysis goes on. The defaults keep ``frtools analyze`` on any file of up to 10 
 2,000-entry PyTorch dump: ~3 MB, ~50 MB estimated in memory; a frtools black box: 2,000
 slots).
 
-``current()`` gives the limits in force; ``configure(name=value, ...)`` raises or lowers
-them for this process (tests, or a future environment setting read in
-``frtools.config``). Worker processes forked by the loader inherit them.
+``current()`` gives the limits in force: the defaults, changed by ``FRTOOLS_LIMITS``
+(``dump_bytes=1G,parsed_bytes=4G``, read once, in ``frtools.config``) and by
+``configure(name=value, ...)``, which raises or lowers them for this process (tests, a
+program). Worker processes forked by the loader inherit them.
 
 This module also opens files the way every reader and collector must open a file that
 someone else may have planted: never blocking on a FIFO, never following a planted link
@@ -26,6 +27,8 @@ import os
 import stat
 import zlib
 from dataclasses import dataclass
+
+from frtools import config
 
 __all__ = [
     "DEFAULTS",
@@ -93,26 +96,43 @@ class Limits:
 
 
 DEFAULTS = Limits()
-_current = DEFAULTS
+_current: Limits | None = None  # None: FRTOOLS_LIMITS not read yet
 
 
 def current() -> Limits:
-    """The limits in force in this process."""
+    """The limits in force in this process: the defaults changed by ``FRTOOLS_LIMITS`` (read
+    on the first call; ``config.ConfigError`` naming the variable for a name that is not a
+    limit) and by ``configure``."""
+    global _current
+    if _current is None:
+        _current = from_environment()
     return _current
+
+
+def from_environment(env: dict[str, str] | None = None) -> Limits:
+    """The defaults changed by ``FRTOOLS_LIMITS`` in ``env`` (default: this process's)."""
+    changes = config.LIMITS.read(env)
+    unknown = set(changes) - {f.name for f in dataclasses.fields(Limits)}
+    if unknown:
+        raise config.ConfigError(
+            f"{config.LIMITS.name}: not a limit: {', '.join(sorted(unknown))} "
+            f"(limits: {', '.join(f.name for f in dataclasses.fields(Limits))})"
+        )
+    return dataclasses.replace(DEFAULTS, **changes)
 
 
 def configure(**changes: int) -> Limits:
     """Change some limits for this process (``configure(dump_bytes=1 << 30)``); returns the
     previous ones, so that ``configure(**dataclasses.asdict(previous))`` restores them."""
     global _current
-    previous = _current
+    previous = current()
     unknown = set(changes) - {f.name for f in dataclasses.fields(Limits)}
     if unknown:
         raise TypeError(f"not a limit: {', '.join(sorted(unknown))}")
     bad = [name for name, value in changes.items() if not isinstance(value, int) or value < 1]
     if bad:
         raise ValueError(f"a limit is a positive integer: {', '.join(sorted(bad))}")
-    _current = dataclasses.replace(_current, **changes)
+    _current = dataclasses.replace(previous, **changes)
     return previous
 
 
@@ -192,7 +212,7 @@ def open_regular(
 def check_sparse(st: os.stat_result, limit: Limits | None = None) -> None:
     """Refuse a big file with few blocks on disk: its holes read as zeros, costing time for
     no data (a black box copied or written sparse over a huge claimed size)."""
-    lim = limit or _current
+    lim = limit or current()
     blocks = getattr(st, "st_blocks", None)
     if blocks is None or st.st_size <= lim.sparse_bytes:
         return
@@ -247,7 +267,7 @@ def gunzip(data: bytes, limit: Limits | None = None) -> bytes:
     than ``gunzip_ratio`` times the compressed size (at least ``GUNZIP_FLOOR``) or
     ``dump_bytes``, whichever is smaller.
     ``EOFError`` for a truncated archive, ``zlib.error`` for a corrupt one."""
-    lim = limit or _current
+    lim = limit or current()
     by_ratio = max(len(data) * lim.gunzip_ratio, GUNZIP_FLOOR)
     cap = min(lim.dump_bytes, by_ratio)
     out: list[bytes] = []
@@ -304,7 +324,7 @@ def json_parsed_bytes(data: bytes) -> int:
 def check_json(data: bytes, limit: Limits | None = None, stored: int | None = None) -> None:
     """``InputRefused`` when parsing ``data`` as JSON would take more than ``parsed_bytes``
     (or ``per_stored_byte`` times ``stored``, the file's size on disk, when larger)."""
-    lim = limit or _current
+    lim = limit or current()
     cap = lim.parsed_cap(len(data) if stored is None else stored)
     need = json_parsed_bytes(data)
     if need > cap:

@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from frtools.formats import limits
 from frtools.formats.limits import InputRefused, file_kind
 from frtools.formats.manifest import MANIFEST_NAME, STACKS_SUFFIX
 from frtools.model.ranks import MAX_WORLD_SIZE, valid_world_size
@@ -420,6 +421,7 @@ def load_trace(
     costs no wall time). Raises ``UnusableInput`` when nothing
     usable was found, or a dump's rank does not fit ``world_size``.
     """
+    limits.current()  # a bad FRTOOLS_LIMITS stops here (ConfigError), not file by file
     root = Path(path)
     if not root.exists():
         raise UnusableInput(f"{root}: no such file or directory")
