@@ -248,6 +248,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.torch  # runs the recorder: again on the older torch (scripts/test.sh)
 @pytest.mark.timeout(180)
 def test_two_call_sites_sharing_their_innermost_frame(tmp_path: Path) -> None:
     """A real 1-rank recorder run calling all_reduce from two functions through one helper:
