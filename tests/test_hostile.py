@@ -197,6 +197,21 @@ def test_world_sizes_and_ranks_beyond_the_largest_world(tmp_path: Path) -> None:
     _refused(result, "rank_1.pkl", f"out of range (0 … {MAX_WORLD_SIZE - 1})")
 
 
+@pytest.mark.timeout(120)
+def test_rank_summary_is_estimated_before_it_is_parsed(tmp_path: Path) -> None:
+    """A rank summary (frtools.recovery's JSON) is read within ``parsed_bytes`` like a JSON
+    dump: 200 KB of empty objects would take ~16 MB parsed; with the limit lowered to 1 MiB
+    through FRTOOLS_LIMITS (a file may take 32 bytes per byte: 6.4 MB) it is refused."""
+    valid_dump(tmp_path, 1)
+    pad = ",".join(["{}"] * 66_000)
+    (tmp_path / "rank_0.summary.json").write_text(
+        f'{{"format": "frtools-summary", "version": 1, "kind": "rank", "pad": [{pad}]}}'
+    )
+    got = load_limited(tmp_path, env={"FRTOOLS_LIMITS": "parsed_bytes=1M"})
+    assert got.returncode == 0, got.stderr[-2000:]
+    _refused(got.json(), "rank_0.summary.json", "JSON would take", "limit parsed_bytes")
+
+
 # --- analyzer: side files that hung it -----------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from frtools.formats import limits
 from frtools.formats.summary import (
     RankSummary,
     SummaryError,
@@ -23,7 +24,7 @@ from frtools.formats.summary import (
 from frtools.model.ops import op_name
 from frtools.model.trace import ProcessGroup, RankInfo, entries_table
 
-from .base import DumpError, RankDump, read_bytes
+from .base import DumpError, RankDump, read_content
 from .frtools_snapshot import ALL_RANKS_ABOVE, call_site_of
 
 FORMAT = "frtools-summary"
@@ -45,9 +46,11 @@ def read(path: Path) -> RankDump:
 
 def read_all(path: Path) -> list[RankDump]:
     """Every rank summary in the file (one, or a host summary's list)."""
+    data, stored = read_content(path)
     try:
-        summaries = decode(read_bytes(path))
-    except SummaryError as e:
+        limits.check_json(data, stored=stored)  # what parsing it costs, as for a JSON dump
+        summaries = decode(data)
+    except (SummaryError, limits.InputRefused) as e:
         raise DumpError(str(e)) from None
     return [summary_to_rank_dump(s, str(path)) for s in summaries]
 
