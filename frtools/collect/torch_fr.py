@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import hashlib
 import http.client
 import os
 import re
@@ -218,6 +219,16 @@ def rank_from_name(path: str) -> int | None:
     return rank if valid_rank(rank) else None
 
 
+_EMPTY_KEPT_BYTES = 64 * 1024  # an empty trace is a few hundred bytes
+
+
+def _keep_trace(rank: int, suffix: str, body: bytes, out_dir: Path, entry: RankEntry) -> None:
+    name = rank_file_name(rank, suffix)
+    (out_dir / name).write_bytes(body)
+    entry.files.append(name)
+    entry.answered = True
+
+
 def _collect_worker(
     rank: int,
     conn_factory: ConnFactory,
@@ -225,25 +236,38 @@ def _collect_worker(
     entry: RankEntry,
     deadline: float,
 ) -> None:
-    answers: list[tuple[str, bytes]] = []
+    # Each answer is written (or dropped) as it arrives: one rank never holds more than one
+    # answer in memory. An empty trace is kept only when no recorder holds ops (the rank
+    # answered), and only if small; a byte-identical answer (2.13 ignores backend=) is dropped.
+    seen: set[bytes] = set()
+    empty: tuple[str, bytes] | None = None
+    answered = False
     try:
         for handler, suffix in _TRACE_HANDLERS:
             body = _post(conn_factory, handler, deadline)
-            if body is not None and all(body != b for _, b in answers):
-                answers.append((suffix, body))
+            if body is None:
+                continue
+            answered = True
+            digest = hashlib.sha256(body).digest()
+            if digest in seen:
+                continue
+            seen.add(digest)
+            if holds_ops(body):
+                _keep_trace(rank, suffix, body, out_dir, entry)
+            elif empty is None and len(body) <= _EMPTY_KEPT_BYTES:
+                empty = (suffix, body)
+            del body
     except (OSError, http.client.HTTPException) as exc:
-        if not answers:
+        if not answered:
             entry.note = f"no answer: {exc or type(exc).__name__}"
             return
-    if not answers:
+    if not answered:
         entry.note = "no Flight Recorder handler on this worker"
-    # each recorder that holds ops; an empty trace only when none does (the rank answered)
-    kept = [a for a in answers if holds_ops(a[1])] or answers[-1:]
-    for suffix, body in kept:
-        name = rank_file_name(rank, suffix)
-        (out_dir / name).write_bytes(body)
-        entry.files.append(name)
-        entry.answered = True
+    elif not entry.answered:
+        if empty is not None:
+            _keep_trace(rank, *empty, out_dir, entry)
+        else:
+            entry.note = "answered, but none of its Flight Recorders holds an op"
     try:
         stacks = _post(conn_factory, _STACKS_HANDLER, deadline)
     except (OSError, http.client.HTTPException) as exc:
