@@ -459,3 +459,117 @@ def test_dump_request_still_reaches_the_users_own_signal_handler(tmp_path):
         assert "most recent call first" in stacks.read_text()
     finally:
         stop(procs)
+
+
+# --------------------------------------------------------------------------------------
+# Failure facts: failed ops, how the process ended
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_failed_op_keeps_its_state_and_no_completion_comes_after_it(tmp_path):
+    box, path = make_box(tmp_path)
+    r0, r1, r2 = record_n(box, 3)
+    assert box.mark_failed(r0, "Connection closed by peer [127.0.0.1]:4242")
+    box.mark_completed(r0)  # a completion inferred later (a newer op completed): ignored
+    box.mark_completed(r1)
+    assert box.mark_failed(r1, "Timed out waiting 4000ms for recv operation to complete")
+    assert not box.mark_failed(r1, "a second failure")  # the first one is kept
+    snap = read_snapshot(path)
+    slots = snap.slots
+    assert slots["state"].tolist() == [1, 2, 1]  # r1's completion was undone: it failed
+    assert [snap.string(e) for e in slots["error"]] == [
+        "Connection closed by peer [127.0.0.1]:4242",
+        "Timed out waiting 4000ms for recv operation to complete",
+        "",
+    ]
+    assert (slots["flags"] & 2).tolist() == [2, 2, 0]
+    assert slots["time_failed_ns"][0] >= slots["time_created_ns"][0] > 0
+    assert slots["time_completed_ns"][1] == 0 and slots["time_failed_ns"][2] == 0
+    assert snap.header["ops_failed"] == 2
+    assert box.state(r2) == 1
+
+
+ENDING = textwrap.dedent(
+    """
+    import ctypes, json, os, signal, sys
+    from frtools.recorder.native import load_native
+    from frtools.recorder import exits
+    how = sys.argv[2]
+    box = load_native().BlackBox(sys.argv[1], 8, 1 << 16, json.dumps({"rank": 0}))
+    if how == "faulthandler_first":
+        import faulthandler; faulthandler.enable()
+    exits.watch(box)
+    if how == "faulthandler_after":
+        import faulthandler; faulthandler.enable()
+    if how == "exception":
+        def deep(): raise ValueError("bad value")
+        deep()
+    elif how == "thread":
+        import threading
+        def boom(): raise KeyError("k")
+        t = threading.Thread(target=boom, name="loader"); t.start(); t.join()
+    elif how in ("segv", "faulthandler_first", "faulthandler_after"):
+        ctypes.string_at(0)
+    elif how == "abort":
+        os.abort()
+    elif how == "term":
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif how == "os_exit":
+        os._exit(7)
+    elif how == "exit":
+        sys.exit(5)
+    elif how == "fork":  # the child's ending is not its parent's
+        pid = os.fork()
+        if pid == 0:
+            os._exit(9)
+        os.waitpid(pid, 0)
+        sys.exit(4)
+    """
+)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("how", "returncode", "ending"),
+    [
+        ("clean", 0, ("clean", None)),
+        ("exit", 5, ("exit", "exit status 5")),
+        ("os_exit", 7, ("os_exit", "exit status 7")),
+        ("exception", 1, ("exception", "ValueError: bad value")),
+        ("thread", 0, ("clean", None)),
+        ("segv", -11, ("signal", "SIGSEGV")),
+        ("abort", -6, ("signal", "SIGABRT")),
+        ("term", -15, ("signal", "SIGTERM")),
+        ("faulthandler_first", -11, ("signal", "SIGSEGV")),
+        ("faulthandler_after", -11, ("signal", "SIGSEGV")),
+        ("fork", 4, ("exit", "exit status 4")),
+    ],
+)
+def test_how_the_process_ended_is_in_the_header(tmp_path, how, returncode, ending):
+    path = tmp_path / "rank_0.frt"
+    proc = subprocess.run(
+        [sys.executable, "-c", ENDING, str(path), how], capture_output=True, text=True, timeout=50
+    )
+    assert proc.returncode == returncode, proc.stderr
+    snap = read_snapshot(path)
+    assert snap.exit_watched
+    assert snap.ending(alive=False) == ending
+    assert snap.header["exit_time_ns"] > 0
+    if how == "exception":
+        assert snap.exit_stack.splitlines()[0].endswith(" in deep")
+        assert "ValueError: bad value" in proc.stderr  # the previous excepthook still ran
+    if how == "thread":
+        assert snap.thread_error.startswith("loader: KeyError: 'k' (at ")
+    if how.startswith("faulthandler"):
+        assert "Fatal Python error: Segmentation fault" in proc.stderr  # chained
+
+
+@pytest.mark.timeout(10)
+def test_nothing_recorded_means_running_or_killed_by_liveness(tmp_path):
+    box, path = make_box(tmp_path)
+    box.close()  # closed, but a version-2 box says "clean" only when its process said so
+    snap = read_snapshot(path)
+    assert snap.ending(alive=True) == ("running", None)
+    assert snap.ending(alive=False) == ("killed", None)
+    assert snap.ending(alive=None) == (None, None)

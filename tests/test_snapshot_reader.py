@@ -400,3 +400,45 @@ def test_pack_header_and_file_offsets_write_what_the_native_black_box_writes(tmp
     assert packed == path.read_bytes()[: len(packed)]
     with pytest.raises(TypeError, match="not a header field"):
         blackbox.pack_header(capacty=1)
+
+
+def test_version_1_files_are_still_read(hung_job, tmp_path):
+    """Version 1 had no failure facts; its bytes there are zero, so it reads the same, with
+    no errors, and a box its process closed ended clean."""
+    data = bytearray((hung_job / "rank_0.frt").read_bytes())
+    struct.pack_into("<I", data, blackbox.HEADER_OFFSETS["version"], 1)
+    old = tmp_path / "rank_0.frt"
+    old.write_bytes(bytes(data))
+    dump = reader.read(old)
+    assert dump.rank_info.version == "1"
+    assert dump.entries.column("error").null_count == dump.entries.num_rows
+    assert (dump.rank_info.exit_kind, dump.rank_info.exit_detail) == ("clean", None)
+    assert dump.rank_info.last_heartbeat_ns is None  # no watchdog ran in write_rank
+
+
+def test_a_box_of_this_host_is_running_or_killed_by_its_process(tmp_path):
+    """Nothing recorded: the owner's process decides — alive here: running; gone: killed
+    (a pid reused by a process started after the box was created is gone too)."""
+    import os
+    import socket
+
+    identity = {"rank": 0, "host": socket.gethostname(), "backend": "gloo"}
+    path = tmp_path / "rank_0.frt"
+    box = native.BlackBox(str(path), 8, 1 << 16, json.dumps(identity))
+    dump = reader.read(path)
+    assert (dump.rank_info.exit_kind, dump.rank_info.alive) == ("running", True)
+    del box
+    data = bytearray(path.read_bytes())
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    struct.pack_into("<q", data, blackbox.HEADER_OFFSETS["owner_pid"], int(child.stdout))
+    path.write_bytes(bytes(data))
+    assert reader.read(path).rank_info.exit_kind == "killed"
+    # a live process that started after the box was created holds a reused pid
+    struct.pack_into("<q", data, blackbox.HEADER_OFFSETS["owner_pid"], os.getpid())
+    struct.pack_into("<q", data, blackbox.HEADER_OFFSETS["created_ns"], 1)
+    path.write_bytes(bytes(data))
+    assert reader.read(path).rank_info.exit_kind == "killed"
+    struct.pack_into("<q", data, blackbox.HEADER_OFFSETS["created_ns"], time.time_ns() + 10**12)
+    path.write_bytes(bytes(data))
+    assert reader.read(path).rank_info.exit_kind == "running"

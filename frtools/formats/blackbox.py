@@ -12,6 +12,8 @@ because the analyzer reads thousands of these files.
   writer got in between.
 * ``request_dump(path)`` / ``dump_acknowledged(path, seq)`` talk to the rank's native
   watchdog through the mapping: it answers by writing every thread's Python stack.
+* ``Snapshot.ending(alive)`` and ``owner_alive(header)`` say how the writing process ended
+  (version 2 records it; a box nobody closed whose process is gone was killed).
 * ``pack_header``, ``file_offsets`` and ``StringTable`` are the writer's side, for files not
   written by the native black box (``frtools synth``): the layout exists once in Python.
 
@@ -28,6 +30,8 @@ import contextlib
 import json
 import mmap
 import os
+import signal
+import socket
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -52,8 +56,11 @@ __all__ = [
     "HEADER_OFFSETS",
     "IDENTITY_OFFSET",
     "MAGIC",
+    "EXIT_KIND_NAMES",
+    "FLAG_FAILED",
     "PAGE",
     "PG_DTYPE",
+    "READABLE_VERSIONS",
     "SLOT_DTYPE",
     "STATE_NAMES",
     "STRING_FULL",
@@ -64,14 +71,18 @@ __all__ = [
     "copy_consistent",
     "dump_acknowledged",
     "file_offsets",
+    "owner_alive",
     "pack_header",
     "read_header",
     "read_snapshot",
     "request_dump",
+    "signal_name",
 ]
 
 MAGIC = b"FRTBOX\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# versions this reader reads: 1 lacks the failure facts (its bytes there are zero)
+READABLE_VERSIONS = (1, 2)
 HEADER_BYTES = 4096
 IDENTITY_OFFSET = 512
 STRING_NONE = 0
@@ -81,6 +92,13 @@ STRING_MISSING_TEXT = "<missing string>"
 
 # state byte of a slot -> name (0 = never written)
 STATE_NAMES = ("", "scheduled", "started", "completed")
+# bits of a slot's flags
+FLAG_CUDA_DURATION = 1  # duration_ms came from CUDA events
+FLAG_FAILED = 2  # the op failed: ``error`` says how, ``time_failed_ns`` when
+
+# header exit_kind -> the Trace's exit kind (frtools.model.trace.EXIT_KINDS); 0: not recorded
+EXIT_KIND_NAMES = ("", "clean", "exit", "exception", "os_exit", "signal")
+EXIT_CLAIMED = 0x80000000  # exit_kind bit set while its writer fills the other exit fields
 
 # The header's fixed fields in file order: (name, struct code). Little-endian at natural
 # alignment with no padding, as ``struct Header`` in _native/blackbox.cpp lays them out.
@@ -118,6 +136,15 @@ HEADER_LAYOUT = (
     ("poll_ms", "I"),
     ("stack_signal", "I"),
     ("owner_pid", "q"),
+    # version 2: how the process ended, failed ops
+    ("exit_kind", "I"),
+    ("exit_status", "i"),
+    ("exit_time_ns", "q"),
+    ("exit_detail", "I"),
+    ("exit_stack", "I"),
+    ("ops_failed", "I"),
+    ("thread_error", "I"),
+    ("exit_watched", "I"),
 )
 _HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_LAYOUT))
 _HEADER_FIELDS = tuple(name for name, _ in HEADER_LAYOUT)
@@ -153,6 +180,8 @@ SLOT_DTYPE = np.dtype(
             "is_p2p",
             "flags",
             "thread_name",
+            "error",
+            "time_failed_ns",
         ],
         "formats": [
             "<u8",
@@ -176,9 +205,11 @@ SLOT_DTYPE = np.dtype(
             "u1",
             "<u2",
             "<u4",
+            "<u4",
+            "<i8",
         ],
         "offsets": [0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 76, 80, 84, 88, 92, 96, 100, 104, 105]
-        + [106, 108],
+        + [106, 108, 112, 120],
         "itemsize": 128,
     }
 )
@@ -211,6 +242,7 @@ STRING_COLUMNS = (
     "output_dtypes",
     "stack",
     "thread_name",
+    "error",
 )
 
 
@@ -325,6 +357,52 @@ class Snapshot:
     def stalled(self) -> bool:
         return bool(self.header["stalled"])
 
+    @property
+    def exit_watched(self) -> bool:
+        """The recorder watched how the process ends (version 2: exit facts are recorded)."""
+        return bool(self.header.get("exit_watched"))
+
+    def ending(self, alive: bool | None) -> tuple[str | None, str | None]:
+        """``(exit kind, detail)`` of the process that wrote this box, as
+        ``frtools.model.trace.RankInfo.exit_kind``/``exit_detail`` take them.
+
+        A recorded ending wins (``clean``, ``exit``, ``exception``, ``os_exit``, ``signal``).
+        Otherwise the owner's liveness decides — ``alive`` as whoever looked at the process
+        saw it (``frtools dump``'s manifest, or ``owner_alive``): alive -> ``running``, gone ->
+        ``killed`` (a box nobody closed: SIGKILL, the OOM killer, a lost node). A version-1
+        box closed by its process ended ``clean``. ``(None, None)`` when it cannot be told.
+        """
+        h = self.header
+        code = int(h.get("exit_kind", 0)) & ~EXIT_CLAIMED
+        kind = EXIT_KIND_NAMES[code] if 0 < code < len(EXIT_KIND_NAMES) else None
+        status = int(h.get("exit_status", 0))
+        if kind == "exception":
+            return kind, self.string(int(h["exit_detail"])) or None
+        if kind == "signal":
+            return kind, signal_name(status)
+        if kind in ("exit", "os_exit"):
+            return kind, f"exit status {status}"
+        if kind == "clean":
+            return kind, None
+        if alive is True:
+            return "running", None
+        if self.version == 1 and h["closed"]:
+            return "clean", None
+        if alive is False:
+            return "killed", None
+        return None, None
+
+    @property
+    def exit_stack(self) -> str:
+        """The traceback of the uncaught exception that ended the process, innermost frame
+        first (``"file:line in func"`` lines); ``""`` when none was recorded."""
+        return self.string(int(self.header.get("exit_stack", 0)))
+
+    @property
+    def thread_error(self) -> str:
+        """The last uncaught exception of a thread other than the main one (``""``: none)."""
+        return self.string(int(self.header.get("thread_error", 0)))
+
     def string(self, sid: int) -> str:
         """The interned string with id ``sid`` (``""`` for id 0); ``SnapshotError`` for one
         longer than the ``string_bytes`` limit."""
@@ -372,6 +450,67 @@ def _string_length(blob: bytes, sid: int) -> int:
     return n if sid + 4 + n <= len(blob) else 0
 
 
+PID_MAX = 1 << 22  # Linux's largest pid_max
+
+
+def signal_name(signum: int) -> str:
+    """``SIGSEGV`` for 11; ``signal 99`` for a number this platform does not name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def owner_alive(header: dict[str, Any], identity: dict[str, Any] | None = None) -> bool | None:
+    """Whether the process that created this box still runs; None when that cannot be told
+    from here (written on another host, no pid, no permission to ask).
+
+    A pid whose process started after the box was created belongs to another process (the
+    pid was reused): the owner is gone. A zombie is gone.
+    """
+    identity = identity or {}
+    host = identity.get("host")
+    if host and host != socket.gethostname():
+        return None
+    try:
+        pid = int(header.get("owner_pid") or identity.get("pid") or 0)
+    except (TypeError, ValueError):
+        return None
+    if not 0 < pid <= PID_MAX:  # a hostile or corrupt file
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    except (OSError, OverflowError):
+        return None
+    started_ns = _process_start_ns(pid)
+    if started_ns is None:
+        return True
+    if started_ns < 0:  # zombie
+        return False
+    created = int(header.get("created_ns") or 0)
+    # the boot time is known to the second: allow for it
+    return not (created and started_ns > created + 2_000_000_000)
+
+
+def _process_start_ns(pid: int) -> int | None:
+    """Wall-clock start of ``pid`` from /proc (-1: a zombie; None: unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X"):
+            return -1
+        ticks = int(fields[19])
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return int((btime + ticks / os.sysconf("SC_CLK_TCK")) * 1e9)
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def _decode_string(blob: bytes, sid: int, max_bytes: int | None = None) -> str:
     if sid == STRING_NONE:
         return ""
@@ -398,10 +537,10 @@ def _parse_header(buf: bytes | memoryview, size: int) -> dict[str, Any]:
             raise SnapshotError("frtools snapshot header is incomplete (file being created?)")
         raise SnapshotError("not an frtools snapshot (bad magic)")
     header = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(buf, 0), strict=True))
-    if header["version"] != FORMAT_VERSION:
+    if header["version"] not in READABLE_VERSIONS:
         raise SnapshotError(
             f"unsupported frtools snapshot version {header['version']} "
-            f"(this frtools reads version {FORMAT_VERSION})"
+            f"(this frtools reads versions {', '.join(map(str, READABLE_VERSIONS))})"
         )
     if header["slot_bytes"] != SLOT_DTYPE.itemsize or header["pg_entry_bytes"] != PG_DTYPE.itemsize:
         raise SnapshotError(

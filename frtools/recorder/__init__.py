@@ -108,7 +108,20 @@ def _open(rank: int, world_size: int, backend: str) -> Any:
         note(f"watchdog not started: {exc}")
     _session.update(path=path, box=box, rank=rank, world_size=world_size, access=access)
     _start_jobwide_when_ready()
-    return capture.Recorder(box, poll_ms=max(5, min(cfg.poll_ms, 100)), stacks=cfg.stacks)
+    recorder = capture.Recorder(box, poll_ms=max(5, min(cfg.poll_ms, 100)), stacks=cfg.stacks)
+    _watch_exit(box, recorder)
+    return recorder
+
+
+def _watch_exit(box: Any, recorder: Any) -> None:
+    """Record how this process ends (exit status, exception, signal, os._exit) in its box."""
+    from frtools.recorder import exits
+    from frtools.recorder.notices import note
+
+    try:
+        exits.watch(box, flush=recorder.poll)
+    except Exception as exc:  # a bonus: the ops are recorded without it
+        note(f"exit facts not recorded: {exc}")
 
 
 def _prepare_job_dir(cfg: Any, rank: int) -> private.Access:

@@ -214,6 +214,7 @@ def rank_snapshot(job: Job, rank: int) -> bytes:
         stall_seconds=60.0,
         poll_ms=100,
         owner_pid=200_000 + rank,
+        exit_watched=1,  # a hang: every rank still running, no ending recorded
     )
     out = bytearray(file_bytes)
     out[: len(header)] = header

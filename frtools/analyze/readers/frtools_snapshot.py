@@ -21,6 +21,7 @@ from frtools.formats.blackbox import (
     STRING_NONE,
     Snapshot,
     SnapshotError,
+    owner_alive,
     read_snapshot,
 )
 from frtools.model.ops import op_name
@@ -90,6 +91,17 @@ def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
     backend = _opt_str(ident.get("backend"))
     watchdog_ran = header["watchdog_state"] != 0
     groups = snap.groups
+    heartbeat = int(header["heartbeat_ns"]) if header["heartbeat_ns"] > 0 else None
+    # how the process ended: recorded by it, else from whether it still runs (looked at
+    # here for a file of this host; a manifest of `frtools dump` says it for the time of
+    # collection and wins, see side_files.apply_manifest)
+    alive = owner_alive(header, ident)
+    exit_kind, exit_detail = snap.ending(alive)
+    if snap.exit_stack:
+        site = call_site_of(snap.exit_stack)
+        notes.append(f"the uncaught exception that ended the process was raised at {site}")
+    if snap.thread_error:
+        notes.append(f"a thread died of an uncaught exception: {snap.thread_error}")
     info = RankInfo(
         rank=rank,
         source=source,
@@ -110,9 +122,13 @@ def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
             }
             for g in groups
         },
-        dump_time_ns=int(header["heartbeat_ns"]) if header["heartbeat_ns"] > 0 else None,
+        dump_time_ns=heartbeat,
         stalled=bool(header["stalled"]) if watchdog_ran else None,
         wrapped=snap.wrapped,
+        alive=alive,
+        exit_kind=exit_kind,
+        exit_detail=exit_detail,
+        last_heartbeat_ns=heartbeat,
     )
     # The default group of a big job lists every rank: say "all ranks" instead of handing
     # the loader one 16,384-int tuple per file (it fills range(world_size) once). Small jobs
@@ -233,6 +249,9 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
         "call_site": column("stack", sites, none_is_null=True),
         # stacks repeat across thousands of entries: dictionary-encoded, as the schema says
         "stack": column("stack", text_dict, none_is_null=True),
+        # the backend's exception text of a failed op (its state stays as it was: a failed op
+        # never completed); null for every op that did not fail
+        "error": column("error", text_dict, none_is_null=True),
     }
     columns = []
     for f in ENTRY_SCHEMA:

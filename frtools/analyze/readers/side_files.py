@@ -6,8 +6,9 @@ on the finished Trace:
 * ``attach_stacks(trace, root)`` puts each rank's faulthandler text on ``RankInfo.stacks``
   (when the record reader did not already find stacks);
 * ``apply_manifest(trace, root)`` applies what ``frtools dump`` saw at collection time:
-  ``RankInfo.alive`` (process gone or not), the host where the record lacks one, and the
-  job's world size where no record states it.
+  ``RankInfo.alive`` (process gone or not) — and, for an frtools box that recorded no
+  ending, ``RankInfo.exit_kind`` ``running``/``killed`` from it —, the host where the record
+  lacks one, and the job's world size where no record states it.
 
 Both never raise: a side file that cannot be used becomes its ``InputFile`` reason. Side
 files are opened as hostile files are (``frtools.formats.limits``): a link, a FIFO or a
@@ -36,6 +37,8 @@ from frtools.model.trace import InputFile, Trace
 # the rank of a stacks file: the number its name ends with (``rank_3.stacks``,
 # ``host-a_3.stacks``)
 _STACKS_RE = re.compile(rf"(?:^|[^0-9])(\d+){re.escape(STACKS_SUFFIX)}$")
+# exit kinds of an frtools record that recorded no ending of its own (liveness decided them)
+_UNENDED = (None, "running", "killed")
 
 
 def _walk(root: Path, match: Callable[[str], bool]) -> list[Path]:
@@ -142,6 +145,9 @@ def apply_manifest(trace: Trace, root: str | os.PathLike[str]) -> None:
             alive = entry.get("alive")
             if isinstance(alive, bool):
                 info.alive = alive
+                if info.format == "frtools" and info.exit_kind in _UNENDED:
+                    # the box recorded no ending: liveness at collection time decides
+                    info.exit_kind = "running" if alive else "killed"
             if info.host is None and isinstance(entry.get("host"), str):
                 info.host = entry["host"]
         world = data.get("world_size")

@@ -1,7 +1,7 @@
 // frtools black box: a per-rank ring buffer of collective records in a memory-mapped file.
 //
 // The file layout is the contract with the analyzer; it is written down in
-// docs/snapshot-format.md and mirrored by frtools/recorder/snapshot.py. Every write goes
+// docs/snapshot-format.md and mirrored by frtools/formats/blackbox.py. Every write goes
 // straight to a MAP_SHARED mapping, so the kernel keeps the data when the process is
 // SIGKILLed, segfaults or calls os._exit: nothing has to run in a dying process.
 //
@@ -37,11 +37,11 @@ namespace {
 
 // ---------------------------------------------------------------------------------------
 // File layout (little-endian, native alignment). Keep in sync with docs/snapshot-format.md
-// and frtools/recorder/snapshot.py.
+// and frtools/formats/blackbox.py (tests/test_snapshot_reader.py compares them).
 // ---------------------------------------------------------------------------------------
 
 constexpr char kMagic[8] = {'F', 'R', 'T', 'B', 'O', 'X', '\0', '\1'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: failed ops (slot error) and exit facts (header)
 constexpr uint32_t kHeaderBytes = 4096;
 constexpr uint32_t kIdentityOffset = 512;
 constexpr uint32_t kIdentityMax = kHeaderBytes - kIdentityOffset;
@@ -54,6 +54,17 @@ constexpr uint32_t kStrFull = 0xFFFFFFFFu;
 enum : uint8_t { kEmpty = 0, kScheduled = 1, kStarted = 2, kCompleted = 3 };
 enum : uint32_t { kAckNone = 0, kAckStacksWritten = 1, kAckNoHandler = 2 };
 enum : uint32_t { kWatchdogNone = 0, kWatchdogRunning = 1, kWatchdogStopped = 2 };
+// How the process ended (Header::exit_kind); 0: nothing recorded (running, or killed).
+enum : uint32_t {
+  kExitNone = 0,
+  kExitClean = 1,
+  kExitStatus = 2,
+  kExitException = 3,
+  kExitOsExit = 4,
+  kExitSignal = 5
+};
+constexpr uint16_t kFlagCudaDuration = 1;  // Slot::flags bit 0
+constexpr uint16_t kFlagFailed = 2;        // Slot::flags bit 1: the op failed (Slot::error)
 
 struct Header {
   char magic[8];              // 0
@@ -89,8 +100,17 @@ struct Header {
   uint32_t poll_ms;           // 184
   uint32_t stack_signal;      // 188
   int64_t owner_pid;          // 192
+  uint32_t exit_kind;         // 200 kExit*: how the process ended (first writer wins)
+  int32_t exit_status;        // 204 exit status; the signal number for kExitSignal
+  int64_t exit_time_ns;       // 208
+  uint32_t exit_detail;       // 216 string id: "Type: message" of an uncaught exception
+  uint32_t exit_stack;        // 220 string id: its traceback, innermost frame first
+  uint32_t ops_failed;        // 224 records marked failed
+  uint32_t thread_error;      // 228 string id: the last uncaught exception of another thread
+  uint32_t exit_watched;      // 232 1 once exit facts are watched (watch_exit)
 };
 static_assert(offsetof(Header, owner_pid) == 192, "header layout");
+static_assert(offsetof(Header, exit_watched) == 232, "header layout");
 static_assert(sizeof(Header) <= kIdentityOffset, "header fits before identity");
 
 struct Slot {
@@ -113,12 +133,15 @@ struct Slot {
   uint32_t stack;              // 100
   uint8_t state;               // 104
   uint8_t is_p2p;              // 105
-  uint16_t flags;              // 106 bit 0: duration from CUDA events
+  uint16_t flags;              // 106 bit 0: duration from CUDA events; bit 1: failed
   uint32_t thread_name;        // 108 string id (0: unknown)
-  uint8_t reserved[16];        // 112
+  uint32_t error;              // 112 string id of the failure (0: none)
+  uint32_t reserved;           // 116
+  int64_t time_failed_ns;      // 120 when the failure was seen (0: not failed)
 };
 static_assert(sizeof(Slot) == 128, "slot layout");
 static_assert(offsetof(Slot, state) == 104, "slot layout");
+static_assert(offsetof(Slot, time_failed_ns) == 120, "slot layout");
 
 struct PgEntry {
   uint32_t name;                       // 0 string id
@@ -259,6 +282,99 @@ struct FakeEvent {
 };
 
 // ---------------------------------------------------------------------------------------
+// Exit facts: how the process ended, in the header of its black box.
+//
+// Written through a mapping of the header page of its own (watch_exit), never unmapped: a
+// fatal-signal handler, and the on_exit handler that runs after Python has finalized (and
+// closed the box), still find it. Signal-handler paths use plain stores, getpid,
+// clock_gettime, sigaction and raise only (async-signal-safe).
+// ---------------------------------------------------------------------------------------
+
+constexpr uint32_t kExitClaimed = 0x80000000u;  // exit_kind while its writer fills the rest
+
+struct ExitWatch {
+  Header* hdr = nullptr;  // the watched header page (own mapping)
+  pid_t pid = 0;          // the watching process: a forked child must not write
+  pid_t on_exit_pid = 0;  // process that registered on_exit (inherited across fork)
+  struct sigaction previous[NSIG];
+  bool installed[NSIG] = {};
+};
+ExitWatch g_exit;
+
+// SIGTERM only where nobody handles it (its default kills): the launcher's "stop", not a crash.
+const int kFatalSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTERM};
+
+// First writer wins; false when an ending was already recorded.
+bool record_exit(Header* h, uint32_t kind, int32_t status, uint32_t detail, uint32_t stack,
+                 int64_t t) {
+  uint32_t expected = kExitNone;
+  if (!__atomic_compare_exchange_n(&h->exit_kind, &expected, kind | kExitClaimed, false,
+                                   __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    return false;
+  }
+  h->exit_status = status;
+  h->exit_time_ns = t;
+  h->exit_detail = detail;
+  h->exit_stack = stack;
+  __atomic_store_n(&h->exit_kind, kind, __ATOMIC_RELEASE);
+  return true;
+}
+
+inline Header* watched_header() {
+  Header* h = __atomic_load_n(&g_exit.hdr, __ATOMIC_ACQUIRE);
+  return (h && getpid() == g_exit.pid) ? h : nullptr;
+}
+
+void on_fatal_signal(int sig, siginfo_t* info, void* ctx) {
+  int saved_errno = errno;
+  if (Header* h = watched_header()) record_exit(h, kExitSignal, sig, kStrNone, kStrNone, now_ns());
+  struct sigaction* prev = (sig > 0 && sig < NSIG) ? &g_exit.previous[sig] : nullptr;
+  if (prev && (prev->sa_flags & SA_SIGINFO) && prev->sa_sigaction) {
+    prev->sa_sigaction(sig, info, ctx);  // faulthandler's, torch's: they re-raise themselves
+  } else if (prev && prev->sa_handler != SIG_DFL && prev->sa_handler != SIG_IGN) {
+    prev->sa_handler(sig);
+  } else {
+    // what was there before (the default action): put it back and let the signal have its
+    // way — delivered when this handler returns (a fault re-faults on return)
+    if (prev) {
+      sigaction(sig, prev, nullptr);
+    } else {
+      signal(sig, SIG_DFL);
+    }
+    raise(sig);
+  }
+  errno = saved_errno;
+}
+
+// exit() with this status: sys.exit, the end of the main module, an uncaught exception (1).
+void on_process_exit(int status, void*) {
+  Header* h = watched_header();
+  if (!h) return;
+  if (!record_exit(h, status == 0 ? kExitClean : kExitStatus, status, kStrNone, kStrNone,
+                   now_ns())) {
+    if (__atomic_load_n(&h->exit_kind, __ATOMIC_ACQUIRE) == kExitException) h->exit_status = status;
+  }
+}
+
+void install_fatal_signal_handlers() {
+  for (int sig : kFatalSignals) {
+    struct sigaction current;
+    if (sigaction(sig, nullptr, &current) != 0) continue;
+    bool ours = (current.sa_flags & SA_SIGINFO) && current.sa_sigaction == &on_fatal_signal;
+    if (ours) continue;
+    bool is_default = !(current.sa_flags & SA_SIGINFO) && current.sa_handler == SIG_DFL;
+    if (sig == SIGTERM && !is_default) continue;  // someone handles it: their business
+    struct sigaction mine;
+    memset(&mine, 0, sizeof(mine));
+    mine.sa_sigaction = &on_fatal_signal;
+    mine.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&mine.sa_mask);
+    g_exit.previous[sig] = current;
+    if (sigaction(sig, &mine, nullptr) == 0) g_exit.installed[sig] = true;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // The black box.
 // ---------------------------------------------------------------------------------------
 
@@ -363,6 +479,9 @@ struct Box {
     s->is_p2p = is_p2p ? 1 : 0;
     s->flags = 0;
     s->thread_name = 0;
+    s->error = kStrNone;
+    s->reserved = 0;
+    s->time_failed_ns = 0;
     slot_unlock(s, locked);
     if (pg_published(pg)) {
       if (is_p2p) {
@@ -391,11 +510,15 @@ struct Box {
       if (s->time_started_ns == 0) s->time_started_ns = t;
       if (s->state < kStarted) s->state = kStarted;
     } else if (state == kCompleted) {
+      if (s->flags & kFlagFailed) {  // a failure is final: no completion inferred after it
+        slot_unlock(s, locked);
+        return false;
+      }
       if (s->time_completed_ns == 0) s->time_completed_ns = t;
       s->state = kCompleted;
       if (!std::isnan(duration_ms)) {
         s->duration_ms = duration_ms;
-        if (from_cuda) s->flags |= 1;
+        if (from_cuda) s->flags |= kFlagCudaDuration;
       }
     }
     slot_unlock(s, locked);
@@ -409,6 +532,28 @@ struct Box {
         atomic_max(&pgs[pg].last_completed_collective, coll);
       }
     }
+    return true;
+  }
+
+  // The op of rid failed with the interned text err: kept apart from completion (its state
+  // stays scheduled/started; a completion inferred before the failure was known is undone).
+  bool mark_failed(int64_t rid, uint32_t err, int64_t t) {
+    if (rid < 0) return false;
+    Slot* s = slot_for(rid);
+    uint64_t locked = slot_lock(s);
+    if (s->record_id != rid || s->state == kEmpty || (s->flags & kFlagFailed)) {
+      slot_unlock(s, locked);
+      return false;
+    }
+    s->flags |= kFlagFailed;
+    s->error = err;
+    s->time_failed_ns = t;
+    if (s->state == kCompleted) {
+      s->state = kStarted;
+      s->time_completed_ns = 0;
+    }
+    slot_unlock(s, locked);
+    __atomic_add_fetch(&hdr->ops_failed, 1u, __ATOMIC_RELAXED);
     return true;
   }
 
@@ -943,6 +1088,82 @@ PyObject* BlackBox_mark_completed(BlackBoxObject* self, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// Texts of failures are capped: a backend's message is one line, a traceback a few dozen.
+constexpr Py_ssize_t kMaxFactBytes = 8192;
+
+// The string id of a Python str (None or "" -> 0), cut to kMaxFactBytes at a UTF-8 boundary.
+bool intern_fact(Box* b, PyObject* text, uint32_t* id) {
+  *id = kStrNone;
+  if (text == Py_None) return true;
+  Py_ssize_t n = 0;
+  const char* s = PyUnicode_AsUTF8AndSize(text, &n);
+  if (!s) return false;
+  if (n > kMaxFactBytes) {
+    n = kMaxFactBytes;
+    while (n > 0 && (uint8_t(s[n]) & 0xC0) == 0x80) --n;
+  }
+  *id = b->intern(s, size_t(n));
+  return true;
+}
+
+PyObject* BlackBox_mark_failed(BlackBoxObject* self, PyObject* args) {
+  long long rid = 0;
+  PyObject* text = nullptr;
+  if (!PyArg_ParseTuple(args, "LO", &rid, &text)) return nullptr;
+  Box* b = open_box(self);
+  if (!b) Py_RETURN_FALSE;
+  uint32_t err = kStrNone;
+  if (!intern_fact(b, text, &err)) return nullptr;
+  return PyBool_FromLong(b->mark_failed(rid, err, now_ns()));
+}
+
+PyObject* BlackBox_mark_exit(BlackBoxObject* self, PyObject* args) {
+  unsigned int kind = 0;
+  int status = 0;
+  PyObject *detail = Py_None, *stack = Py_None;
+  if (!PyArg_ParseTuple(args, "Ii|OO", &kind, &status, &detail, &stack)) return nullptr;
+  if (kind < kExitClean || kind > kExitSignal) {
+    PyErr_Format(PyExc_ValueError, "unknown exit kind %u", kind);
+    return nullptr;
+  }
+  Box* b = open_box(self);
+  if (!b) Py_RETURN_FALSE;
+  uint32_t detail_id = kStrNone, stack_id = kStrNone;
+  if (!intern_fact(b, detail, &detail_id) || !intern_fact(b, stack, &stack_id)) return nullptr;
+  return PyBool_FromLong(record_exit(b->hdr, kind, status, detail_id, stack_id, now_ns()));
+}
+
+PyObject* BlackBox_note_thread_error(BlackBoxObject* self, PyObject* text) {
+  Box* b = open_box(self);
+  if (!b) Py_RETURN_NONE;
+  uint32_t id = kStrNone;
+  if (!intern_fact(b, text, &id)) return nullptr;
+  astore(&b->hdr->thread_error, id);
+  Py_RETURN_NONE;
+}
+
+PyObject* BlackBox_watch_exit(BlackBoxObject* self, PyObject*) {
+  Box* b = open_box(self);
+  if (!b) return closed_error();
+  // a second mapping of the header page (same pages: old_size 0 on a shared mapping)
+  void* page = mremap(b->mem, 0, kHeaderBytes, MREMAP_MAYMOVE);
+  if (page == MAP_FAILED) return PyErr_SetFromErrno(PyExc_OSError);
+  pid_t pid = getpid();
+  g_exit.pid = pid;
+  // a previously watched page stays mapped: a handler may be reading it right now
+  __atomic_store_n(&g_exit.hdr, static_cast<Header*>(page), __ATOMIC_RELEASE);
+  if (g_exit.on_exit_pid != pid) {
+    if (on_exit(&on_process_exit, nullptr) != 0) {
+      PyErr_SetString(PyExc_RuntimeError, "on_exit failed");
+      return nullptr;
+    }
+    g_exit.on_exit_pid = pid;
+  }
+  install_fatal_signal_handlers();
+  astore(&b->hdr->exit_watched, 1u);
+  Py_RETURN_NONE;
+}
+
 PyObject* BlackBox_state(BlackBoxObject* self, PyObject* arg) {
   int64_t rid;
   if (!as_i64(arg, &rid)) return nullptr;
@@ -1113,6 +1334,18 @@ PyMethodDef BlackBox_methods[] = {
      "mark_started(rid): stamp started (ignored if the slot was reused)."},
     {"mark_completed", (PyCFunction)BlackBox_mark_completed, METH_O,
      "mark_completed(rid): stamp completed (ignored if the slot was reused)."},
+    {"mark_failed", (PyCFunction)BlackBox_mark_failed, METH_VARARGS,
+     "mark_failed(rid, error_text) -> bool: the op failed with this text (the backend's "
+     "exception); kept apart from completion. False if the slot was reused or already failed."},
+    {"mark_exit", (PyCFunction)BlackBox_mark_exit, METH_VARARGS,
+     "mark_exit(kind, status, detail=None, stack=None) -> bool: how the process ends (EXIT_* "
+     "kind); the first ending recorded wins."},
+    {"note_thread_error", (PyCFunction)BlackBox_note_thread_error, METH_O,
+     "note_thread_error(text): an uncaught exception of a thread other than the main one."},
+    {"watch_exit", (PyCFunction)BlackBox_watch_exit, METH_NOARGS,
+     "watch_exit(): record this process's exit status (on_exit) and fatal signals (SIGSEGV, "
+     "SIGBUS, SIGFPE, SIGILL, SIGABRT; SIGTERM where it has its default action) in this box; "
+     "earlier handlers are chained."},
     {"state", (PyCFunction)BlackBox_state, METH_O,
      "state(rid) -> 0 (slot reused or unknown), 1 scheduled, 2 started, 3 completed."},
     {"completer", (PyCFunction)BlackBox_completer, METH_O,
@@ -1212,6 +1445,11 @@ PyMODINIT_FUNC PyInit__blackbox(void) {
   Py_INCREF(&CompleterType);
   PyModule_AddObject(m, "Completer", reinterpret_cast<PyObject*>(&CompleterType));
   PyModule_AddIntConstant(m, "FORMAT_VERSION", kVersion);
+  PyModule_AddIntConstant(m, "EXIT_CLEAN", kExitClean);
+  PyModule_AddIntConstant(m, "EXIT_STATUS", kExitStatus);
+  PyModule_AddIntConstant(m, "EXIT_EXCEPTION", kExitException);
+  PyModule_AddIntConstant(m, "EXIT_OS_EXIT", kExitOsExit);
+  PyModule_AddIntConstant(m, "EXIT_SIGNAL", kExitSignal);
   PyModule_AddIntConstant(m, "SLOT_BYTES", sizeof(Slot));
   PyModule_AddIntConstant(m, "HEADER_BYTES", kHeaderBytes);
   PyModule_AddIntConstant(m, "STRING_NONE", kStrNone);

@@ -3,12 +3,14 @@ texts (op names, shapes, dtypes; call stacks through ``CallSites``), the failure
 the completion poller.
 
 CPU ops: each group's ``done`` queues the Work in ``pending``; a poller thread marks it
-completed once ``is_completed()`` and its future holds no error (a failed op — a dead peer —
-stays incomplete); a completed op also completes its group's older ones (some Gloo works
-never report completion). CUDA ops: a start and an end ``torch.cuda.Event`` (the end one
+completed once ``is_completed()`` and its future holds no error, or failed
+(``BlackBox.mark_failed``, with the backend's error text: a dead peer, a timeout) when it
+holds one; a completed op also completes its group's older ones (some Gloo works never
+report completion), never a failed one. CUDA ops: a start and an end ``torch.cuda.Event`` (the end one
 recorded in a ``then`` callback of the work's CUDA future, which runs with the collective's
 stream as current stream, so it is ordered after the op) handed to ``BlackBox.watch_cuda``;
-the native watchdog polls them without the GIL.
+the native watchdog polls them without the GIL. A future that ends in an error marks the op
+failed instead.
 """
 
 from __future__ import annotations
@@ -38,17 +40,24 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _succeeded(work: Any) -> bool:
-    """Whether a completed work succeeded (``is_success()`` would print a deprecation)."""
+def error_text(exc: BaseException) -> str:
+    """A failed op's error as the backend said it (Gloo: ``[…/pair.cc:561] Connection closed
+    by peer …``, ``Timed out waiting 4000ms for recv operation to complete``)."""
+    return str(exc) or type(exc).__name__
+
+
+def _failure(work: Any) -> str | None:
+    """The error of a completed work; None when it succeeded or cannot tell (a Gloo P2P work
+    has no future, and ``exception()``/``is_success()`` print a deprecation)."""
     try:
         fut = work.get_future()
     except RuntimeError:  # no future (Gloo P2P): completion is all there is to know
-        return True
+        return None
     try:
         fut.value()
-    except Exception:
-        return False
-    return True
+    except Exception as exc:
+        return error_text(exc)
+    return None
 
 
 class Recorder:
@@ -160,11 +169,14 @@ class Recorder:
                 item = pending.popleft()
                 rid, work, order = item
                 if work.is_completed():
-                    # a failed op (a peer died, a timeout) is not "completed": leave its state
-                    if _succeeded(work):
+                    # a failed op (a peer died, a timeout) is not "completed": it is failed
+                    error = _failure(work)
+                    if error is None:
                         mark(rid)
                         if order is not None and rid > done_upto.get(order, -1):
                             done_upto[order] = rid
+                    else:
+                        self.box.mark_failed(rid, error)
                 else:
                     waiting.append(item)
             for item in waiting:
@@ -215,10 +227,15 @@ class Recorder:
         end = torch.cuda.Event(enable_timing=True)
         fut = work.get_future()
 
-        def _record_end(_: Any) -> None:
+        def _record_end(done: Any) -> None:
             # Runs with the collective's stream as the current stream (CUDA futures set
             # it), so this event is ordered after the collective.
             try:
+                try:
+                    done.value()
+                except Exception as exc:  # NCCL error, timeout, abort: failed, not completed
+                    self.box.mark_failed(rid, error_text(exc))
+                    return
                 end.record()
                 self.box.watch_cuda(rid, start.cuda_event, end.cuda_event)
             except Exception as exc:  # raised here it would vanish into the future
