@@ -306,6 +306,25 @@ HISTORY: Setting[str | None] = Setting(
     _text,
 )
 
+CAPTURE_MODES = ("hooks", "wrap")
+
+
+def parse_capture(text: str) -> str:
+    mode = text.strip().lower()
+    if mode not in CAPTURE_MODES:
+        raise ValueError(f"is not one of {', '.join(CAPTURE_MODES)}")
+    return mode
+
+
+CAPTURE: Setting[str | None] = Setting(
+    "FRTOOLS_CAPTURE",
+    None,
+    "`hooks` where torch has process-group hooks (2.15+), else `wrap`",
+    "how ops are seen: `hooks` (pre/post hooks on every group, the backend untouched) or "
+    "`wrap` (groups built through frtools' backend plugin, the path for older torch)",
+    parse_capture,
+)
+
 SETTINGS: tuple[Setting[Any], ...] = (
     RECORD,
     DIR,
@@ -326,6 +345,7 @@ SETTINGS: tuple[Setting[Any], ...] = (
     NATIVE_PICKLE,
     LIMITS,
     HISTORY,
+    CAPTURE,
 )
 ENV_VARS = tuple(s.name for s in SETTINGS)
 
@@ -362,8 +382,9 @@ def job_id(env: Mapping[str, str] | None = None) -> str:
 class RecorderConfig(
     namedtuple(
         "RecorderConfig",
-        "record dir job_id buffer_size stall_seconds stack_signal poll_ms stacks share_gid",
-        defaults=(True, None),
+        "record dir job_id buffer_size stall_seconds stack_signal poll_ms stacks share_gid "
+        "capture",
+        defaults=(True, None, None),
     )
 ):
     """The recorder's settings, read once by ``frtools.recorder.enable()``."""
@@ -378,6 +399,7 @@ class RecorderConfig(
     poll_ms: int
     stacks: bool
     share_gid: int | None  # FRTOOLS_SHARE_GROUP's gid: folders 0750, files 0640 with it
+    capture: str | None  # "hooks", "wrap", None: hooks where torch has them
 
     @property
     def job_dir(self) -> str:
@@ -397,6 +419,7 @@ def recorder_config(env: Mapping[str, str] | None = None, **overrides: object) -
         "poll_ms": POLL_MS.read(env),
         "stacks": STACKS.read(env),
         "share_gid": SHARE_GROUP.read(env),
+        "capture": CAPTURE.read(env),
     }
     for key, value in overrides.items():
         if value is not None:

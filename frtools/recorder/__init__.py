@@ -246,7 +246,7 @@ def enable(
     try:
         from frtools.recorder import capture
 
-        capture.install(_open)
+        capture.install(_open, cfg.capture)
         capture.open_if_job_running()
     except Exception as exc:
         recording_disabled(f"{type(exc).__name__}: {exc}")

@@ -41,6 +41,7 @@ whose backend is neither gloo nor nccl is left unwrapped and unrecorded, with on
 
 from frtools.recorder.capture.install import (
     BACKEND_NAME,
+    capture_mode,
     current_recorder,
     install,
     open_if_job_running,
@@ -53,6 +54,7 @@ from frtools.recorder.capture.recorder import Recorder
 __all__ = [
     "BACKEND_NAME",
     "OPS",
+    "capture_mode",
     "OP_NAMES",
     "Recorder",
     "RecordingProcessGroup",

@@ -106,6 +106,71 @@ def keep_user_backend(pg: ProcessGroup, backend: Any, prefix_store: Any) -> None
     world.pg_backend_config[pg] = str(c10d.BackendConfig(c10d.Backend(str(backend))))
 
 
+# -- torch >= 2.15: process-group hooks and one-sided windows ---------------------------------
+
+
+def has_process_group_hooks() -> bool:
+    """``ProcessGroup.register_pre_hook``/``register_post_hook`` exist (torch 2.15)."""
+    return hasattr(ProcessGroup, "register_pre_hook") and hasattr(
+        ProcessGroup, "register_post_hook"
+    )
+
+
+def hook_op_names() -> Any:
+    """The enum of op names the hooks report (``HookOpName``)."""
+    from torch._C import _distributed_c10d
+
+    return _distributed_c10d.HookOpName
+
+
+def group_registration() -> Callable[..., Any]:
+    """``_register_pg_in_world``: every group of a job is published through it (2.15:
+    ``init_process_group``, ``new_group``, ``new_subgroups``, ``split_group``,
+    ``shrink_group``), once built — the one place to see each group (there is no global
+    hook nor a group-creation callback)."""
+    return c10d._register_pg_in_world
+
+
+def replace_group_registration(fn: Callable[..., Any]) -> None:
+    c10d._register_pg_in_world = fn
+
+
+def existing_groups() -> list[Any]:
+    """The groups this process has already created (``_world.pg_map``), default first."""
+    groups = list(c10d._world.pg_map)
+    default = c10d._get_default_group() if c10d.is_initialized() else None
+    return sorted(groups, key=lambda pg: pg is not default)
+
+
+def backend_of(pg: Any) -> str:
+    """The backend name a group was created with (``_world.pg_map``)."""
+    return str(c10d._world.pg_map.get(pg, ("", None))[0])
+
+
+def group_members(pg: Any) -> list[int] | None:
+    """A group's global ranks in group-rank order (``_world.pg_group_ranks``, which torch
+    fills right after publishing a group); None while unknown."""
+    mapping = c10d._world.pg_group_ranks.get(pg)
+    if mapping:
+        return sorted(mapping, key=mapping.__getitem__)
+    if c10d.is_initialized() and pg is c10d._get_default_group():
+        return list(range(pg.size()))
+    return None
+
+
+def is_default_group_pending() -> bool:
+    """No default group yet: the group being published is the job's first (its rank and
+    size are the process's global ones)."""
+    return not c10d.is_initialized()
+
+
+def window_class() -> Any:
+    """The one-sided window class (``Window``), or None before torch 2.15."""
+    from torch._C import _distributed_c10d
+
+    return getattr(_distributed_c10d, "Window", None)
+
+
 def default_store() -> Any:
     """The default group's store (``_get_default_store``), once ``init_process_group`` ran."""
     return c10d._get_default_store()

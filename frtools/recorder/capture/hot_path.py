@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -208,6 +209,9 @@ class GroupState:
         "sizes1",
         "dtypes1",
         "order",
+        "name",
+        "desc",
+        "windows",
     )
 
     def __init__(self, recorder: Any, ops: list[int], ranks: list[int]) -> None:
@@ -236,6 +240,15 @@ class GroupState:
         # (which holds the real backends), so that queued works never hold the last
         # reference to a process group's backends (their dealloc would run on the poller)
         self.order = object()
+        self.name = ""
+        self.desc = ""
+        self.windows = 0  # one-sided windows created on the group
+
+    def bind(self, name: str, desc: str, ranks: list[int]) -> None:
+        """The group's name, description and members, once known: its row in the black
+        box's process-group table."""
+        self.name, self.desc, self.ranks = name, desc, ranks
+        self.pg = self.box.add_process_group(name, desc, ranks)
 
     def coll(self, op: int, inputs: Any, outputs: Any) -> int:
         """Record one collective; returns the record id (-1: not recorded)."""
@@ -521,3 +534,152 @@ _TEMPLATES: dict[ArgShape, Callable[..., Callable[..., Any]]] = {
     ArgShape.PEER: _peer,
     ArgShape.ANY_SOURCE: _any_source,
 }
+
+
+# --------------------------------------------------------------------------------------
+# Process-group hooks (torch >= 2.15): the same record and completion steps, driven by
+# ProcessGroup.register_pre_hook / register_post_hook instead of op overrides
+# --------------------------------------------------------------------------------------
+
+
+class HookShape(enum.Enum):
+    """Where a hooked op's tensors are, and whether it has a P2P peer (``root``)."""
+
+    IN_PLACE = "inputs are the outputs"  # all_reduce, broadcast, reduce, coalesced all_reduce
+    OUT_IN = "inputs and outputs"
+    NO_TENSORS = "no tensors"  # barrier
+    PEER = "P2P: the tensors, root = the peer"  # send, recv
+
+
+def make_hooks(
+    st: GroupState, specs: dict[Any, tuple[int, HookShape]], bind: Callable[[], bool]
+) -> tuple[Callable[[Any], None], Callable[[Any], None]]:
+    """The (pre, post) hook pair of one group: the pre hook records the op (``specs``: hook
+    op name -> (op code, shape); ops not in it are not recorded) and keeps its record id by
+    the hook's ``op_id``; the post hook, right after the op is issued, hands the Work to
+    ``GroupState.done``. ``bind()`` registers the group in the black box (its members are
+    only known once torch has published them, after the hooks are attached); until it
+    succeeds the group's ops are not recorded.
+
+    Neither raises: a hook that raises makes the ``torch.distributed`` call raise, so any
+    failure turns recording off with one warning (``Recorder.fail``).
+    """
+    fr = st.fr
+    pending: dict[int, tuple[int, Any]] = {}
+    in_place, no_tensors, peer_op = HookShape.IN_PLACE, HookShape.NO_TENSORS, HookShape.PEER
+    maybe_cuda = st.maybe_cuda
+
+    def pre_hook(args: Any) -> None:
+        if not fr.enabled:
+            return
+        try:
+            spec = specs.get(args.name)
+            if spec is None or (st.pg < 0 and not bind()):
+                return
+            code, shape = spec
+            if shape is in_place:
+                tensors = args.input_tensors
+                rid = st.coll(code, tensors, tensors)
+            elif shape is peer_op:
+                tensors = args.input_tensors or args.output_tensors
+                rid = st.p2p(code, tensors, args.root)
+            elif shape is no_tensors:
+                tensors = None
+                rid = st.coll(code, (), ())
+            else:
+                tensors = args.input_tensors
+                rid = st.coll(code, tensors, args.output_tensors)
+            if rid >= 0:
+                pending[args.op_id] = (rid, tensors if maybe_cuda else None)
+        except Exception as exc:
+            fr.fail(exc)
+
+    def post_hook(args: Any) -> None:
+        if not pending:
+            return
+        try:
+            item = pending.pop(args.op_id, None)
+            if item is not None:
+                st.done(item[0], args.work, item[1], specs[args.name][1] is not peer_op)
+        except Exception as exc:
+            fr.fail(exc)
+
+    return pre_hook, post_hook
+
+
+# --------------------------------------------------------------------------------------
+# One-sided windows (torch >= 2.15, nccl2): put / signal / wait_signal, which neither the
+# process-group hooks nor PyTorch's Flight Recorder see
+# --------------------------------------------------------------------------------------
+
+
+class WindowState:
+    """One recorded window: its group's state, its row in the process-group table, and the
+    index of each (op, peer) pair — the k-th signal from r to p on a window matches the k-th
+    wait_signal at p for r."""
+
+    __slots__ = ("group", "pg", "counts")
+
+    def __init__(self, group: GroupState, pg: int) -> None:
+        self.group = group
+        self.pg = pg
+        self.counts: dict[tuple[int, int], int] = {}
+
+    def record(self, code: int, peer: int, tensors: Any) -> int:
+        """Record one window op with ``peer`` a group-local rank; -1: not recorded."""
+        st = self.group
+        fr = st.fr
+        if not fr.enabled:
+            return -1
+        try:
+            key = (code, peer)
+            index = self.counts[key] = self.counts.get(key, 0) + 1
+            if tensors is None:
+                sz = dt = 0
+            else:
+                sz, dt = fr.sizes_id(tensors)
+            ranks = st.ranks
+            gpeer = ranks[peer] if 0 <= peer < len(ranks) else peer
+            sid = fr.stack_lookup()
+            if sid < 0:
+                sid = fr.stack_miss()
+            return st.box.record(self.pg, st.ops[code], 0, index, gpeer, True, sz, sz, dt, dt, sid)
+        except Exception as exc:
+            fr.fail(exc)
+            return -1
+
+
+# window -> WindowState, for the windows created while recording (weakly held)
+WINDOWS: weakref.WeakKeyDictionary[Any, WindowState] = weakref.WeakKeyDictionary()
+
+
+def window_call(
+    method: str, code: int, peer_at: int, peer_name: str, has_tensor: bool,
+    original: Callable[..., Any],
+) -> Callable[..., Any]:  # fmt: skip
+    """A ``Window`` method that records op code ``code`` on a recorded window, then calls
+    ``original`` unchanged (any window class: the recording does not care which backend).
+    ``peer_at``: the peer's position among the arguments after ``self`` (``peer_name`` as a
+    keyword); ``has_tensor``: the first argument is the tensor put."""
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ws = WINDOWS.get(self)
+        rid = -1
+        tensors = None
+        if ws is not None:
+            try:
+                peer = args[peer_at] if len(args) > peer_at else kwargs[peer_name]
+                if has_tensor:
+                    tensors = [args[0] if args else kwargs["tensor"]]
+                rid = ws.record(code, int(peer), tensors)
+            except Exception as exc:
+                ws.group.fr.fail(exc)
+        work = original(self, *args, **kwargs)
+        if rid >= 0:
+            ws.group.done(rid, work, tensors, False)
+        return work
+
+    call.__name__ = method
+    call.__qualname__ = f"Window.{method}"
+    call.__wrapped__ = original  # type: ignore[attr-defined]
+    return call

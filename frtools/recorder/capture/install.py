@@ -1,6 +1,10 @@
-"""Routing every process group a job creates through a ``RecordingProcessGroup``.
+"""Seeing every process group a job creates: hooks on each (torch >= 2.15), or routing each
+through a ``RecordingProcessGroup`` (older torch).
 
-``install()`` registers a c10d backend plugin named ``frtools`` and wraps the function through
+``install(opener, mode)`` picks the path: ``hooks`` where torch calls process-group hooks
+(``FRTOOLS_CAPTURE`` may force ``wrap``), else ``wrap``. The hooks path wraps the function
+that publishes every group and attaches a pre/post hook pair to each (``hooks``), and wraps
+the one-sided window methods. On the wrap path, ``install()`` registers a c10d backend plugin named ``frtools`` and wraps the function through
 which every group is created (``c10d_internals.group_creation_helper``). For a group whose
 backends are all ``gloo``/``nccl`` the wrapper asks the helper for backend ``frtools``
 instead, and afterwards puts the user's backend name back (``dist.get_backend(group)`` still
@@ -23,10 +27,10 @@ from typing import Any
 # bootstrap calls it right after distributed_c10d is loaded)
 import torch.distributed.distributed_c10d as c10d
 
-from frtools.recorder.capture import c10d_internals
+from frtools.recorder.capture import c10d_internals, hooks
 from frtools.recorder.capture.process_group import RecordingProcessGroup
 from frtools.recorder.capture.recorder import Recorder
-from frtools.recorder.notices import recording_disabled
+from frtools.recorder.notices import note, recording_disabled
 
 BACKEND_NAME = "frtools"
 _WRAPPABLE = ("gloo", "nccl")
@@ -42,6 +46,8 @@ class _Installation:
         self.open_failed = False
         self.paused = False  # new groups are created plainly
         self.original_helper: Callable[..., Any] | None = None
+        self.original_registration: Callable[..., Any] | None = None
+        self.mode: str | None = None  # "hooks" or "wrap", fixed at the first install
 
 
 _installed = _Installation()
@@ -49,20 +55,84 @@ _installed = _Installation()
 _building = threading.local()
 
 
-def install(opener: Callable[[int, int, str], Recorder | None]) -> None:
-    """Route every process group created from now on through a RecordingProcessGroup.
+def install(opener: Callable[[int, int, str], Recorder | None], mode: str | None = None) -> str:
+    """Record every process group created from now on; returns the path taken, ``hooks``
+    or ``wrap``.
 
     ``opener(rank, world_size, backend)`` is called once, at the first group this process
     creates, and returns the Recorder (or None after warning: the job goes on unrecorded).
+    ``mode``: ``hooks``, ``wrap``, or None for hooks where this torch has them.
     """
     _installed.opener = opener
     _installed.paused = False
-    if _installed.original_helper is not None:
-        return
+    if _installed.mode is None:
+        _installed.mode = _choose(mode)
+        if _installed.mode == "hooks":
+            _install_hooks()
+        else:
+            _install_wrap()
+    return _installed.mode
+
+
+def capture_mode() -> str | None:
+    """The path installed (``hooks``, ``wrap``), None before ``install``."""
+    return _installed.mode
+
+
+def _choose(mode: str | None) -> str:
+    if mode == "wrap":
+        return "wrap"
+    if hooks.available():
+        return "hooks"
+    if mode == "hooks":
+        note("FRTOOLS_CAPTURE=hooks: this torch has no process-group hooks; wrapping groups")
+    return "wrap"
+
+
+def _install_wrap() -> None:
     c10d_internals.register_backend_plugin(BACKEND_NAME, _create)
     original = c10d_internals.group_creation_helper()
     _installed.original_helper = original
     c10d_internals.replace_group_creation_helper(_wrapped_helper(original))
+
+
+def _install_hooks() -> None:
+    original = c10d_internals.group_registration()
+    _installed.original_registration = original
+    c10d_internals.replace_group_registration(_hooking_registration(original))
+    hooks.wrap_windows(c10d_internals.window_class(), c10d_internals.ProcessGroup, _group_state)
+
+
+def _group_state(pg: Any) -> Any:
+    """The recording state of a group, on either path (None: not recorded)."""
+    if isinstance(pg, RecordingProcessGroup):
+        return pg._frs
+    return hooks.hooked(pg)
+
+
+def _hook(pg: Any, backend: Any) -> None:
+    """Attach our hooks to ``pg`` (opening the black box at the first group)."""
+    if _installed.paused or hooks.hooked(pg) is not None:
+        return
+    first = c10d_internals.is_default_group_pending()
+    recorder = _recorder_for(pg.rank(), pg.size(), first, str(backend))
+    if recorder is None or not recorder.enabled:
+        return
+    hooks.attach(pg, recorder, hooks.backend_prefix(pg, backend))
+
+
+def _hooking_registration(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _register_pg_in_world(pg: Any, backend_name: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(pg, backend_name, *args, **kwargs)
+        try:
+            _hook(pg, backend_name)
+        except Exception as exc:  # a recorder bug must not stop group creation
+            _installed.open_failed = True
+            recording_disabled(f"{type(exc).__name__}: {exc}")
+        return result
+
+    _register_pg_in_world.__wrapped__ = original  # type: ignore[attr-defined]
+    return _register_pg_in_world
 
 
 def uninstall() -> None:
@@ -86,9 +156,19 @@ def recording() -> bool:
 
 
 def open_if_job_running() -> None:
-    """Enabled after ``init_process_group``: open the black box now (the rank is known); the
-    default group stays unrecorded, the groups created from now on are recorded."""
-    if c10d.is_initialized() and _installed.recorder is None:
+    """Enabled after ``init_process_group``: open the black box now (the rank is known). With
+    hooks, the groups that exist are recorded from now on too; wrapping groups, the default
+    group stays unrecorded, the groups created from now on are recorded."""
+    if not c10d.is_initialized():
+        return
+    if _installed.mode == "hooks":
+        for pg in c10d_internals.existing_groups():
+            try:
+                _hook(pg, c10d_internals.backend_of(pg))
+            except Exception as exc:
+                recording_disabled(f"{type(exc).__name__}: {exc}")
+                return
+    elif _installed.recorder is None:
         _recorder_for(c10d.get_rank(), c10d.get_world_size(), False, str(c10d.get_backend()))
 
 

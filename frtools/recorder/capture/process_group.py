@@ -67,8 +67,12 @@ OPS = (
     Op("recv_anysource", "recv", ArgShape.ANY_SOURCE, "recv_anysource"),
 )
 
+# ops no override issues: what a process-group hook may report that frtools does not know,
+# and the one-sided window ops (recorded by wrapping Window's methods)
+OTHER_OPS = ("unknown", "window_put", "window_signal", "window_wait_signal")
+
 # op codes index this tuple (and each group's interned "<backend>:<name>" ids)
-OP_NAMES = tuple(dict.fromkeys(op.name for op in OPS))
+OP_NAMES = tuple(dict.fromkeys([*(op.name for op in OPS), *OTHER_OPS]))
 
 
 class RecordingProcessGroup(ProcessGroup):
@@ -113,7 +117,7 @@ class RecordingProcessGroup(ProcessGroup):
         """Add this group to the black box's process-group table (its name and description
         are only known once the group is built)."""
         st = self._frs
-        st.pg = st.box.add_process_group(name, desc, st.ranks)
+        st.bind(name, desc, st.ranks)
 
     # -- coalescing ------------------------------------------------------------------------
 
