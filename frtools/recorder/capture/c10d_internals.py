@@ -142,6 +142,17 @@ def existing_groups() -> list[Any]:
     return sorted(groups, key=lambda pg: pg is not default)
 
 
+def backend_names(pg: Any) -> list[str]:
+    """The names of a group's real backends, one per device type (``gloo``, ``nccl2``)."""
+    names = []
+    try:
+        for device in pg._device_types:
+            names.append(str(pg._get_backend(device).name()).lower())
+    except Exception:
+        pass
+    return names
+
+
 def backend_of(pg: Any) -> str:
     """The backend name a group was created with (``_world.pg_map``)."""
     return str(c10d._world.pg_map.get(pg, ("", None))[0])

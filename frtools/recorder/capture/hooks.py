@@ -138,16 +138,18 @@ def _specs() -> dict[Any, tuple[int, HookShape]]:
 
 
 def backend_prefix(pg: Any, backend: Any) -> str:
-    """The profiling-name prefix of a group's ops: its backend's name (``gloo``, ``nccl``,
-    ``nccl2``), as PyTorch's recorders prefix theirs."""
-    try:
-        name = str(pg.name()).lower()
-    except Exception:
-        name = ""
-    if name and name.replace("_", "").replace("-", "").isalnum() and name != "undefined":
-        return name
+    """The profiling-name prefix of a group's ops: its backend's own name (``gloo``,
+    ``nccl``, ``nccl2``), as PyTorch's recorders prefix theirs; the NCCL one where a group
+    has a backend per device."""
+    names = [n for n in c10d_internals.backend_names(pg) if _plain(n)]
+    if names:
+        return next((n for n in names if "nccl" in n), names[0])
     text = str(backend).lower()
-    return "nccl" if "nccl" in text else text.split(":")[-1] or "c10d"
+    return "nccl" if "nccl" in text else text.rsplit(":", 1)[-1] or "c10d"
+
+
+def _plain(name: str) -> bool:
+    return bool(name) and name.replace("_", "").replace("-", "").isalnum()
 
 
 # -- one-sided windows -----------------------------------------------------------------------

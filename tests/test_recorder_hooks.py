@@ -1,0 +1,302 @@
+"""The hooks path's per-op logic and the one-sided window recording, on CPU, in-process.
+
+Real torch 2.15 hooks on real Gloo jobs are exercised by test_recorder_capture.py (the hooks
+path is the default there on 2.15); here the same code is driven with stand-ins — hook
+arguments as PyTorch passes them, and a fake ``Window`` class, so that the window recording
+(nccl2 only on real hardware) is proven without a GPU and without caring which backend.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from frtools.analyze.readers import frtools_snapshot as reader
+from frtools.recorder.capture import Recorder, hooks
+from frtools.recorder.capture.hot_path import GroupState, make_hooks
+from frtools.recorder.capture.process_group import OP_NAMES
+from frtools.recorder.native import load_native
+
+native = load_native()
+
+
+class FakeFuture:
+    def __init__(self, error: str | None) -> None:
+        self.error = error
+
+    def value(self) -> list:
+        if self.error:
+            raise RuntimeError(self.error)
+        return []
+
+
+class FakeWork:
+    """A Work: ``done`` says whether it finished, ``error`` how it failed."""
+
+    def __init__(self, done: bool = True, error: str | None = None) -> None:
+        self.done, self.error = done, error
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def get_future(self) -> FakeFuture:
+        return FakeFuture(self.error)
+
+
+@pytest.fixture
+def recorded(tmp_path: Path):
+    """A recorder on a real black box and one bound group: global ranks 4 and 6."""
+    path = tmp_path / "rank_4.frt"
+    identity = {"rank": 4, "world_size": 8, "backend": "nccl", "host": "elsewhere"}
+    box = native.BlackBox(str(path), 64, 1 << 16, json.dumps(identity))
+    recorder = Recorder(box, cuda_events=False)
+    st = GroupState(recorder, recorder.op_ids("nccl2", OP_NAMES), [])
+    st.bind("3", "pairs", [4, 6])
+    yield types.SimpleNamespace(path=path, box=box, recorder=recorder, st=st)
+    recorder._stop_poller()
+
+
+def entries(path: Path):
+    return reader.read(path).entries.to_pandas().sort_values("record_id")
+
+
+# --------------------------------------------------------------------------------------
+# Hooks: what the pre/post hooks record from PyTorch's hook arguments
+# --------------------------------------------------------------------------------------
+
+
+def pre(name: str, op_id: int, ins=(), outs=(), root: int = -1):
+    return types.SimpleNamespace(
+        name=name, op_id=op_id, input_tensors=list(ins), output_tensors=list(outs), root=root
+    )
+
+
+def post(name: str, op_id: int, work):
+    return types.SimpleNamespace(name=name, op_id=op_id, work=work)
+
+
+SPECS = {name: (OP_NAMES.index(op), shape) for name, (op, shape) in hooks.HOOK_OPS.items()}
+
+
+def test_hooked_ops_get_their_own_seq_ids_names_and_global_peers(recorded) -> None:
+    st, rec = recorded.st, recorded.recorder
+    pre_hook, post_hook = make_hooks(st, SPECS, lambda: True)
+    x = torch.ones(4)
+    calls = [
+        ("ALLREDUCE", [x], []),
+        ("SEND", [torch.ones(2)], []),  # op_id counts it; collective_seq_id does not
+        ("ALLGATHER_BASE", [torch.ones(2)], [torch.ones(4)]),
+        ("RECV", [], [torch.ones(2)]),
+        ("BARRIER", [], []),
+        ("SPLIT", [], []),  # not recorded
+        ("ALLTOALL_BASE", [torch.ones(2)], [torch.ones(2)]),
+    ]
+    for op_id, (name, ins, outs) in enumerate(calls):
+        pre_hook(pre(name, op_id, ins, outs, root=1 if name in ("SEND", "RECV") else -1))
+        post_hook(post(name, op_id, FakeWork()))
+    rec.poll()
+    e = entries(recorded.path)
+    assert e["op"].tolist() == [
+        "all_reduce", "send", "_all_gather_base", "recv", "barrier", "all_to_all",
+    ]  # fmt: skip
+    assert e["profiling_name"].iloc[0] == "nccl2:all_reduce"
+    assert e["collective_seq_id"].tolist() == [1, 0, 2, 0, 3, 4]
+    assert e["p2p_seq_id"].tolist() == [0, 1, 0, 2, 0, 0]
+    assert e["peer"].fillna(-1).astype(int).tolist() == [-1, 6, -1, 6, -1, -1]  # global
+    assert e["input_sizes"].tolist()[:4] == ["[[4]]", "[[2]]", "[[2]]", "[[2]]"]
+    assert e["output_sizes"].tolist()[2] == "[[4]]"
+    assert set(e["state"]) == {"completed"} and e["pg_desc"].unique().tolist() == ["pairs"]
+    assert e["call_site"].str.contains("test_recorder_hooks.py").all()  # not the hook frame
+
+
+def test_a_failed_hooked_op_is_failed_not_completed(recorded) -> None:
+    st, rec = recorded.st, recorded.recorder
+    pre_hook, post_hook = make_hooks(st, SPECS, lambda: True)
+    error = "[../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:4711"
+    for op_id, work in enumerate([FakeWork(), FakeWork(error=error), FakeWork(done=False)]):
+        pre_hook(pre("ALLREDUCE", op_id, [torch.ones(1)]))
+        post_hook(post("ALLREDUCE", op_id, work))
+    rec.poll()
+    e = entries(recorded.path)
+    assert e["state"].tolist() == ["completed", "scheduled", "scheduled"]
+    assert e["error"].tolist()[1] == error and e["error"].isna().tolist() == [True, False, True]
+
+
+def test_a_failing_hook_body_never_raises_into_the_job(recorded, recwarn) -> None:
+    st = recorded.st
+    pre_hook, post_hook = make_hooks(st, SPECS, lambda: True)
+    broken = types.SimpleNamespace(name="ALLREDUCE", op_id=0, root=-1)  # no tensors at all
+    pre_hook(broken)  # must not raise
+    post_hook(post("ALLREDUCE", 0, FakeWork()))
+    assert not recorded.recorder.enabled  # recording off, said once
+    pre_hook(pre("ALLREDUCE", 1, [torch.ones(1)]))
+    assert recorded.box.records == 0
+
+
+def test_a_group_is_recorded_once_its_members_are_known(recorded) -> None:
+    st = GroupState(recorded.recorder, recorded.st.ops, [])
+    known = []
+    pre_hook, post_hook = make_hooks(st, SPECS, lambda: bool(known))
+    pre_hook(pre("ALLREDUCE", 0, [torch.ones(1)]))  # members unknown yet: not recorded
+    post_hook(post("ALLREDUCE", 0, FakeWork()))
+    known.append(1)
+    st.bind("5", "late", [4, 6])
+    pre_hook(pre("ALLREDUCE", 1, [torch.ones(1)]))
+    assert recorded.box.records == 1
+
+
+@pytest.mark.skipif(not hooks.available(), reason="this torch has no process-group hooks")
+def test_every_hook_op_name_of_this_torch_is_mapped_or_deliberately_not_recorded() -> None:
+    from torch._C._distributed_c10d import HookOpName
+
+    names = set(HookOpName.__members__)
+    assert names == set(hooks.HOOK_OPS) | set(hooks.NOT_RECORDED)
+    assert len(hooks.hook_specs()) == len(hooks.HOOK_OPS)
+
+
+# --------------------------------------------------------------------------------------
+# One-sided windows, with a fake Window class: the wrapper does not care which backend
+# --------------------------------------------------------------------------------------
+
+
+def fake_window_classes(silent: int = 0):
+    """A window class with nccl2's methods, and a group class that creates windows; a wait
+    for a signal from group rank ``silent`` never completes."""
+    issued = []
+
+    class Window:
+        def put(self, tensor, dst_rank, target_offset_nelems, async_op, opts=None):
+            issued.append(("put", dst_rank))
+            return FakeWork()
+
+        def signal(self, peer_rank, async_op, opts=None):
+            issued.append(("signal", peer_rank))
+            return FakeWork()
+
+        def wait_signal(self, peer_rank, async_op, opts=None):
+            issued.append(("wait_signal", peer_rank))
+            return FakeWork(done=peer_rank != silent)
+
+    class Group:
+        def new_window(self, tensor=None):
+            return Window()
+
+    return Window, Group, issued
+
+
+def test_window_ops_are_recorded_with_global_peers_and_per_pair_indexes(recorded) -> None:
+    window_cls, group_cls, issued = fake_window_classes()
+    group = group_cls()
+    assert hooks.wrap_windows(window_cls, group_cls, lambda g: recorded.st if g is group else None)
+    assert not hooks.wrap_windows(window_cls, group_cls, lambda g: None)  # once
+    win = group.new_window(torch.zeros(8))
+    other = group.new_window()
+    win.put(torch.ones(3), 1, 0, True)
+    win.signal(1, True)
+    win.put(torch.ones(3), dst_rank=1, target_offset_nelems=3, async_op=True)
+    win.signal(peer_rank=1, async_op=True)
+    other.signal(1, True)  # another window: its own indexes
+    win.wait_signal(1, True)
+    win.wait_signal(0, True)  # the hang: never completes
+    assert issued == [("put", 1), ("signal", 1), ("put", 1), ("signal", 1), ("signal", 1)] + [
+        ("wait_signal", 1),
+        ("wait_signal", 0),
+    ]  # every call went through, unchanged
+    recorded.recorder.poll()
+    dump = reader.read(recorded.path)
+    e = dump.entries.to_pandas().sort_values("record_id")
+    assert (
+        e["op"].tolist()
+        == ["window_put", "window_signal"] * 2 + ["window_signal"] + ["window_wait_signal"] * 2
+    )
+    assert e["pg_name"].tolist() == ["3/window1"] * 4 + ["3/window2"] + ["3/window1"] * 2
+    assert e["peer"].tolist() == [6] * 6 + [4]
+    assert e["p2p_seq_id"].tolist() == [1, 1, 2, 2, 1, 1, 1]
+    assert e["is_p2p"].all() and (e["collective_seq_id"] == 0).all()
+    assert e["input_sizes"].tolist()[0] == "[[3]]" and e["input_sizes"].tolist()[1] == ""
+    assert e["state"].tolist() == ["completed"] * 6 + ["scheduled"]
+    windows = {name: pg for name, pg in dump.process_groups.items() if "window" in name}
+    assert windows["3/window1"].ranks == (4, 6) and windows["3/window1"].desc == "pairs window 1"
+
+
+def test_windows_of_unrecorded_groups_are_left_alone(recorded) -> None:
+    window_cls, group_cls, issued = fake_window_classes()
+    hooks.wrap_windows(window_cls, group_cls, lambda g: None)
+    win = group_cls().new_window()
+    assert isinstance(win.put(torch.ones(1), 1, 0, True), FakeWork)
+    win.signal(1, True)
+    assert issued == [("put", 1), ("signal", 1)] and recorded.box.records == 0
+
+
+def test_a_window_call_that_recording_cannot_parse_still_goes_through(recorded, recwarn) -> None:
+    window_cls, group_cls, issued = fake_window_classes()
+    group = group_cls()
+    hooks.wrap_windows(window_cls, group_cls, lambda g: recorded.st)
+    win = group.new_window()
+    assert isinstance(win.signal("not a rank", True), FakeWork)  # recording fails, call goes on
+    assert issued == [("signal", "not a rank")]
+    assert not recorded.recorder.enabled
+
+
+# --------------------------------------------------------------------------------------
+# tests/gpu/check_windows_nccl2.py's judgement, on records made with fake windows
+# --------------------------------------------------------------------------------------
+
+
+def gpu_check():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+    import check_windows_nccl2
+
+    return check_windows_nccl2
+
+
+def window_job(directory: Path, hang: bool, rank1_signals: bool = False) -> None:
+    """Both ranks of check_windows_nccl2's job, each with its own box and fake windows."""
+    SIGNALS = gpu_check().SIGNALS  # noqa: N806
+
+    window_cls, group_cls, _ = fake_window_classes(silent=1)
+    states = {}
+    hooks.wrap_windows(window_cls, group_cls, lambda g: states[g])
+    recorders = []
+    for rank in range(2):
+        box = native.BlackBox(
+            str(directory / f"rank_{rank}.frt"), 64, 1 << 16, json.dumps({"rank": rank})
+        )
+        recorder = Recorder(box, cuda_events=False)
+        recorders.append(recorder)
+        st = GroupState(recorder, recorder.op_ids("nccl2", OP_NAMES), [])
+        st.bind("0", "default_pg", [0, 1])
+        group = group_cls()
+        states[group] = st
+        win = group.new_window(torch.zeros(4))
+        for i in range(SIGNALS):
+            if rank == 0:
+                win.put(torch.ones(2), 1, i * 2, False)
+                win.signal(1, False)
+            else:
+                win.wait_signal(0, False)
+        if hang and rank == 0:
+            win.wait_signal(1, True)
+        if rank1_signals and rank == 1:
+            win.signal(0, True)
+        recorder.poll()
+    for recorder in recorders:
+        recorder._stop_poller()
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_gpu_window_check_accepts_what_the_recorder_writes(tmp_path: Path, hang: bool) -> None:
+    window_job(tmp_path, hang)
+    assert gpu_check().check_window_records(tmp_path, hang) == []
+
+
+def test_gpu_window_check_sees_a_signal_that_should_not_be_there(tmp_path: Path) -> None:
+    window_job(tmp_path, hang=True, rank1_signals=True)
+    problems = gpu_check().check_window_records(tmp_path, hang=True)
+    assert problems == ["rank 1: 1 window_signal to/from 0, expected 0"]
