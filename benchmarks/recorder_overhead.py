@@ -1,18 +1,32 @@
-"""What recording costs per c10d op: no recorder vs PyTorch's Flight Recorder vs frtools.
+"""What recording costs per c10d op: no recorder vs PyTorch's Flight Recorder vs frtools,
+on every torch given, in one table.
 
-    python benchmarks/recorder_overhead.py [--rounds 30] [--ops 200] [--json out.json]
+    python benchmarks/recorder_overhead.py [--python /work/venv215/bin/python ...]
+        [--rounds 30] [--ops 200] [--json out.json]
 
-Two Gloo ranks on this machine. Each worker process creates two identical groups over the
-same ranks: one before ``frtools.recorder.enable()`` (plain) and one after (recorded), and
-times them in alternating blocks, so machine noise hits both alike. PyTorch's recorder is
-process-wide (``TORCH_FR_BUFFER_SIZE`` is read once), so the job runs twice: without and with
-``TORCH_FR_BUFFER_SIZE=2000``. Workloads: a 1-element ``all_reduce`` (the whole op, network
-round trip included), the issuing call alone of 1-element async all-reduces (50 in flight,
-waited for outside the timed part: exactly what a recorder adds to the caller, without the
-round trip's noise), and a small DDP step (forward + backward, the reducer's all-reduces).
-Reported: medians over blocks, the difference to no recording in microseconds per op, and
-ratios. On a loaded machine trust the 'caller CPU' clock and the issue row; the whole-op
-rows carry several microseconds of noise.
+Each interpreter (this one, then every ``--python``; each with its own torch) is measured
+twice:
+
+* **the job**: two Gloo ranks on this machine. Each worker process creates two identical
+  groups over the same ranks: one before ``frtools.recorder.enable()`` (plain) and one after
+  (recorded), and times them in alternating blocks, so machine noise hits both alike.
+  PyTorch's recorder is process-wide (``TORCH_FR_BUFFER_SIZE`` is read once), so the job runs
+  twice: without and with ``TORCH_FR_BUFFER_SIZE=2000``. Workloads: a 1-element
+  ``all_reduce`` (the whole op, network round trip included), the issuing call alone of
+  1-element async all-reduces (50 in flight, waited for outside the timed part: exactly what
+  a recorder adds to the caller, without the round trip's noise), and a small DDP step
+  (forward + backward, the reducer's all-reduces). Medians over blocks.
+* **in-process, the recording path alone**: one process on torch's fake backend
+  (``FakeProcessGroup``: an op costs only its dispatch), timing the issuing call of async
+  all-reduces on a plain group, a group recorded by frtools (the path this torch takes by
+  default: hooks on 2.15, wrapping before; on 2.15 the wrapping path too) and, on 2.15, a
+  group with PyTorch's own hook recorder (``FlightRecorderHook``, what records nccl2).
+  Minimum thread time per call over many blocks: what the recording path costs when the
+  machine leaves it alone — the robust figure on a loaded box.
+
+Reported: the difference to no recording in microseconds per op (Δ), and ratios. On a
+loaded machine trust the 'caller CPU' clock, the issue row and the in-process rows; the
+whole-op rows carry several microseconds of noise.
 """
 
 from __future__ import annotations
@@ -46,11 +60,13 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str, burst: int = 50) -> 
     plain = dist.new_group([0, 1])
     if not frtools.recorder.enable(dir=out_dir, stall_seconds=0):
         raise SystemExit("frtools could not be enabled")
+    from frtools.recorder import capture
+
+    if capture.capture_mode() == "hooks":  # enable() hooked the groups that exist: not those
+        _unhook(plain, dist.group.WORLD)
     recorded = dist.new_group([0, 1])
     nostack = dist.new_group([0, 1])
     groups = {"plain": plain, "recorded": recorded, "nostack": nostack}
-    from frtools.recorder import capture
-
     recorder = capture.current_recorder()
 
     def stacks_for(name: str) -> None:
@@ -136,7 +152,67 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str, burst: int = 50) -> 
     dist.destroy_process_group()
 
 
-def run_job(torch_fr: bool, rounds: int, ops: int, steps: int, out_dir: str) -> dict:
+def _unhook(*groups: object) -> None:
+    from frtools.recorder.capture import hooks
+
+    for g in groups:
+        g.unregister_pre_hook(hooks.HOOK_ID)  # type: ignore[attr-defined]
+        g.unregister_post_hook(hooks.HOOK_ID)  # type: ignore[attr-defined]
+
+
+def inprocess(blocks: int, calls: int, out_dir: str) -> None:
+    """The recording path alone, on torch's fake backend (one process): min thread time."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ProcessGroup
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import frtools.recorder
+    from frtools.recorder import capture
+
+    store = FakeStore()
+    dist.init_process_group("fake", store=store, rank=0, world_size=2)
+    groups = {"plain": dist.new_group([0, 1])}
+    fr_hook = None
+    if hasattr(ProcessGroup, "register_pre_hook"):
+        from torch._C._distributed_c10d import FlightRecorderHook
+
+        groups["torch_fr"] = dist.new_group([0, 1])
+        fr_hook = FlightRecorderHook.attach(groups["torch_fr"], [0, 1])  # noqa: F841 - kept
+    if not frtools.recorder.enable(dir=out_dir, job_id="inprocess", stall_seconds=0):
+        raise SystemExit("frtools could not be enabled")
+    mode = capture.capture_mode()
+    recorder = capture.current_recorder()
+    if mode == "hooks":
+        _unhook(dist.group.WORLD, *groups.values())
+        groups["frtools"] = dist.new_group([0, 1])
+    # the wrapping path: a RecordingProcessGroup over the fake backend (it wraps only gloo and
+    # nccl groups itself), the same overrides a wrapped group runs
+    fake = dist.group.WORLD._get_backend(torch.device("cpu"))
+    wrapped = capture.RecordingProcessGroup(
+        store, 0, 2, recorder, [("cpu", ProcessGroup.BackendType.CUSTOM, fake)], [0, 1], "fake"
+    )
+    wrapped.frtools_register("wrapped", "wrapped")
+    groups["frtools_wrap" if mode == "hooks" else "frtools"] = wrapped
+    t = torch.ones(1)
+
+    def block(g: object) -> float:
+        start = time.thread_time_ns()
+        for _ in range(calls):
+            dist.all_reduce(t, group=g, async_op=True)
+        return (time.thread_time_ns() - start) / calls / 1000.0
+
+    samples: dict[str, list[float]] = {name: [] for name in groups}
+    for g in groups.values():  # warm up
+        block(g)
+    for r in range(blocks):
+        for name in groups if r % 2 == 0 else reversed(groups):
+            samples[name].append(block(groups[name]))
+    info = {"torch": torch.__version__, "mode": mode}
+    print("RESULT " + json.dumps({"min": {k: min(v) for k, v in samples.items()}, **info}))
+
+
+def run_job(python: str, torch_fr: bool, rounds: int, ops: int, steps: int, out_dir: str) -> dict:
     port = _free_port()
     procs = []
     for rank in range(2):
@@ -156,7 +232,7 @@ def run_job(torch_fr: bool, rounds: int, ops: int, steps: int, out_dir: str) -> 
             env["TORCH_FR_BUFFER_SIZE"] = "2000"
         procs.append(
             subprocess.Popen(
-                [sys.executable, __file__, "--worker", "--rounds", str(rounds), "--ops", str(ops)]
+                [python, __file__, "--worker", "--rounds", str(rounds), "--ops", str(ops)]
                 + ["--steps", str(steps), "--out-dir", out_dir],
                 env=env,
                 stdout=subprocess.PIPE,
@@ -178,23 +254,31 @@ def run_job(torch_fr: bool, rounds: int, ops: int, steps: int, out_dir: str) -> 
     raise SystemExit(f"benchmark worker failed:\n{outputs[0][1][-3000:]}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--ops", type=int, default=200, help="all-reduces per timed block")
-    parser.add_argument("--steps", type=int, default=20, help="DDP steps per timed block")
-    parser.add_argument("--json", default=None, help="also write the medians here")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.rounds, args.ops, args.steps, args.out_dir)
-        return
+def run_inprocess(python: str, blocks: int, calls: int, out_dir: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FRTOOLS_", "TORCH_FR"))}
+    env.update(OMP_NUM_THREADS="1", FRTOOLS_JOBWIDE="0")
+    proc = subprocess.run(
+        [python, __file__, "--inprocess", "--rounds", str(blocks), "--ops", str(calls)]
+        + ["--out-dir", out_dir],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise SystemExit(f"in-process benchmark failed:\n{proc.stderr[-3000:]}")
 
-    with tempfile.TemporaryDirectory(prefix="frtools-bench-") as out_dir:
-        no_fr = run_job(False, args.rounds, args.ops, args.steps, out_dir)
-        with_fr = run_job(True, args.rounds, args.ops, args.steps, out_dir)
 
+def torch_version(python: str) -> str:
+    code = "import torch; print(torch.__version__)"
+    return subprocess.run([python, "-c", code], capture_output=True, text=True).stdout.strip()
+
+
+def job_rows(python: str, rounds: int, ops: int, steps: int, out_dir: str) -> list[dict]:
+    no_fr = run_job(python, False, rounds, ops, steps, out_dir)
+    with_fr = run_job(python, True, rounds, ops, steps, out_dir)
     med = {k: statistics.median(v) for k, v in no_fr.items()}
     med_fr = {k: statistics.median(v) for k, v in with_fr.items()}
     rows = []
@@ -222,37 +306,115 @@ def main() -> None:
                     "frtools_ratio": ours / base,
                 }
             )
+    return rows
+
+
+def inprocess_rows(result: dict) -> list[dict]:
+    mins = result["min"]
+    base = mins["plain"]
+    row = {
+        "workload": "recording path alone, fake backend [µs/op]",
+        "clock": "min thread",
+        "none": base,
+        "torch_fr": mins.get("torch_fr"),
+        "frtools": mins["frtools"],
+        "frtools_no_stacks": None,
+        "torch_fr_overhead": mins["torch_fr"] - base if "torch_fr" in mins else None,
+        "frtools_overhead": mins["frtools"] - base,
+        "frtools_ratio": mins["frtools"] / base,
+        "capture": result["mode"],
+    }
+    rows = [row]
+    if "frtools_wrap" in mins:
+        rows.append(
+            {
+                **row,
+                "workload": "  the same, FRTOOLS_CAPTURE=wrap [µs/op]",
+                "frtools": mins["frtools_wrap"],
+                "frtools_overhead": mins["frtools_wrap"] - base,
+                "frtools_ratio": mins["frtools_wrap"] / base,
+                "capture": "wrap",
+            }
+        )
+    return rows
+
+
+def _fmt(value: float | None, sign: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:+.1f}" if sign else f"{value:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--ops", type=int, default=200, help="all-reduces per timed block")
+    parser.add_argument("--steps", type=int, default=20, help="DDP steps per timed block")
+    parser.add_argument(
+        "--python",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="another interpreter (another torch) to measure as well; repeatable",
+    )
+    parser.add_argument("--blocks", type=int, default=200, help="in-process timed blocks")
+    parser.add_argument("--calls", type=int, default=500, help="in-process calls per block")
+    parser.add_argument("--json", default=None, help="also write the medians here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--inprocess", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.rounds, args.ops, args.steps, args.out_dir)
+        return
+    if args.inprocess:
+        inprocess(args.rounds, args.ops, args.out_dir)
+        return
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="frtools-bench-") as out_dir:
+        for python in [sys.executable, *args.python]:
+            version = torch_version(python)
+            measured = job_rows(python, args.rounds, args.ops, args.steps, out_dir)
+            measured += inprocess_rows(run_inprocess(python, args.blocks, args.calls, out_dir))
+            for r in measured:
+                r["torch"] = version
+                r.setdefault("capture", None)
+            rows += measured
     try:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title="Recorder overhead (Gloo, 2 ranks, medians over blocks)")
-        cols = ("workload", "clock", "none", "PyTorch FR", "frtools", "FR Δ", "frtools Δ")
-        for col in (*cols, "no-stacks Δ"):
-            table.add_column(col, justify="left" if col in ("workload", "clock") else "right")
-        table.add_column("frtools/none", justify="right")
+        table = Table(title="Recorder overhead (medians over blocks; in-process: minimum)")
+        cols = ("torch", "workload", "clock", "none", "PyTorch FR Δ", "frtools Δ")
+        for col in (*cols, "no-stacks Δ", "frtools/none"):
+            left = col in ("torch", "workload", "clock")
+            table.add_column(col, justify="left" if left else "right")
         for r in rows:
+            clock = {"cpu": "caller CPU", "wall": "wall"}.get(r["clock"], r["clock"])
+            no_stacks = r["frtools_no_stacks"]
             table.add_row(
+                r["torch"],
                 r["workload"],
-                "caller CPU" if r["clock"] == "cpu" else "wall",
-                f"{r['none']:.1f}",
-                f"{r['torch_fr']:.1f}",
-                f"{r['frtools']:.1f}",
-                f"{r['torch_fr_overhead']:+.1f}",
-                f"{r['frtools_overhead']:+.1f}",
-                f"{r['frtools_no_stacks'] - r['none']:+.1f}",
+                clock,
+                _fmt(r["none"]),
+                _fmt(r["torch_fr_overhead"], sign=True),
+                _fmt(r["frtools_overhead"], sign=True),
+                _fmt(None if no_stacks is None else no_stacks - r["none"], sign=True),
                 f"{r['frtools_ratio']:.2f}x",
             )
-        Console(width=110).print(table)
+        Console(width=140).print(table)
     except ImportError:
         for r in rows:
             print(r)
     print(
-        f"rounds={args.rounds} ops/block={args.ops} DDP steps/block={args.steps}. "
-        "Δ = difference to no recording. 'caller CPU' = CPU time of the calling thread "
-        "(robust to a loaded machine); 'wall' includes the network round trip. "
-        "No recording and frtools share each job (alternating blocks); PyTorch FR is a "
-        "second job. no-stacks: frtools with FRTOOLS_STACKS=0."
+        f"rounds={args.rounds} ops/block={args.ops} DDP steps/block={args.steps}; in-process "
+        f"{args.blocks} blocks x {args.calls} calls. Δ = difference to no recording. 'caller "
+        "CPU' = CPU time of the calling thread (robust to a loaded machine); 'wall' includes "
+        "the network round trip. In the job, no recording and frtools share each job "
+        "(alternating blocks); PyTorch FR (Gloo's own) is a second job. In-process, PyTorch FR "
+        "is its hook recorder (FlightRecorderHook, as for nccl2; torch 2.15 only). no-stacks: "
+        "frtools with FRTOOLS_STACKS=0."
     )
     if args.json:
         with open(args.json, "w") as f:

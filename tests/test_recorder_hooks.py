@@ -69,17 +69,37 @@ def entries(path: Path):
 # --------------------------------------------------------------------------------------
 
 
+# hook op names and values as torch 2.15's HookOpName has them
+HOOK_OP_VALUES = dict(
+    SEND=0, RECV=1, BROADCAST=2, ALLREDUCE=3, REDUCE=4, ALLGATHER=5, REDUCE_SCATTER=6,
+    ALLTOALL=7, BARRIER=8, SCATTER=9, GATHER=10, SPLIT=11, NEW_WINDOW=12,
+    ALLREDUCE_COALESCED=13, ALLGATHER_BASE=14, ALLGATHER_COALESCED=15,
+    ALLGATHER_INTO_TENSOR_COALESCED=16, REDUCE_SCATTER_BASE=17,
+    REDUCE_SCATTER_TENSOR_COALESCED=18, ALLTOALL_BASE=19, UNKNOWN=20,
+)  # fmt: skip
+
+
+def hook_name(name: str):
+    return types.SimpleNamespace(name=name, value=HOOK_OP_VALUES[name])
+
+
 def pre(name: str, op_id: int, ins=(), outs=(), root: int = -1):
     return types.SimpleNamespace(
-        name=name, op_id=op_id, input_tensors=list(ins), output_tensors=list(outs), root=root
+        name=hook_name(name),
+        op_id=op_id,
+        input_tensors=list(ins),
+        output_tensors=list(outs),
+        root=root,
     )
 
 
 def post(name: str, op_id: int, work):
-    return types.SimpleNamespace(name=name, op_id=op_id, work=work)
+    return types.SimpleNamespace(name=hook_name(name), op_id=op_id, work=work)
 
 
-SPECS = {name: (OP_NAMES.index(op), shape) for name, (op, shape) in hooks.HOOK_OPS.items()}
+SPECS = [None] * (max(HOOK_OP_VALUES.values()) + 1)
+for _name, (_op, _shape) in hooks.HOOK_OPS.items():
+    SPECS[HOOK_OP_VALUES[_name]] = (OP_NAMES.index(_op), _shape)
 
 
 def test_hooked_ops_get_their_own_seq_ids_names_and_global_peers(recorded) -> None:
@@ -153,9 +173,10 @@ def test_a_group_is_recorded_once_its_members_are_known(recorded) -> None:
 def test_every_hook_op_name_of_this_torch_is_mapped_or_deliberately_not_recorded() -> None:
     from torch._C._distributed_c10d import HookOpName
 
-    names = set(HookOpName.__members__)
-    assert names == set(hooks.HOOK_OPS) | set(hooks.NOT_RECORDED)
-    assert len(hooks.hook_specs()) == len(hooks.HOOK_OPS)
+    members = HookOpName.__members__
+    assert set(members) == set(hooks.HOOK_OPS) | set(hooks.NOT_RECORDED)
+    assert {n: int(m.value) for n, m in members.items()} == HOOK_OP_VALUES
+    assert sum(spec is not None for spec in hooks.hook_specs()) == len(hooks.HOOK_OPS)
 
 
 # --------------------------------------------------------------------------------------

@@ -71,6 +71,22 @@ _THREADS_AT_EXIT = textwrap.dedent(
 )
 
 
+_NO_DESTROY = textwrap.dedent(
+    """
+    import torch
+    import torch.distributed as dist
+    import frtools.recorder as recorder
+
+    recorder.enable()
+    dist.init_process_group("gloo")
+    sub = dist.new_group([0])
+    dist.all_reduce(torch.ones(4))
+    dist.all_reduce(torch.ones(4), group=sub)
+    print("done", flush=True)  # no destroy_process_group: torch frees the groups at exit
+    """
+)
+
+
 def _recorder_env(tmp_path: Path, job_id: str) -> dict[str, str]:
     return {
         "FRTOOLS_DIR": str(tmp_path / "frt"),
@@ -123,3 +139,15 @@ def test_back_to_back_short_recorded_jobs_all_exit_zero(tmp_path: Path) -> None:
             timeout=40,
         )
         _assert_clean(result, f"job {i + 1} of {jobs}")
+
+
+@pytest.mark.timeout(60)
+def test_a_job_that_never_destroys_its_groups_exits_zero(tmp_path: Path) -> None:
+    """torch 2.15 frees groups left alive after Python has finalized; a Python hook still on
+    one then takes the GIL and the process segfaults (exit -11): the recorder's hooks must be
+    off by then."""
+    script = tmp_path / "no_destroy.py"
+    script.write_text(_NO_DESTROY)
+    result = run_job(script, world_size=1, env=_recorder_env(tmp_path, "nodestroy"), timeout=40)
+    _assert_clean(result, "a job without destroy_process_group")
+    assert "done" in result.ranks[0].stdout

@@ -26,6 +26,7 @@ methods and ``new_window`` (which registers each window as a row of the process-
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,7 @@ from frtools.recorder.capture.hot_path import (
     window_call,
 )
 from frtools.recorder.capture.process_group import OP_NAMES
+from frtools.recorder.shutdown import before_finalization
 
 # "frt1": our hook id on every group (registering an id again replaces that hook)
 HOOK_ID = 0x66727431
@@ -85,14 +87,17 @@ def available() -> bool:
     return c10d_internals.has_process_group_hooks()
 
 
-def hook_specs() -> dict[Any, tuple[int, HookShape]]:
-    """HookOpName member -> (op code in ``OP_NAMES``, shape), for the names this torch has."""
-    names = c10d_internals.hook_op_names()
-    specs = {}
-    for name, (op, shape) in HOOK_OPS.items():
-        member = getattr(names, name, None)
-        if member is not None:
-            specs[member] = (OP_NAMES.index(op), shape)
+def hook_specs() -> list[tuple[int, HookShape] | None]:
+    """By the value of each ``HookOpName`` of this torch: (op code in ``OP_NAMES``, shape),
+    None for a name not recorded."""
+    members = c10d_internals.hook_op_names().__members__
+    specs: list[tuple[int, HookShape] | None] = [None] * (
+        max(int(m.value) for m in members.values()) + 1
+    )
+    for name, member in members.items():
+        if name in HOOK_OPS:
+            op, shape = HOOK_OPS[name]
+            specs[int(member.value)] = (OP_NAMES.index(op), shape)
     return specs
 
 
@@ -122,18 +127,35 @@ def attach(pg: Any, recorder: Any, backend: str) -> GroupState:
         return True
 
     pre, post = make_hooks(st, _specs(), bind)
+    if not _hooked:
+        before_finalization(detach_all)
     pg.register_pre_hook(HOOK_ID, pre)
     pg.register_post_hook(HOOK_ID, post)
     _hooked[pg] = st
     return st
 
 
-_spec_cache: dict[Any, tuple[int, HookShape]] = {}
+def detach_all() -> None:
+    """Take our hooks off every group before the interpreter finalizes.
+
+    A group still alive then (no ``destroy_process_group``) is destroyed by torch's static
+    group registry after Python has finalized, and destroying a Python hook takes the GIL:
+    the process segfaults at exit (seen on torch 2.15 with any Python hook). Ops issued
+    after this point (from ``atexit`` handlers) are not recorded.
+    """
+    for pg in list(_hooked):
+        with contextlib.suppress(Exception):
+            pg.unregister_pre_hook(HOOK_ID)
+            pg.unregister_post_hook(HOOK_ID)
+    _hooked.clear()
 
 
-def _specs() -> dict[Any, tuple[int, HookShape]]:
+_spec_cache: list[tuple[int, HookShape] | None] = []
+
+
+def _specs() -> list[tuple[int, HookShape] | None]:
     if not _spec_cache:
-        _spec_cache.update(hook_specs())
+        _spec_cache.extend(hook_specs())
     return _spec_cache
 
 

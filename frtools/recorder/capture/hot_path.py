@@ -552,55 +552,100 @@ class HookShape(enum.Enum):
 
 
 def make_hooks(
-    st: GroupState, specs: dict[Any, tuple[int, HookShape]], bind: Callable[[], bool]
+    st: GroupState, specs: list[tuple[int, HookShape] | None], bind: Callable[[], bool]
 ) -> tuple[Callable[[Any], None], Callable[[Any], None]]:
-    """The (pre, post) hook pair of one group: the pre hook records the op (``specs``: hook
-    op name -> (op code, shape); ops not in it are not recorded) and keeps its record id by
-    the hook's ``op_id``; the post hook, right after the op is issued, hands the Work to
-    ``GroupState.done``. ``bind()`` registers the group in the black box (its members are
-    only known once torch has published them, after the hooks are attached); until it
-    succeeds the group's ops are not recorded.
+    """The (pre, post) hook pair of one group: the pre hook records the op (``specs``: by
+    the hook op name's value, (op code, shape), None: not recorded) and keeps its record id by
+    the hook's ``op_id``; the post hook, right after the op is issued, queues the Work for
+    the completion poller (or its CUDA events for the watchdog). ``bind()`` registers the
+    group in the black box (its members are only known once torch has published them, after
+    the hooks are attached); until it succeeds the group's ops are not recorded.
 
-    Neither raises: a hook that raises makes the ``torch.distributed`` call raise, so any
-    failure turns recording off with one warning (``Recorder.fail``).
+    The record step of ``GroupState.coll``/``p2p`` and the completion step of ``done``,
+    inlined: a Python hook pair already costs more per op than PyTorch's C++ recorder, so
+    every attribute read counts. Neither hook raises: a hook that raises makes the
+    ``torch.distributed`` call raise, so any failure turns recording off with one warning
+    (``Recorder.fail``).
     """
     fr = st.fr
-    pending: dict[int, tuple[int, Any]] = {}
-    in_place, no_tensors, peer_op = HookShape.IN_PLACE, HookShape.NO_TENSORS, HookShape.PEER
+    box = st.box
+    record = box.record
+    ops = st.ops
+    sizes1, dtypes1 = st.sizes1, st.dtypes1
+    works = st.pending
+    order = st.order
+    issued: dict[int, tuple[int, bool, bool]] = {}  # op_id -> (record id, CUDA, collective)
+    in_place, out_in, peer_op = HookShape.IN_PLACE, HookShape.OUT_IN, HookShape.PEER
     maybe_cuda = st.maybe_cuda
 
     def pre_hook(args: Any) -> None:
         if not fr.enabled:
             return
         try:
-            spec = specs.get(args.name)
+            # .value: hashing the enum itself costs a few times more (two calls into pybind11)
+            spec = specs[args.name.value]
             if spec is None or (st.pg < 0 and not bind()):
                 return
             code, shape = spec
-            if shape is in_place:
+            cuda = False
+            if shape is in_place or shape is out_in:
                 tensors = args.input_tensors
-                rid = st.coll(code, tensors, tensors)
+                if len(tensors) == 1:  # the common case, inline
+                    t = tensors[0]
+                    isz = sizes1.get(t.shape)
+                    idt = dtypes1.get(t.dtype)
+                    if isz is None or idt is None:
+                        isz, idt = fr.sizes_id(tensors)
+                    cuda = maybe_cuda and t.is_cuda and fr.cuda_events
+                else:
+                    isz, idt = fr.sizes_id(tensors)
+                    if maybe_cuda and tensors:
+                        cuda = tensors[0].is_cuda and fr.cuda_events
+                if shape is in_place:
+                    osz, odt = isz, idt
+                else:
+                    osz, odt = fr.sizes_id(args.output_tensors)
             elif shape is peer_op:
                 tensors = args.input_tensors or args.output_tensors
-                rid = st.p2p(code, tensors, args.root)
-            elif shape is no_tensors:
-                tensors = None
-                rid = st.coll(code, (), ())
+                isz, idt = osz, odt = fr.sizes_id(tensors)
+                if maybe_cuda and tensors:
+                    cuda = tensors[0].is_cuda and fr.cuda_events
+            else:  # no tensors
+                isz, idt = osz, odt = fr.sizes_id(())
+            sid = fr.stack_lookup()
+            if sid < 0:
+                sid = fr.stack_miss()
+            if shape is peer_op:
+                st.p2p_seq += 1
+                peer = args.root
+                ranks = st.ranks
+                gpeer = ranks[peer] if 0 <= peer < len(ranks) else peer
+                rid = record(st.pg, ops[code], 0, st.p2p_seq, gpeer, True, isz, osz, idt, odt, sid)
+                issued[args.op_id] = (rid, cuda, False)
             else:
-                tensors = args.input_tensors
-                rid = st.coll(code, tensors, args.output_tensors)
-            if rid >= 0:
-                pending[args.op_id] = (rid, tensors if maybe_cuda else None)
+                st.coll_seq += 1
+                rid = record(st.pg, ops[code], st.coll_seq, 0, -1, False, isz, osz, idt, odt, sid)
+                issued[args.op_id] = (rid, cuda, True)
         except Exception as exc:
             fr.fail(exc)
 
     def post_hook(args: Any) -> None:
-        if not pending:
+        if not issued:
             return
         try:
-            item = pending.pop(args.op_id, None)
-            if item is not None:
-                st.done(item[0], args.work, item[1], specs[args.name][1] is not peer_op)
+            item = issued.pop(args.op_id, None)
+            if item is None:
+                return
+            rid, cuda, collective = item
+            work = args.work
+            if work is None:
+                box.mark_completed(rid)
+            elif cuda:
+                fr.watch_cuda(rid, work)
+            else:
+                works.append((rid, work, order if collective else None))
+                if fr.poller is None:
+                    fr.start_poller()
         except Exception as exc:
             fr.fail(exc)
 
