@@ -1,16 +1,28 @@
 """See every c10d op a job issues, and hand each one to the native black box.
 
-How (checked on torch 2.13 with Gloo, 4 ranks; see tests/test_recorder_capture.py): every
-process group the job creates is built through a backend plugin of ours and comes back as a
-``RecordingProcessGroup``, a Python subclass of ``torch.distributed.ProcessGroup`` whose op
-methods record the op, then forward it to the real Gloo/NCCL backend. Because the subclass
-goes through pybind11's trampoline, C++ callers (DDP's reducer) reach those methods too.
+Two paths, one record (same op names, same seq-id meaning, same completion tracking):
 
-* ``install`` — the backend installation: the ``frtools`` plugin, the wrapper around group
-  creation, the creator that builds the real backends.
+* **hooks** (torch >= 2.15, the default there; ``FRTOOLS_CAPTURE`` forces either path): a
+  pre/post hook pair on every group the job creates (``hooks``), attached where torch
+  publishes each group; the user's backend is untouched. Checked on 2.15 with Gloo: DDP's
+  reducer, functional collectives, coalesced blocks, send/recv and FSDP2 fire the hooks.
+  One-sided window ops (nccl2) fire none: ``Window``'s methods are wrapped instead.
+* **wrap** (older torch): every process group the job creates is built through a backend
+  plugin of ours and comes back as a ``RecordingProcessGroup``, a Python subclass of
+  ``torch.distributed.ProcessGroup`` whose op methods record the op, then forward it to the
+  real Gloo/NCCL backend. Because the subclass goes through pybind11's trampoline, C++
+  callers (DDP's reducer) reach those methods too. (On 2.15 it still works for Gloo, but
+  builds the legacy ``ProcessGroupNCCL`` for ``nccl``, which now means nccl2.)
+
+* ``install`` — choosing the path; the hooks' attachment to each published group; the
+  backend installation (the ``frtools`` plugin, the wrapper around group creation, the
+  creator that builds the real backends).
+* ``hooks`` — the hooks path: torch's hook op names -> frtools' (``HOOK_OPS``), one hook pair
+  per group, the window wrappers.
 * ``process_group`` — ``RecordingProcessGroup``, its op methods built from one table (``OPS``).
 * ``hot_path`` — what runs per op: a group's record and completion steps (``GroupState``),
-  the op-method templates (one per argument shape), the call-site lookup.
+  the op-method templates (one per argument shape), the hook pair (``make_hooks``), the
+  window ops, the call-site lookup.
 * ``recorder`` — the ``Recorder`` every group of the process shares: the black box, interned
   texts, the completion poller.
 * ``c10d_internals`` — every use of torch.distributed's private API, in one place.
@@ -33,10 +45,13 @@ so they are recorded: ``all_reduce`` as ``all_reduce``, ``all_gather_tensor`` as
 ``all_gather_into_tensor_coalesced``, ``reduce_scatter_tensor`` as
 ``reduce_scatter_tensor_coalesced`` (what the trampoline receives).
 
-Known limits: ``batch_isend_irecv`` only groups P2P ops for plain ``ProcessGroup`` objects
+Known limits: ``monitored_barrier`` fires no hook (not recorded on the hooks path). A group
+reconfigured in place (``dist._reconfigure``) keeps its hooks and counters but its row in the
+process-group table keeps the old members. ``batch_isend_irecv`` only groups P2P ops for plain ``ProcessGroup`` objects
 (``type(group) is ProcessGroup``), so on a recorded group each P2P op is issued on its own
 (correct, each recorded with its own ``p2p_seq_id``; NCCL then does not fuse them). A group
-whose backend is neither gloo nor nccl is left unwrapped and unrecorded, with one warning.
+whose backend is neither gloo nor nccl is left unwrapped and unrecorded, with one warning
+(wrap path; the hooks path records any backend).
 """
 
 from frtools.recorder.capture.install import (
