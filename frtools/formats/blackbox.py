@@ -98,7 +98,6 @@ FLAG_FAILED = 2  # the op failed: ``error`` says how, ``time_failed_ns`` when
 
 # header exit_kind -> the Trace's exit kind (frtools.model.trace.EXIT_KINDS); 0: not recorded
 EXIT_KIND_NAMES = ("", "clean", "exit", "exception", "os_exit", "signal")
-EXIT_CLAIMED = 0x80000000  # exit_kind bit set while its writer fills the other exit fields
 
 # The header's fixed fields in file order: (name, struct code). Little-endian at natural
 # alignment with no padding, as ``struct Header`` in _native/blackbox.cpp lays them out.
@@ -373,7 +372,7 @@ class Snapshot:
         box closed by its process ended ``clean``. ``(None, None)`` when it cannot be told.
         """
         h = self.header
-        code = int(h.get("exit_kind", 0)) & ~EXIT_CLAIMED
+        code = int(h.get("exit_kind", 0))
         kind = EXIT_KIND_NAMES[code] if 0 < code < len(EXIT_KIND_NAMES) else None
         status = int(h.get("exit_status", 0))
         if kind == "exception":

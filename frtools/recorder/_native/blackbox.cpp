@@ -100,7 +100,7 @@ struct Header {
   uint32_t poll_ms;           // 184
   uint32_t stack_signal;      // 188
   int64_t owner_pid;          // 192
-  uint32_t exit_kind;         // 200 kExit*: how the process ended (first writer wins)
+  uint32_t exit_kind;         // 200 kExit*: how the process ended (written last; first wins)
   int32_t exit_status;        // 204 exit status; the signal number for kExitSignal
   int64_t exit_time_ns;       // 208
   uint32_t exit_detail;       // 216 string id: "Type: message" of an uncaught exception
@@ -290,12 +290,12 @@ struct FakeEvent {
 // clock_gettime, sigaction and raise only (async-signal-safe).
 // ---------------------------------------------------------------------------------------
 
-constexpr uint32_t kExitClaimed = 0x80000000u;  // exit_kind while its writer fills the rest
-
 struct ExitWatch {
-  Header* hdr = nullptr;  // the watched header page (own mapping)
-  pid_t pid = 0;          // the watching process: a forked child must not write
-  pid_t on_exit_pid = 0;  // process that registered on_exit (inherited across fork)
+  Header* hdr = nullptr;    // the watched header page (own mapping)
+  const void* box = nullptr;  // the Box it belongs to (compared, never dereferenced)
+  uint32_t claim = 0;       // the ending recorded there (0: none yet): our memory, not the file's
+  pid_t pid = 0;            // the watching process: a forked child must not write
+  pid_t on_exit_pid = 0;    // process that registered on_exit (inherited across fork)
   struct sigaction previous[NSIG];
   bool installed[NSIG] = {};
 };
@@ -304,12 +304,14 @@ ExitWatch g_exit;
 // SIGTERM only where nobody handles it (its default kills): the launcher's "stop", not a crash.
 const int kFatalSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTERM};
 
-// First writer wins; false when an ending was already recorded.
-bool record_exit(Header* h, uint32_t kind, int32_t status, uint32_t detail, uint32_t stack,
-                 int64_t t) {
+// First writer wins: `claim` (the process's own memory, never the file's) goes from 0 to
+// `kind` by compare-and-swap; the fields are written, exit_kind last. False when an ending
+// was already recorded.
+bool record_exit(Header* h, uint32_t* claim, uint32_t kind, int32_t status, uint32_t detail,
+                 uint32_t stack, int64_t t) {
   uint32_t expected = kExitNone;
-  if (!__atomic_compare_exchange_n(&h->exit_kind, &expected, kind | kExitClaimed, false,
-                                   __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+  if (!__atomic_compare_exchange_n(claim, &expected, kind, false, __ATOMIC_ACQ_REL,
+                                   __ATOMIC_ACQUIRE)) {
     return false;
   }
   h->exit_status = status;
@@ -327,7 +329,9 @@ inline Header* watched_header() {
 
 void on_fatal_signal(int sig, siginfo_t* info, void* ctx) {
   int saved_errno = errno;
-  if (Header* h = watched_header()) record_exit(h, kExitSignal, sig, kStrNone, kStrNone, now_ns());
+  if (Header* h = watched_header()) {
+    record_exit(h, &g_exit.claim, kExitSignal, sig, kStrNone, kStrNone, now_ns());
+  }
   struct sigaction* prev = (sig > 0 && sig < NSIG) ? &g_exit.previous[sig] : nullptr;
   if (prev && (prev->sa_flags & SA_SIGINFO) && prev->sa_sigaction) {
     prev->sa_sigaction(sig, info, ctx);  // faulthandler's, torch's: they re-raise themselves
@@ -350,9 +354,11 @@ void on_fatal_signal(int sig, siginfo_t* info, void* ctx) {
 void on_process_exit(int status, void*) {
   Header* h = watched_header();
   if (!h) return;
-  if (!record_exit(h, status == 0 ? kExitClean : kExitStatus, status, kStrNone, kStrNone,
-                   now_ns())) {
-    if (__atomic_load_n(&h->exit_kind, __ATOMIC_ACQUIRE) == kExitException) h->exit_status = status;
+  if (!record_exit(h, &g_exit.claim, status == 0 ? kExitClean : kExitStatus, status, kStrNone,
+                   kStrNone, now_ns())) {
+    if (__atomic_load_n(&g_exit.claim, __ATOMIC_ACQUIRE) == kExitException) {
+      h->exit_status = status;  // the status the uncaught exception ended with
+    }
   }
 }
 
@@ -389,6 +395,8 @@ struct Box {
   uint32_t capacity = 0;
   pid_t owner_pid = 0;
   uint64_t fork_generation = 0;
+  uint32_t ops_failed = 0;  // header: ops_failed (published, not read back), atomic
+  uint32_t exit_claim = 0;  // the ending recorded in this box when it is not the watched one
 
   // The process's own copies of every size, cursor and counter it acts on. The header
   // carries them for readers, but anyone who can write the file can change the header under
@@ -553,7 +561,7 @@ struct Box {
       s->time_completed_ns = 0;
     }
     slot_unlock(s, locked);
-    __atomic_add_fetch(&hdr->ops_failed, 1u, __ATOMIC_RELAXED);
+    astore(&hdr->ops_failed, __atomic_add_fetch(&ops_failed, 1u, __ATOMIC_RELAXED));
     return true;
   }
 
@@ -1130,7 +1138,9 @@ PyObject* BlackBox_mark_exit(BlackBoxObject* self, PyObject* args) {
   if (!b) Py_RETURN_FALSE;
   uint32_t detail_id = kStrNone, stack_id = kStrNone;
   if (!intern_fact(b, detail, &detail_id) || !intern_fact(b, stack, &stack_id)) return nullptr;
-  return PyBool_FromLong(record_exit(b->hdr, kind, status, detail_id, stack_id, now_ns()));
+  // the watched box shares its claim with the signal and exit handlers
+  uint32_t* claim = g_exit.box == b ? &g_exit.claim : &b->exit_claim;
+  return PyBool_FromLong(record_exit(b->hdr, claim, kind, status, detail_id, stack_id, now_ns()));
 }
 
 PyObject* BlackBox_note_thread_error(BlackBoxObject* self, PyObject* text) {
@@ -1150,6 +1160,11 @@ PyObject* BlackBox_watch_exit(BlackBoxObject* self, PyObject*) {
   if (page == MAP_FAILED) return PyErr_SetFromErrno(PyExc_OSError);
   pid_t pid = getpid();
   g_exit.pid = pid;
+  if (g_exit.box != b) {
+    __atomic_store_n(&g_exit.claim, __atomic_load_n(&b->exit_claim, __ATOMIC_ACQUIRE),
+                     __ATOMIC_RELEASE);
+    g_exit.box = b;
+  }
   // a previously watched page stays mapped: a handler may be reading it right now
   __atomic_store_n(&g_exit.hdr, static_cast<Header*>(page), __ATOMIC_RELEASE);
   if (g_exit.on_exit_pid != pid) {
