@@ -382,8 +382,7 @@ def job_id(env: Mapping[str, str] | None = None) -> str:
 class RecorderConfig(
     namedtuple(
         "RecorderConfig",
-        "record dir job_id buffer_size stall_seconds stack_signal poll_ms stacks share_gid "
-        "capture",
+        "record dir job_id buffer_size stall_seconds stack_signal poll_ms stacks share_gid capture",
         defaults=(True, None, None),
     )
 ):
