@@ -207,6 +207,59 @@ def test_small_jitter_is_not_a_straggler():
     assert v.kind == "healthy"
 
 
+# A healthy 4-step DDP job (examples/train_ddp.py, 4 Gloo ranks under frtools run, torch 2.15,
+# a loaded 2-core machine): when each rank entered each world collective, ms. Rank 1 started
+# last, then was last into the broadcasts and bucket all-reduces issued back to back.
+HEALTHY_DDP_ON_A_LOADED_HOST = {
+    1: ("all_gather", (172.0, 225.7, 0.0, 201.6)),
+    2: ("broadcast", (235.2, 234.3, 235.4, 239.5)),
+    3: ("broadcast", (236.5, 246.0, 236.4, 242.4)),
+    4: ("all_reduce", (261.6, 275.4, 265.9, 262.2)),
+    5: ("broadcast", (304.6, 306.5, 303.0, 301.4)),
+    6: ("broadcast", (309.4, 319.1, 305.0, 318.8)),
+    7: ("all_reduce", (321.0, 330.6, 311.3, 327.1)),
+    8: ("all_reduce", (321.4, 349.8, 311.6, 327.6)),
+    9: ("all_reduce", (358.8, 362.6, 361.0, 354.9)),
+    10: ("all_reduce", (359.2, 363.0, 363.6, 355.3)),
+    11: ("all_reduce", (369.8, 371.6, 375.3, 373.5)),
+    12: ("all_reduce", (370.0, 371.9, 375.4, 373.8)),
+    13: ("barrier", (404.0, 405.1, 405.7, 405.1)),
+}
+
+
+def test_start_up_skew_and_back_to_back_delays_are_not_a_straggler():
+    rows = [
+        {
+            "rank": r,
+            "record_id": seq - 1,
+            "pg_name": "0",
+            "pg_desc": "default_pg",
+            "collective_seq_id": seq,
+            "p2p_seq_id": 0,
+            "is_p2p": False,
+            "op": op,
+            "input_sizes": "[[4]]",
+            "output_sizes": "[[4]]",
+            "input_dtypes": "Float",
+            "output_dtypes": "Float",
+            "state": "completed",
+            "time_created_ns": int(ms * 1_000_000),
+            "time_completed_ns": int(ms * 1_000_000) + 5_000_000,
+        }
+        for seq, (op, times) in HEALTHY_DDP_ON_A_LOADED_HOST.items()
+        for r, ms in enumerate(times)
+    ]
+    trace = Trace(
+        entries=entries_table(rows),
+        ranks={r: RankInfo(rank=r) for r in range(4)},
+        process_groups={"0": ProcessGroup("0", "default_pg", (0, 1, 2, 3))},
+        world_size=4,
+    )
+    v = diagnose(trace)
+    assert v.kind == "healthy", v.headline
+    assert v.exit_code == 0
+
+
 # ----- P2P ----------------------------------------------------------------------------
 
 PIPE = Job({"0": (0, 1, 2, 3), "pp0": (0, 2), "pp1": (1, 3)}, {"0": "default_pg"})

@@ -11,7 +11,9 @@ stragglers in one pair do not hide each other (not when a quarter of the ranks o
 candidates: that is a slow host or a loaded machine). When no rank passes, the collectives that
 waited decide: a rank that is the late one in most of the collectives whose last member
 arrived T late is a straggler too (a rank slow before a burst of collectives is late into
-the first only: FSDP2 all-gathers each layer in a row).
+the first only: FSDP2 all-gathers each layer in a row); a run of such collectives issued back
+to back with the same rank last counts once toward the five. A group's first collective is not counted: it
+measures start-up, not pace.
 """
 
 from __future__ import annotations
@@ -42,7 +44,12 @@ def stragglers(facts: JobFacts) -> list[tuple[int, float, float, int]]:
     c = c[full]
     if not len(c):
         return []
+    # a group's first collective measures when the processes got there (start-up, imports,
+    # rendezvous on a loaded host), not the pace of a rank
+    c = c[c["seq"] != 1]
     c = c[["pg_name", "seq", "rank", "time_created_ns"]].reset_index(drop=True)
+    if not len(c):
+        return []
     candidates = set(_late(c, set())) or set(_late(c, set(), loose=True))
     ranks = int(c["rank"].nunique())
     if len(candidates) * 4 > ranks:
@@ -60,7 +67,8 @@ def _last_in(c: pd.DataFrame) -> dict[int, tuple[float, float, int]]:
     (FSDP's per-layer all-gathers, a bucket of all-reduces) is late into the first one only
     and in step after it, so it is late in few of its collectives. Among the collectives
     whose last member arrived at least T after the others, a rank that is that last member
-    in >= LAST_SHARE of them (>= MIN_COLLECTIVES, and >= 10% of its own collectives) is a
+    in >= LAST_SHARE of them (>= 10% of its own collectives, and in >= MIN_COLLECTIVES
+    separate delays: collectives issued back to back with the same rank last are one) is a
     straggler."""
     t = c["time_created_ns"].to_numpy(dtype=np.float64)
     keys = [c["pg_name"], c["seq"]]
@@ -83,13 +91,14 @@ def _last_in(c: pd.DataFrame) -> dict[int, tuple[float, float, int]]:
     events = worst[worst["late"] >= threshold]
     if len(events) < MIN_COLLECTIVES:
         return {}
+    delays = _first_of_runs(events, c)["rank"].value_counts()
     per_rank = frame.groupby("rank").size()
     found = {}
     for rank, mine in events.groupby("rank"):
         share = len(mine) / len(events)
         if (
             share >= LAST_SHARE
-            and len(mine) >= MIN_COLLECTIVES
+            and delays.get(rank, 0) >= MIN_COLLECTIVES
             and len(mine) >= 0.1 * per_rank[rank]
         ):
             found[int(rank)] = (
@@ -98,6 +107,23 @@ def _last_in(c: pd.DataFrame) -> dict[int, tuple[float, float, int]]:
                 int(per_rank[rank]),
             )
     return found
+
+
+def _first_of_runs(events: pd.DataFrame, c: pd.DataFrame) -> pd.DataFrame:
+    """One wait per run: collectives of a group issued back to back (seq n, n+1, ...) with
+    the same rank last are one delay (the ops behind the first inherit it: DDP's buckets of
+    one backward, a chain of broadcasts), not several pieces of evidence."""
+    if len(events) < 2:
+        return events
+    idx = events.index.to_numpy()
+    pg = c["pg_name"].astype(str).to_numpy()[idx]
+    seq = c["seq"].to_numpy(dtype=np.int64)[idx]
+    rank = events["rank"].to_numpy()
+    order = np.lexsort((seq, pg))
+    pg, seq, rank = pg[order], seq[order], rank[order]
+    follows = np.zeros(len(order), dtype=bool)
+    follows[1:] = (pg[1:] == pg[:-1]) & (seq[1:] == seq[:-1] + 1) & (rank[1:] == rank[:-1])
+    return events.iloc[order[~follows]]
 
 
 def _late(
