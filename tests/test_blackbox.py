@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ import pytest
 from jobs import start_ranks, stop, wait_ranks
 
 from frtools.formats.blackbox import (
+    HEADER_OFFSETS,
     STRING_FULL,
     dump_acknowledged,
     read_header,
@@ -573,3 +575,19 @@ def test_nothing_recorded_means_running_or_killed_by_liveness(tmp_path):
     assert snap.ending(alive=True) == ("running", None)
     assert snap.ending(alive=False) == ("killed", None)
     assert snap.ending(alive=None) == (None, None)
+
+
+@pytest.mark.timeout(10)
+def test_an_open_version_1_box_of_a_gone_process_is_not_called_killed(tmp_path):
+    """Version 1 recorded no ending, and its recorder did not always close the box on a
+    clean exit: a box left open tells nothing (a healthy job's ranks were read as killed)."""
+    box, path = make_box(tmp_path)
+    box.close()
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<I", data, HEADER_OFFSETS["version"], 1)
+    struct.pack_into("<I", data, HEADER_OFFSETS["closed"], 0)  # left open, as it exited
+    path.write_bytes(bytes(data))
+    snap = read_snapshot(path)
+    assert snap.version == 1 and not snap.header["closed"]
+    assert snap.ending(alive=False) == (None, None)
+    assert snap.ending(alive=True) == ("running", None)

@@ -369,7 +369,7 @@ class Snapshot:
         Otherwise the owner's liveness decides — ``alive`` as whoever looked at the process
         saw it (``frtools dump``'s manifest, or ``owner_alive``): alive -> ``running``, gone ->
         ``killed`` (a box nobody closed: SIGKILL, the OOM killer, a lost node). A version-1
-        box closed by its process ended ``clean``. ``(None, None)`` when it cannot be told.
+        box closed by its process ended ``clean``; one left open tells nothing. ``(None, None)`` when it cannot be told.
         """
         h = self.header
         code = int(h.get("exit_kind", 0))
@@ -385,8 +385,10 @@ class Snapshot:
             return kind, None
         if alive is True:
             return "running", None
-        if self.version == 1 and h["closed"]:
-            return "clean", None
+        if self.version == 1:
+            # no exit facts: a box left open says nothing (a version-1 recorder did not
+            # always close it on a clean exit either)
+            return ("clean", None) if h["closed"] else (None, None)
         if alive is False:
             return "killed", None
         return None, None
