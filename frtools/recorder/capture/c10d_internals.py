@@ -13,6 +13,7 @@ here, and the recorder then warns once and lets the job run unrecorded.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -43,22 +44,36 @@ def device_backend_map(backend: Any) -> dict[str, str]:
     return {dev: str(b).lower() for dev, b in mapping.items()}
 
 
-def nccl_split_source() -> Any:
+def nccl_split_source(backend: Any = "nccl") -> Any:
     """The default group's NCCL backend new groups split from, as the helper would choose
-    (``_get_split_source``); None when it would not split."""
+    (``_get_split_source``: ``(pg)`` up to torch 2.14, ``(pg, requested_backend)`` from
+    2.15); None when it would not split."""
     if not (c10d.is_initialized() and c10d._get_default_group().bound_device_id):
         return None
+    source = c10d._get_split_source
     try:
-        return c10d._get_split_source(c10d._get_default_group())
+        if len(inspect.signature(source).parameters) >= 2:
+            return source(c10d._get_default_group(), backend)
+        return source(c10d._get_default_group())
     except Exception:
         return None
+
+
+# torch's helper sets a new backend's sequence number up to 2.14; in 2.15 the call is a no-op
+# that warns ("setSequenceNumberForGroup() is deprecated") on every group
+_SETS_SEQUENCE_NUMBER = torch.torch_version.TorchVersion(torch.__version__) < (2, 15)
+
+
+def _set_sequence_number(backend: Any) -> None:
+    if _SETS_SEQUENCE_NUMBER:
+        backend._set_sequence_number_for_group()
 
 
 def make_backend(
     backend_str: str, store: Any, rank: int, size: int, timeout: Any, opts: Any, **nccl: Any
 ) -> tuple[Any, Any]:
     """(backend type, real backend) built the way ``_new_process_group_helper`` does:
-    sequence numbers set for the group (``_set_sequence_number_for_group``) and, for NCCL,
+    sequence numbers set for the group (``_set_sequence_number_for_group``, before 2.15) and, for NCCL,
     the options' timeout (``_timeout``), split source and color (``_process_group_color``).
     ``nccl``: ``backend_options`` (the user's ``ProcessGroupNCCL.Options`` or None) and
     ``split_from``."""
@@ -68,7 +83,7 @@ def make_backend(
         backend = c10d.ProcessGroupGloo(store, rank, size, timeout=timeout)
         backend.options.global_ranks_in_group = ranks
         backend.options.group_name = group_name
-        backend._set_sequence_number_for_group()
+        _set_sequence_number(backend)
         return ProcessGroup.BackendType.GLOO, backend
     options = nccl.get("backend_options")
     if options is None:
@@ -82,7 +97,7 @@ def make_backend(
     options.global_ranks_in_group = ranks
     options.group_name = group_name
     backend = c10d.ProcessGroupNCCL(store, rank, size, options)
-    backend._set_sequence_number_for_group()
+    _set_sequence_number(backend)
     return ProcessGroup.BackendType.NCCL, backend
 
 
