@@ -956,6 +956,9 @@ void BlackBox_dealloc(BlackBoxObject* self) {
     self->box = nullptr;
     Py_BEGIN_ALLOW_THREADS b->stop_watchdog();
     Py_END_ALLOW_THREADS b->unmap(true);
+    // the watched page stays mapped for the exit handlers; a Box allocated later at the same
+    // address must not be taken for this one (it would share its claim)
+    if (g_exit.box == b) g_exit.box = nullptr;
     delete b;
   }
   Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
