@@ -492,6 +492,24 @@ def test_failed_op_keeps_its_state_and_no_completion_comes_after_it(tmp_path):
     assert box.state(r2) == 1
 
 
+@pytest.mark.timeout(10)
+def test_rank_summary_carries_failed_ops_and_the_recorded_ending(tmp_path):
+    """What recovery's agreement reads of a box (formats.summary) keeps its failure facts."""
+    from frtools.formats.summary import decode, encode, summarize
+
+    box, path = make_box(tmp_path)
+    r0, _ = record_n(box, 2)
+    box.mark_failed(r0, "Connection closed by peer [127.0.0.1]:4242\nsecond line")
+    box.mark_exit(native.EXIT_EXCEPTION, 1, "RuntimeError: CUDA error: an illegal memory access")
+    s = summarize(read_snapshot(path))
+    assert [e.error for e in s.entries] == ["Connection closed by peer [127.0.0.1]:4242", ""]
+    assert (s.exit_kind, s.exit_detail) == (
+        "exception",
+        "RuntimeError: CUDA error: an illegal memory access",
+    )
+    assert decode(encode(s)) == [s]
+
+
 ENDING = textwrap.dedent(
     """
     import ctypes, json, os, signal, sys

@@ -71,6 +71,7 @@ MAX_STRING_CHARS = 16384  # one string: a call stack of STACK_FRAMES frames fits
 MAX_STACKS_CHARS = 65536  # the faulthandler text of all threads, its tail
 MAX_GROUPS = 4096  # process groups per rank
 MAX_IDENTITY_CHARS = 512  # one identity value
+MAX_ERROR_CHARS = 512  # a failed op's error: its first line, cut here
 MAX_NOTES = 32
 MAX_RANK_BYTES = 4 << 20  # one rank's document
 MAX_HOST_RANKS = 1024  # rank summaries in a host summary
@@ -278,6 +279,7 @@ def summarize(
                 thread_id=str(int(row["thread_id"])),
                 thread_name=text(row["thread_name"]),
                 stack=stack,
+                error=_error_line(text(row["error"])) if "error" in row else "",
             )
         )
     groups = [
@@ -298,6 +300,8 @@ def summarize(
         raise SummaryError("the black box names no rank (its identity has none)")
     watchdog_ran = int(header["watchdog_state"]) != 0
     heartbeat = int(header["heartbeat_ns"])
+    # an ending the process recorded (format 2); liveness is the caller's to say (``alive``)
+    exit_kind, exit_detail = snapshot.ending(None)
     return RankSummary(
         rank=rank,
         world_size=_int_or_none(ident.get("world_size")),
@@ -310,9 +314,16 @@ def summarize(
         wrapped=bool(snapshot.wrapped or omitted > 0),
         records_written=int(snapshot.records_written),
         omitted=max(0, omitted),
+        exit_kind=exit_kind,
+        exit_detail=exit_detail[:MAX_STRING_CHARS] if exit_detail else None,
         stacks=last_stacks(stacks),
         notes=list(snapshot.notes)[:MAX_NOTES],
     )
+
+
+def _error_line(text: str) -> str:
+    """A failed op's error as the summary keeps it: the first line, at most MAX_ERROR_CHARS."""
+    return text.split("\n", 1)[0][:MAX_ERROR_CHARS]
 
 
 def _int_or_none(value: Any) -> int | None:
