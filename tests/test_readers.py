@@ -603,21 +603,21 @@ def test_the_spool_of_a_killed_analysis_is_removed_by_the_next(tmp_path: Path) -
 
 @pytest.mark.timeout(60)
 def test_a_worker_that_cannot_spool_its_table_hands_it_over_by_pipe(tmp_path: Path) -> None:
-    from frtools.analyze.readers.loader import _read_to_spool
+    from frtools.analyze.readers.loader import _read_chunk_to_spool
 
     path = tmp_path / "rank_0.pkl"
     write_pickle(path, fr_dump("2.10", n=5, world=2))
     serial = load_trace(tmp_path, workers=1)
     # a spool directory that cannot take the file (full or gone): the table stays in-band
-    result, table_path = _read_to_spool((str(path), str(tmp_path / "gone")))
+    (result,), table_path, _ = _read_chunk_to_spool(([str(path)], str(tmp_path / "gone")))
     assert table_path is None
     assert result.dump is not None and result.dump.entries.equals(serial.entries)
     # and one that can: the file is written, the in-band table dropped
     spool = tmp_path / "spool"
     spool.mkdir()
-    result, table_path = _read_to_spool((str(path), str(spool)))
+    (result,), table_path, rows = _read_chunk_to_spool(([str(path)], str(spool)))
     assert table_path is not None and Path(table_path).parent == spool
-    assert result.dump is not None and result.dump.entries is None
+    assert result.dump is not None and result.dump.entries is None and rows == [[5]]
 
 
 @pytest.mark.timeout(30)

@@ -102,6 +102,13 @@ ENTRY_COLUMNS = (
     ("thread_name", "s"),
     ("stack", "s"),  # "file:line in func" lines, innermost first
     ("error", "s"),  # how the op failed, as the backend said ("" : did not fail / unknown)
+    # optional (a reader that lacks them keeps the defaults): what a PyTorch FR dump says
+    # and a black box derives — retired (PyTorch's watchdog let go of the op: completed even
+    # where Gloo's state stays "scheduled"), the op's timeout, the call site as its reader
+    # picked it (else it is derived from the stack)
+    ("retired", "n"),  # 0/1, null: unknown
+    ("timeout_ms", "n"),
+    ("call_site", "s"),
 )
 _COLUMN_NAMES = tuple(name for name, _ in ENTRY_COLUMNS)
 _IDENTITY_KEYS = (
@@ -136,6 +143,9 @@ class SummaryGroup:
     last_completed_collective: int = -1
     last_enqueued_p2p: int = -1
     last_completed_p2p: int = -1
+    # P2P peers of this group's entries are group-local ranks (the record did not know the
+    # members, as in Gloo's dumps): the analyzer maps them once membership is known
+    local_peers: bool = False
 
 
 @dataclass
@@ -162,6 +172,9 @@ class SummaryEntry:
     thread_name: str = ""
     stack: str = ""
     error: str = ""
+    retired: int | None = None
+    timeout_ms: int | None = None
+    call_site: str = ""
 
 
 @dataclass
@@ -191,6 +204,9 @@ class RankSummary:
     exit_detail: str | None = None
     stacks: str | None = None
     notes: list[str] = field(default_factory=list)
+    # when the record was taken, where that differs from the heartbeat (a PyTorch FR dump's
+    # time); None: the heartbeat is the record's time
+    dump_time_ns: int | None = None
 
     def pending(self) -> list[SummaryEntry]:
         """The ops that did not complete, oldest first."""
@@ -403,6 +419,7 @@ def _document(summary: RankSummary) -> dict[str, Any]:
                     g.last_enqueued_p2p,
                     g.last_completed_p2p,
                 ],
+                **({"local_peers": True} if g.local_peers else {}),
             }
             for g in summary.groups
         ],
@@ -411,6 +428,7 @@ def _document(summary: RankSummary) -> dict[str, Any]:
         "entries": rows,
         "stacks": summary.stacks,
         "notes": summary.notes,
+        **({"dump_time_ns": summary.dump_time_ns} if summary.dump_time_ns is not None else {}),
     }
 
 
@@ -559,6 +577,7 @@ def _rank(doc: dict[str, Any]) -> RankSummary:
         exit_detail=_opt_str(exit_raw.get("detail"), "exit.detail", MAX_STRING_CHARS),
         stacks=_opt_str(doc.get("stacks"), "stacks", MAX_STACKS_CHARS),
         notes=notes,
+        dump_time_ns=_opt_int(doc.get("dump_time_ns"), "dump_time_ns", 0),
     )
 
 
@@ -578,7 +597,8 @@ def _groups(raw: Any) -> list[SummaryGroup]:
         frontier = g.get("frontier")
         _want(isinstance(frontier, list) and len(frontier) == 5, f"group {i} frontier")
         f = [_int(v, f"group {i} frontier", -1) for v in frontier]
-        out.append(SummaryGroup(name, desc, ranks, *f))
+        local = _opt_bool(g.get("local_peers"), f"group {i} local_peers")
+        out.append(SummaryGroup(name, desc, ranks, *f, local_peers=bool(local)))
     return out
 
 
@@ -619,6 +639,7 @@ def _entries(doc: dict[str, Any], strings: list[str], n_groups: int) -> list[Sum
                 )
                 values[name] = None if value is None else float(value)
         _want(values["state"] in _STATES, f"entry {k} state {values['state']!r} is unknown")
+        _want(values["retired"] in (None, 0, 1), f"entry {k} retired is not 0, 1 or null")
         _want(-1 <= values["group"] < max(n_groups, 1) or n_groups == 0, f"entry {k} group")
         if values["group"] >= n_groups:
             values["group"] = -1

@@ -5,6 +5,11 @@ table; then the loader keeps the newest dump of each rank, merges what the files
 each process group, infers membership where no file knows it (Gloo), maps group-local
 P2P peers to global ranks, and concatenates the tables. Whatever goes wrong with one file
 becomes that file's ``InputFile`` reason; only "nothing usable at all" raises.
+
+A file may hold several ranks (a host summary): its reader's ``read_all`` returns one
+``RankDump`` per rank, their entries slices of one table. Worker processes hand over one
+table per chunk of files, and the final concatenation takes runs of slices of one table as
+one slice, so 16,384 host summaries of 8 ranks do not become 131,072 tables.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +35,7 @@ import pyarrow.compute as pc
 from frtools.formats import limits
 from frtools.formats.limits import InputRefused, file_kind
 from frtools.formats.manifest import MANIFEST_NAME, STACKS_SUFFIX
-from frtools.model.ranks import MAX_WORLD_SIZE, valid_world_size
+from frtools.model.ranks import MAX_WORLD_SIZE, format_ranks, valid_world_size
 from frtools.model.trace import InputFile, ProcessGroup, Trace, concat_entries
 
 from .base import DumpError, RankDump, rank_from_filename, read_head
@@ -59,11 +64,17 @@ class UnusableInput(Exception):
 
 @dataclass
 class FileResult:
-    """What reading one file gave: its ``InputFile`` and, if usable, its ``RankDump``."""
+    """What reading one file gave: its ``InputFile`` and, if usable, its ``RankDump``
+    (``more``: the other ranks of a file that holds several)."""
 
     input: InputFile
     dump: RankDump | None = None
     mtime: float = 0.0
+    more: list[RankDump] = field(default_factory=list)
+
+    @property
+    def dumps(self) -> list[RankDump]:
+        return ([self.dump] if self.dump is not None else []) + self.more
 
 
 def read_file(path: str | Path) -> FileResult:
@@ -109,7 +120,11 @@ def _read_file(path: Path) -> FileResult:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        dump = reader.read(path)
+        read_all = getattr(reader, "read_all", None)
+        dumps = read_all(path) if read_all is not None else [reader.read(path)]
+        if not dumps:
+            raise DumpError("holds no rank")
+        dump = dumps[0]
     except (DumpError, InputRefused) as e:
         return FileResult(InputFile(p, "error", str(e), format=fmt), mtime=st.st_mtime)
     except RecursionError:
@@ -124,6 +139,10 @@ def _read_file(path: Path) -> FileResult:
     finally:
         if gc_was_enabled:
             gc.enable()
+    if len(dumps) > 1:
+        ranks = format_ranks(d.rank_info.rank for d in dumps)
+        info = InputFile(p, "ok", f"ranks {ranks}", format=dump.rank_info.format)
+        return FileResult(info, dump, st.st_mtime, more=dumps[1:])
     info = InputFile(
         p, "ok", "; ".join(dump.notes), rank=dump.rank_info.rank, format=dump.rank_info.format
     )
@@ -161,7 +180,9 @@ def _read_all(
     workers: int | None,
     progress: bool,
     meanwhile: Callable[[], None] | None = None,
+    spans: Spans | None = None,
 ) -> list[FileResult]:
+    spans = {} if spans is None else spans
     if workers is None:
         workers = min(os.cpu_count() or 1, MAX_WORKERS) if len(files) > PARALLEL_MIN_FILES else 1
     workers = max(1, min(workers, len(files) or 1))
@@ -170,29 +191,36 @@ def _read_all(
     spool = _spool_dir() if workers > 1 else None
     try:
         if workers > 1:
-            chunk = max(1, min(32, len(files) // (workers * 8) or 1))
+            size = max(1, min(CHUNK_FILES, len(files) // (workers * 8) or 1))
+            chunks = [files[i : i + size] for i in range(0, len(files), size)]
             try:
                 with ProcessPoolExecutor(max_workers=workers) as pool:
                     # fork every worker now, before the progress bar starts its thread
                     pool.submit(int).result()
                     if bar is not None:
                         bar.start()
-                    jobs = [(str(f), spool) for f in files]
-                    done = pool.map(_read_to_spool, jobs, chunksize=chunk)
+                    jobs = [([str(f) for f in c], spool) for c in chunks]
+                    done = pool.map(_read_chunk_to_spool, jobs)
                     if meanwhile is not None:
                         meanwhile()  # the workers read on; their results wait in the queue
                         meanwhile = None
-                    for r, table_path in done:
-                        if table_path is not None and r.dump is not None:
+                    for chunk_results, table_path, rows in done:
+                        if table_path is not None:
                             try:
-                                r.dump.entries = _unspool(table_path)
+                                _assign_slices(chunk_results, _unspool(table_path), rows, spans)
                             except (OSError, pa.ArrowException) as e:
-                                r = FileResult(
-                                    InputFile(r.input.path, "error", f"cannot read: {e}"),
-                                    mtime=r.mtime,
-                                )
-                        results.append(r)
-                        advance()
+                                chunk_results = [
+                                    FileResult(
+                                        InputFile(r.input.path, "error", f"cannot read: {e}"),
+                                        mtime=r.mtime,
+                                    )
+                                    if r.dumps
+                                    else r
+                                    for r in chunk_results
+                                ]
+                        for r in chunk_results:
+                            results.append(r)
+                            advance()
             except (BrokenProcessPool, OSError):
                 pass  # a worker died (out of memory, killed) or none could start: finish here
         if bar is not None:
@@ -200,7 +228,12 @@ def _read_all(
         if meanwhile is not None:
             meanwhile()
         for f in files[len(results) :]:
-            results.append(read_file(f))
+            r = read_file(f)
+            if r.more:  # a multi-rank file: its dumps as adjacent slices of one table
+                table, rows = _shared_table([r])
+                if table is not None:
+                    _assign_slices([r], table, rows, spans)
+            results.append(r)
             advance()
     finally:
         if bar is not None:
@@ -244,26 +277,69 @@ def _remove_stale_spools(base: str) -> None:
                 pass  # alive (another user's): leave it
 
 
-def _read_to_spool(job: tuple[str, str | None]) -> tuple[FileResult, str | None]:
-    """In a worker: read one file and write its entries as an Arrow IPC file, so that the
-    parent maps them instead of unpickling a copy (pickling the tables through the pool's
-    pipe cost more than reading the files on two cores)."""
-    path, spool = job
-    result = read_file(path)
-    if spool is None or result.dump is None:
-        return result, None
+# files a worker reads into one spooled table
+CHUNK_FILES = 32
+
+
+def _shared_table(results: Sequence[FileResult]) -> tuple[pa.Table | None, list[list[int]]]:
+    """All entries of ``results`` as one single-chunk table (dictionaries unified), and per
+    file each dump's row count, in order."""
+    tables: list[pa.Table] = []
+    rows: list[list[int]] = []
+    for r in results:
+        rows.append([d.entries.num_rows for d in r.dumps])
+        tables.extend(d.entries for d in r.dumps)
+    if not tables:
+        return None, rows
+    table = concat_entries(tables) if len(tables) > 1 else tables[0]
+    return table.combine_chunks(), rows
+
+
+# id(RankDump) -> (shared table, offset, rows), for one load: dumps whose entries are
+# slices of one table, so that the final concatenation takes runs of them as one slice
+Spans = dict[int, tuple[pa.Table, int, int]]
+
+
+def _assign_slices(
+    results: Sequence[FileResult], table: pa.Table, rows: list[list[int]], spans: Spans
+) -> None:
+    offset = 0
+    for r, counts in zip(results, rows, strict=True):
+        for d, n in zip(r.dumps, counts, strict=True):
+            d.entries = table.slice(offset, n)
+            spans[id(d)] = (table, offset, n)
+            offset += n
+
+
+def _read_chunk_to_spool(
+    job: tuple[list[str], str | None],
+) -> tuple[list[FileResult], str | None, list[list[int]]]:
+    """In a worker: read a chunk of files and write all their entries as one Arrow IPC
+    file, so that the parent maps them instead of unpickling a copy (pickling the tables
+    through the pool's pipe cost more than reading the files on two cores). ``rows``: per
+    file, each dump's row count in that table. The files' results go back in one pickle,
+    so member lists that many ranks share travel once."""
+    paths, spool = job
+    results = [read_file(p) for p in paths]
+    if spool is None:
+        return results, None, []
+    table, rows = _shared_table(results)
+    if table is None:
+        return results, None, rows
     table_path = None
     try:
         fd, table_path = tempfile.mkstemp(suffix=".arrow", dir=spool)
-        with os.fdopen(fd, "wb") as f, pa.ipc.new_file(f, result.dump.entries.schema) as w:
-            w.write_table(result.dump.entries)
-    except OSError:  # shared memory full (a container's 64 MB): this table goes by the pipe
+        with os.fdopen(fd, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+            w.write_table(table)
+    except OSError:  # shared memory full (a container's 64 MB): these tables go by the pipe
         if table_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(table_path)
-        return result, None
-    result.dump.entries = None  # type: ignore[assignment]
-    return result, table_path
+        return results, None, rows
+    for r in results:
+        for d in r.dumps:
+            d.entries = None  # type: ignore[assignment]
+    return results, table_path, rows
 
 
 def _unspool(table_path: str) -> pa.Table:
@@ -273,38 +349,62 @@ def _unspool(table_path: str) -> pa.Table:
     return table
 
 
-def _newest_first(results: Iterable[FileResult]) -> list[FileResult]:
-    def key(r: FileResult) -> tuple[int, bool, float, str]:
-        assert r.dump is not None
-        t = r.dump.max_time_created_ns
+def _concat_dumps(dumps: Sequence[RankDump], spans: Spans) -> pa.Table:
+    """The dumps' entries in order, a run of adjacent slices of one table taken as one."""
+    pieces: list[pa.Table] = []
+    run: list[Any] | None = None  # [table, start, end]
+    for d in dumps:
+        span = spans.get(id(d))
+        if span is not None and run is not None and span[0] is run[0] and span[1] == run[2]:
+            run[2] += span[2]
+            continue
+        if run is not None:
+            pieces.append(run[0].slice(run[1], run[2] - run[1]))
+            run = None
+        if span is not None and span[0].num_rows and d.entries is not None:
+            run = [span[0], span[1], span[1] + span[2]]
+        else:
+            pieces.append(d.entries)
+    if run is not None:
+        pieces.append(run[0].slice(run[1], run[2] - run[1]))
+    return concat_entries(pieces)
+
+
+def _newest_first(
+    candidates: Iterable[tuple[FileResult, RankDump]],
+) -> list[tuple[FileResult, RankDump]]:
+    def key(c: tuple[FileResult, RankDump]) -> tuple[int, bool, float, str]:
+        r, d = c
+        t = d.max_time_created_ns
         # same newest op: the same moment; prefer the file with call sites (pickle over JSON)
-        has_stacks = r.dump.entries.column("stack").null_count < r.dump.entries.num_rows
+        has_stacks = d.entries.column("stack").null_count < d.entries.num_rows
         return (t if t is not None else -1, has_stacks, r.mtime, r.input.path)
 
-    return sorted(results, key=key, reverse=True)
+    return sorted(candidates, key=key, reverse=True)
 
 
 def _groups_recorded(dump: RankDump) -> set[str]:
     return set(pc.unique(dump.entries.column("pg_name")).to_pylist()) - {None}
 
 
-def _other_recorders(ordered: list[FileResult]) -> tuple[list[FileResult], list[FileResult]]:
-    """Split a rank's files (newest first) after the first into other recorders and older
+Candidate = tuple[FileResult, RankDump]
+
+
+def _other_recorders(ordered: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+    """Split a rank's records (newest first) after the first into other recorders and older
     copies. torch 2.15 keeps one Flight Recorder per backend (Gloo's, ProcessGroupNCCL's,
     the one c10d's hook fills for nccl2): a rank on mixed groups has several records, each
-    of other groups, and together they are its record. A file whose groups overlap the
+    of other groups, and together they are its record. A record whose groups overlap the
     kept ones', or that holds no op, is an older or poorer copy."""
-    assert ordered[0].dump is not None
-    seen = _groups_recorded(ordered[0].dump)
+    seen = _groups_recorded(ordered[0][1])
     others, older = [], []
-    for r in ordered[1:]:
-        assert r.dump is not None
-        groups = _groups_recorded(r.dump)
+    for c in ordered[1:]:
+        groups = _groups_recorded(c[1])
         if groups and seen and not groups & seen:
-            others.append(r)
+            others.append(c)
             seen |= groups
         else:
-            older.append(r)
+            older.append(c)
     return others, older
 
 
@@ -403,6 +503,73 @@ def _map_peers(table: pa.Table, groups: dict[str, ProcessGroup], names: set[str]
     return table.set_column(idx, table.schema.field(idx), pa.array(peer, type=pa.int32()))
 
 
+def _read_rank_dumps(
+    root: Path,
+    workers: int | None,
+    progress: bool,
+    meanwhile: Callable[[], None] | None,
+    spans: Spans,
+) -> tuple[list[InputFile], dict[int, RankDump], dict[int, InputFile]]:
+    """Every file under ``root`` read, and the newest dump of each rank chosen: the inputs,
+    rank -> dump, rank -> the input it came from. Raises ``UnusableInput``."""
+    if not root.exists():
+        raise UnusableInput(f"{root}: no such file or directory")
+    files = _files_under(root)
+    if not files:
+        raise UnusableInput(f"{root}: no files to read (empty directory)")
+    results = _read_all(files, workers, progress, meanwhile, spans)
+
+    inputs: list[InputFile] = [r.input for r in results]
+    by_rank: dict[int, list[tuple[FileResult, RankDump]]] = defaultdict(list)
+    for r in results:
+        for d in r.dumps:
+            by_rank[d.rank_info.rank].append((r, d))
+    if not by_rank:
+        errors = [i for i in inputs if i.status == "error"]
+        detail = f"; e.g. {errors[0].path}: {errors[0].reason}" if errors else ""
+        extra = f" (reader unavailable: {', '.join(UNAVAILABLE)})" if UNAVAILABLE else ""
+        raise UnusableInput(
+            f"{root}: no usable Flight Recorder dump among {len(files)} "
+            f"file{'s' if len(files) != 1 else ''}{detail}{extra}"
+        )
+
+    chosen: dict[int, RankDump] = {}
+    kept_inputs: dict[int, InputFile] = {}
+    for rank, candidates in sorted(by_rank.items()):
+        ordered = _newest_first(candidates) if len(candidates) > 1 else candidates
+        keep, dump = ordered[0]
+        others, older = _other_recorders(ordered) if len(ordered) > 1 else ([], [])
+        if others:  # the merged record is a table of its own, no longer a slice
+            spans.pop(id(dump), None)
+            dump = _merge_recorders(dump, [d for _, d in others])
+        chosen[rank] = dump
+        kept_inputs[rank] = keep.input
+        for r, _ in others:
+            _add_reason(r.input, f"another recorder of rank {rank}, merged with {keep.input.path}")
+        for r, d in older:
+            if r.more:  # a file of several ranks: only this rank of it is older
+                _add_reason(r.input, f"older record of rank {rank}; using {keep.input.path}")
+                continue
+            r.input.status = "duplicate"
+            r.input.reason = (
+                f"older dump of rank {rank}; using {keep.input.path}"
+                if d.entries.num_rows
+                else f"nothing beyond the other record of rank {rank}; using {keep.input.path}"
+            )
+            r.dump = None  # let go of the table
+    return inputs, chosen, kept_inputs
+
+
+def read_rank_dumps(
+    path: str | os.PathLike[str], *, workers: int | None = None
+) -> tuple[list[InputFile], dict[int, RankDump]]:
+    """Every file under ``path`` read and the newest record of each rank chosen, before
+    anything across ranks is merged or inferred (what one host's files alone say): the
+    inputs and rank -> RankDump. Raises ``UnusableInput`` when nothing is usable."""
+    inputs, chosen, _ = _read_rank_dumps(Path(path), workers, False, None, {})
+    return inputs, chosen
+
+
 def load_trace(
     path: str | os.PathLike[str],
     *,
@@ -423,54 +590,14 @@ def load_trace(
     """
     limits.current()  # a bad FRTOOLS_LIMITS stops here (ConfigError), not file by file
     root = Path(path)
-    if not root.exists():
-        raise UnusableInput(f"{root}: no such file or directory")
     if world_size is not None and not valid_world_size(world_size):
         raise UnusableInput(
             f"world size {world_size} is beyond the limit of {MAX_WORLD_SIZE} ranks"
         )
-    files = _files_under(root)
-    if not files:
-        raise UnusableInput(f"{root}: no files to read (empty directory)")
-    results = _read_all(files, workers, progress, meanwhile)
-
-    inputs: list[InputFile] = [r.input for r in results]
-    by_rank: dict[int, list[FileResult]] = defaultdict(list)
-    for r in results:
-        if r.dump is not None:
-            by_rank[r.dump.rank_info.rank].append(r)
-    if not by_rank:
-        errors = [i for i in inputs if i.status == "error"]
-        detail = f"; e.g. {errors[0].path}: {errors[0].reason}" if errors else ""
-        extra = f" (reader unavailable: {', '.join(UNAVAILABLE)})" if UNAVAILABLE else ""
-        raise UnusableInput(
-            f"{root}: no usable Flight Recorder dump among {len(files)} "
-            f"file{'s' if len(files) != 1 else ''}{detail}{extra}"
-        )
-
-    chosen: dict[int, RankDump] = {}
-    kept_inputs: dict[int, InputFile] = {}
-    for rank, candidates in sorted(by_rank.items()):
-        ordered = _newest_first(candidates)
-        keep = ordered[0]
-        assert keep.dump is not None
-        others, older = _other_recorders(ordered)
-        chosen[rank] = _merge_recorders(keep.dump, [r.dump for r in others])  # type: ignore[misc]
-        kept_inputs[rank] = keep.input
-        for r in others:
-            _add_reason(r.input, f"another recorder of rank {rank}, merged with {keep.input.path}")
-        for r in older:
-            r.input.status = "duplicate"
-            r.input.reason = (
-                f"older dump of rank {rank}; using {keep.input.path}"
-                if r.dump is not None and r.dump.entries.num_rows
-                else f"nothing beyond the other record of rank {rank}; using {keep.input.path}"
-            )
-        for r in ordered[1:]:
-            r.dump = None  # let go of the table
-
+    spans: Spans = {}
+    inputs, chosen, kept_inputs = _read_rank_dumps(root, workers, progress, meanwhile, spans)
     dumps = [chosen[r] for r in sorted(chosen)]
-    entries = concat_entries([d.entries for d in dumps])
+    entries = _concat_dumps(dumps, spans)
     groups = _merge_groups(dumps)
     for d in dumps:
         for name, g in d.process_groups.items():
@@ -558,4 +685,4 @@ def _world_size(
     return (max(known) + 1 if known else None), False
 
 
-__all__ = ["FileResult", "UnusableInput", "load_trace", "read_file"]
+__all__ = ["FileResult", "UnusableInput", "load_trace", "read_file", "read_rank_dumps"]

@@ -1,0 +1,584 @@
+"""The packed host summary: one host's rank summaries, columnar and compressed.
+
+A fleet analysis ships one file per host and reads 16,384 of them on one machine, so the
+file is small (a few KB per rank) and decodes without a Python object per op:
+
+* every string of every rank (ops, shapes, dtypes, stacks, thread names) is interned once
+  per host, and every process group is listed once per host (a host's ranks share their
+  data-parallel and default groups);
+* the ops of all the host's ranks are stored as columns, one after the other: integers that
+  grow (record ids, sequence ids, creation times) as differences, start and completion times
+  relative to the creation time, each column's bytes shuffled by significance (the high
+  bytes of small numbers are zeros and compress to nothing);
+* a JSON header (identity, frontiers, stacks, failure facts per rank) and the column bytes
+  are compressed together with zlib.
+
+``encode_packed`` writes it from ``RankSummary`` objects, ``decode_packed`` reads it into
+numpy columns (``PackedHost``; what the analyzer's reader turns into Arrow directly),
+``to_summaries`` into ``RankSummary`` objects. The reader treats the file as hostile: the
+decompressed size is bounded before it is produced, every field is type-checked, every
+index range-checked; one ``SummaryError`` line when refused. docs/summary-format.md is the
+contract.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from frtools.formats.summary import (
+    FORMAT,
+    MAX_DOCUMENT_BYTES,
+    MAX_ENTRIES,
+    MAX_GROUPS,
+    MAX_HOST_RANKS,
+    MAX_IDENTITY_CHARS,
+    MAX_NOTES,
+    MAX_STACKS_CHARS,
+    MAX_STRING_CHARS,
+    MAX_STRINGS,
+    VERSION,
+    RankSummary,
+    SummaryEntry,
+    SummaryError,
+    SummaryGroup,
+    _clean_identity,
+    _int,
+    _opt_bool,
+    _opt_int,
+    _opt_str,
+    _want,
+)
+from frtools.model.ranks import MAX_WORLD_SIZE, RankTextError, format_ranks, parse_ranks
+
+__all__ = [
+    "MAGIC",
+    "PACKED_KIND",
+    "PACKED_SUFFIX",
+    "PackedHost",
+    "PackedRank",
+    "decode_packed",
+    "encode_packed",
+    "host_file_name",
+    "looks_packed",
+    "to_summaries",
+]
+
+MAGIC = b"FRTSUMPK"
+PACKED_KIND = "host-packed"
+PACKED_SUFFIX = ".summary"
+STATE_CODES = ("scheduled", "started", "completed")
+# strings a host may intern (its ranks' together) and ops it may hold
+MAX_HOST_STRINGS = 4 * MAX_STRINGS
+MAX_HOST_ENTRIES = MAX_HOST_RANKS * MAX_ENTRIES
+MAX_HEADER_BYTES = 64 << 20
+_INT64_MAX = (1 << 63) - 1
+
+# Column codecs: d8 int64 stored as differences to the previous row; r8:<col> int64 stored
+# relative to another column of the same row; i1/i2/i4/i8 plain signed, u1 unsigned, s4 an
+# index into the host's strings (uint32), f8 a float64. A trailing "?" marks a nullable
+# column: a validity bitmap (numpy packbits, big bit order) precedes its values.
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("record_id", "d8"),
+    ("group", "i2"),  # index into the rank's own group list; -1: unknown
+    ("collective_seq_id", "d8"),
+    ("p2p_seq_id", "d8"),
+    ("is_p2p", "u1"),
+    ("op", "s4"),
+    ("peer", "i4?"),
+    ("input_sizes", "s4"),
+    ("output_sizes", "s4"),
+    ("input_dtypes", "s4"),
+    ("output_dtypes", "s4"),
+    ("state", "u1"),  # index into STATE_CODES
+    ("time_created_ns", "d8"),
+    ("time_started_ns", "r8?:time_created_ns"),
+    ("time_completed_ns", "r8?:time_created_ns"),
+    ("duration_ms", "f8?"),
+    ("thread_id", "s4"),
+    ("thread_name", "s4"),
+    ("stack", "s4"),
+    ("error", "s4"),
+    ("retired", "i1?"),
+    ("timeout_ms", "i8?"),
+    ("call_site", "s4"),
+)
+_NUMPY = {"d8": "<i8", "r8": "<i8", "i1": "<i1", "i2": "<i2", "i4": "<i4", "i8": "<i8",
+          "u1": "<u1", "s4": "<u4", "f8": "<f8"}  # fmt: skip
+_STRING_FIELDS = tuple(name for name, codec in COLUMNS if codec == "s4")
+
+
+def _codec(spec: str) -> tuple[str, bool, str | None]:
+    """``"r8?:time_created_ns"`` -> ("r8", nullable, base column)."""
+    head, _, base = spec.partition(":")
+    return head.rstrip("?"), head.endswith("?"), base or None
+
+
+@dataclass
+class PackedRank:
+    """One rank's part of the header (its ops are rows of the host's columns)."""
+
+    rank: int
+    world_size: int | None
+    identity: dict[str, Any]
+    groups: list[tuple[int, tuple[int, int, int, int, int]]]  # (host group, frontier)
+    n_entries: int
+    taken_ns: int
+    heartbeat_ns: int | None = None
+    dump_time_ns: int | None = None
+    stalled: bool | None = None
+    alive: bool | None = None
+    wrapped: bool = False
+    records_written: int = 0
+    omitted: int = 0
+    exit_kind: str | None = None
+    exit_detail: str | None = None
+    stacks: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PackedHost:
+    """A decoded packed host summary: metadata per rank, ops as numpy columns (all ranks'
+    rows, rank after rank; ``offsets[i]`` is rank ``i``'s first row)."""
+
+    host: str | None
+    window: int | None
+    strings: list[str]
+    groups: list[tuple[str, str, str, tuple[int, ...], bool]]  # name, desc, text, ranks, local
+    ranks: list[PackedRank]
+    offsets: np.ndarray
+    columns: dict[str, np.ndarray]
+    valid: dict[str, np.ndarray]  # nullable columns: True where a value is present
+
+    @property
+    def n_entries(self) -> int:
+        return int(self.offsets[-1]) if len(self.offsets) else 0
+
+
+def host_file_name(host: str) -> str:
+    """``<host>.summary``: safe characters only (a host name is not trusted as a path)."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in host)[:200] or "host"
+    return f"{safe.lstrip('.') or 'host'}{PACKED_SUFFIX}"
+
+
+def looks_packed(head: bytes) -> bool:
+    return head[: len(MAGIC)] == MAGIC
+
+
+# -- writing -------------------------------------------------------------------------------
+
+
+def _shuffle(a: np.ndarray) -> bytes:
+    """The bytes of ``a`` grouped by significance: all first bytes, then all second bytes…"""
+    w = a.dtype.itemsize
+    if w == 1 or not len(a):
+        return a.tobytes()
+    return np.ascontiguousarray(a).view(np.uint8).reshape(len(a), w).T.tobytes()
+
+
+def _unshuffle(buf: memoryview, n: int, dtype: np.dtype) -> np.ndarray:
+    w = dtype.itemsize
+    raw = np.frombuffer(buf, dtype=np.uint8, count=n * w)
+    if w == 1 or not n:
+        return raw.view(dtype).copy()
+    return np.ascontiguousarray(raw.reshape(w, n).T).view(dtype).reshape(n)
+
+
+def encode_packed(
+    summaries: Sequence[RankSummary],
+    host: str | None = None,
+    *,
+    window: int | None = None,
+    level: int = 6,
+) -> bytes:
+    """One host's rank summaries as a packed host summary (``<host>.summary``)."""
+    if len(summaries) > MAX_HOST_RANKS:
+        raise ValueError(f"a host summary holds at most {MAX_HOST_RANKS} ranks")
+    strings: dict[str, int] = {"": 0}
+    groups: dict[tuple[str, str, str, bool], int] = {}
+
+    def sid(value: str | None) -> int:
+        value = value or ""
+        i = strings.get(value)
+        if i is None:
+            i = strings[value] = len(strings)
+        return i
+
+    ranks_doc = []
+    rows: dict[str, list[Any]] = {name: [] for name, _ in COLUMNS}
+    for s in summaries:
+        mine = []
+        for g in s.groups:
+            text = format_ranks(g.ranks, strides=True) if g.ranks else ""
+            key = (g.name, g.desc, text, g.local_peers)
+            hg = groups.setdefault(key, len(groups))
+            mine.append(
+                [hg, g.last_enqueued_collective, g.last_started_collective,
+                 g.last_completed_collective, g.last_enqueued_p2p, g.last_completed_p2p]
+            )  # fmt: skip
+        ranks_doc.append(
+            {
+                "rank": s.rank,
+                "world_size": s.world_size,
+                "identity": s.identity,
+                "groups": mine,
+                "entries": len(s.entries),
+                "taken_ns": s.taken_ns,
+                "heartbeat_ns": s.heartbeat_ns,
+                "dump_time_ns": s.dump_time_ns,
+                "stalled": s.stalled,
+                "alive": s.alive,
+                "wrapped": s.wrapped,
+                "records_written": s.records_written,
+                "omitted": s.omitted,
+                "exit": {"kind": s.exit_kind, "detail": s.exit_detail},
+                "stacks": s.stacks,
+                "notes": s.notes,
+            }
+        )
+        for e in s.entries:
+            for name in _STRING_FIELDS:
+                rows[name].append(sid(getattr(e, name)))
+            rows["record_id"].append(e.record_id)
+            rows["group"].append(e.group)
+            rows["collective_seq_id"].append(e.collective_seq_id)
+            rows["p2p_seq_id"].append(e.p2p_seq_id)
+            rows["is_p2p"].append(1 if e.is_p2p else 0)
+            rows["peer"].append(e.peer)
+            rows["state"].append(STATE_CODES.index(e.state))
+            rows["time_created_ns"].append(e.time_created_ns)
+            rows["time_started_ns"].append(e.time_started_ns)
+            rows["time_completed_ns"].append(e.time_completed_ns)
+            rows["duration_ms"].append(e.duration_ms)
+            rows["retired"].append(e.retired)
+            rows["timeout_ms"].append(e.timeout_ms)
+    body: list[bytes] = []
+    values: dict[str, np.ndarray] = {}
+    for name, spec in COLUMNS:
+        codec, nullable, base = _codec(spec)
+        raw = rows[name]
+        dtype = np.dtype(_NUMPY[codec])
+        if nullable:
+            ok = np.array(
+                [v is not None and not (isinstance(v, float) and math.isnan(v)) for v in raw],
+                dtype=bool,
+            )
+            body.append(np.packbits(ok).tobytes())
+            raw = [v if k else 0 for v, k in zip(raw, ok, strict=True)]
+        a = np.array(raw, dtype=dtype) if raw else np.zeros(0, dtype=dtype)
+        values[name] = a
+        if codec == "d8" and len(a):
+            a = np.diff(a, prepend=np.int64(0))
+        elif codec == "r8":
+            a = a - values[base]  # type: ignore[index]
+            if nullable:
+                a[~ok] = 0
+        body.append(_shuffle(a.astype(dtype, copy=False)))
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": PACKED_KIND,
+        "host": host,
+        "window": window,
+        "strings": list(strings),
+        "groups": [list(k) for k in groups],
+        "columns": [list(c) for c in COLUMNS],
+        "ranks": ranks_doc,
+    }
+    head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    payload = struct.pack("<I", len(head)) + head + b"".join(body)
+    return MAGIC + zlib.compress(payload, level)
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def _inflate(data: bytes) -> bytes:
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(data[len(MAGIC) :], MAX_DOCUMENT_BYTES)
+    except zlib.error as e:
+        raise SummaryError(f"packed summary is corrupt: {e}") from None
+    if d.unconsumed_tail:
+        raise SummaryError(f"packed summary expands beyond {MAX_DOCUMENT_BYTES} bytes")
+    if not d.eof:
+        raise SummaryError("packed summary is truncated (compressed stream ended early)")
+    return out
+
+
+def decode_packed(data: bytes) -> PackedHost:
+    """A packed host summary's metadata and columns; ``SummaryError`` when it is not a
+    valid, bounded one."""
+    if not looks_packed(data):
+        raise SummaryError("not a packed frtools host summary (no FRTSUMPK magic)")
+    raw = _inflate(bytes(data))
+    _want(len(raw) >= 4, "packed summary without a header")
+    (head_len,) = struct.unpack_from("<I", raw)
+    _want(head_len <= min(len(raw) - 4, MAX_HEADER_BYTES), "packed summary header is cut")
+    try:
+        header = json.loads(raw[4 : 4 + head_len], parse_constant=_no_constant)
+    except RecursionError:
+        raise SummaryError("packed summary header nests too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SummaryError(f"packed summary header is not JSON: {str(e)[:120]}") from None
+    _want(isinstance(header, dict) and header.get("format") == FORMAT, "not an frtools summary")
+    version = header.get("version")
+    _want(version == VERSION, f"unsupported summary version {version!r} (this reads {VERSION})")
+    _want(header.get("kind") == PACKED_KIND, f"unknown summary kind {header.get('kind')!r}")
+    strings = header.get("strings")
+    _want(isinstance(strings, list) and 1 <= len(strings) <= MAX_HOST_STRINGS, "strings")
+    for s in strings:
+        _want(isinstance(s, str) and len(s) <= MAX_STRING_CHARS, "a string is too long or not one")
+    _want(strings[0] == "", "strings[0] must be the empty string")
+    groups = _host_groups(header.get("groups"))
+    ranks = _ranks(header.get("ranks"), len(groups))
+    counts = np.array([r.n_entries for r in ranks], dtype=np.int64)
+    n = int(counts.sum())
+    _want(n <= MAX_HOST_ENTRIES, f"more than {MAX_HOST_ENTRIES} entries")
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    columns, valid = _columns(header.get("columns"), memoryview(raw)[4 + head_len :], n)
+    _check_columns(columns, offsets, ranks, len(strings))
+    host = _opt_str(header.get("host"), "host", MAX_IDENTITY_CHARS)
+    window = _opt_int(header.get("window"), "window", 1, MAX_ENTRIES)
+    return PackedHost(host, window, strings, groups, ranks, offsets, columns, valid)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _host_groups(raw: Any) -> list[tuple[str, str, str, tuple[int, ...], bool]]:
+    _want(isinstance(raw, list) and len(raw) <= MAX_GROUPS * 8, "groups is not a short list")
+    out = []
+    for i, g in enumerate(raw):
+        _want(isinstance(g, list) and len(g) == 4, f"group {i} is not [name, desc, ranks, local]")
+        name = _opt_str(g[0], f"group {i} name", MAX_IDENTITY_CHARS) or ""
+        desc = _opt_str(g[1], f"group {i} desc", MAX_IDENTITY_CHARS) or ""
+        text = _opt_str(g[2], f"group {i} ranks", MAX_STRING_CHARS) or ""
+        try:
+            ranks = parse_ranks(text) if text else ()
+        except RankTextError as e:
+            raise SummaryError(f"group {i} ranks: {e}") from None
+        local = _opt_bool(g[3], f"group {i} local")
+        out.append((name, desc, text, ranks, bool(local)))
+    return out
+
+
+def _ranks(raw: Any, n_groups: int) -> list[PackedRank]:
+    _want(isinstance(raw, list) and len(raw) <= MAX_HOST_RANKS, "ranks is not a short list")
+    from frtools.model.trace import EXIT_KINDS  # pyarrow: not in a training process's path
+
+    out = []
+    for i, doc in enumerate(raw):
+        _want(isinstance(doc, dict), f"rank item {i} is not an object")
+        rank = _int(doc.get("rank"), "rank", 0, MAX_WORLD_SIZE - 1)
+        world = _opt_int(doc.get("world_size"), "world_size", 1, MAX_WORLD_SIZE)
+        _want(world is None or rank < world, f"rank {rank} is not below world_size {world}")
+        ident = doc.get("identity") or {}
+        _want(isinstance(ident, dict), "identity is not an object")
+        groups_raw = doc.get("groups")
+        _want(isinstance(groups_raw, list) and len(groups_raw) <= MAX_GROUPS, "rank groups")
+        # thousands of hosts x ranks x groups: checked in bulk, not value by value
+        _want(
+            all(type(g) is list and len(g) == 6 for g in groups_raw)
+            and all(type(v) is int for g in groups_raw for v in g),
+            f"rank {rank} groups are not lists of 6 integers",
+        )
+        if groups_raw:
+            _want(
+                min(g[0] for g in groups_raw) >= 0 and max(g[0] for g in groups_raw) < n_groups,
+                f"rank {rank} names a group beyond the host's table",
+            )
+            lo = min(min(g[1:]) for g in groups_raw)
+            hi = max(max(g[1:]) for g in groups_raw)
+            _want(lo >= -1 and hi <= _INT64_MAX, f"rank {rank} frontier out of range")
+        groups = [(g[0], tuple(g[1:])) for g in groups_raw]
+        exit_raw = doc.get("exit") or {}
+        _want(isinstance(exit_raw, dict), "exit is not an object")
+        exit_kind = _opt_str(exit_raw.get("kind"), "exit.kind", 32)
+        _want(exit_kind is None or exit_kind in EXIT_KINDS, f"unknown exit kind {exit_kind!r}")
+        notes = doc.get("notes") or []
+        _want(isinstance(notes, list) and len(notes) <= MAX_NOTES, "notes is not a short list")
+        out.append(
+            PackedRank(
+                rank=rank,
+                world_size=world,
+                identity=_clean_identity(ident),
+                groups=groups,  # type: ignore[arg-type]
+                n_entries=_int(doc.get("entries"), "entries", 0, MAX_ENTRIES),
+                taken_ns=_int(doc.get("taken_ns"), "taken_ns", 0),
+                heartbeat_ns=_opt_int(doc.get("heartbeat_ns"), "heartbeat_ns", 0),
+                dump_time_ns=_opt_int(doc.get("dump_time_ns"), "dump_time_ns", 0),
+                stalled=_opt_bool(doc.get("stalled"), "stalled"),
+                alive=_opt_bool(doc.get("alive"), "alive"),
+                wrapped=bool(_opt_bool(doc.get("wrapped"), "wrapped")),
+                records_written=_int(doc.get("records_written", 0), "records_written", 0),
+                omitted=_int(doc.get("omitted", 0), "omitted", 0),
+                exit_kind=exit_kind,
+                exit_detail=_opt_str(exit_raw.get("detail"), "exit.detail", MAX_STRING_CHARS),
+                stacks=_opt_str(doc.get("stacks"), "stacks", MAX_STACKS_CHARS),
+                notes=[_opt_str(x, "a note", 1024) or "" for x in notes],
+            )
+        )
+    return out
+
+
+def _columns(
+    raw: Any, body: memoryview, n: int
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The body's columns in the order the header lists them; a column this reader does
+    not know is skipped by its codec's size, one it knows but the file lacks is absent."""
+    _want(isinstance(raw, list) and len(raw) <= 256, "columns is not a short list")
+    columns: dict[str, np.ndarray] = {}
+    valid: dict[str, np.ndarray] = {}
+    pos = 0
+    for item in raw:
+        _want(
+            isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item),
+            "a column is not [name, codec]",
+        )
+        name, spec = item
+        codec, nullable, base = _codec(spec)
+        _want(codec in _NUMPY, f"column {name[:40]!r} has an unknown codec {spec[:40]!r}")
+        dtype = np.dtype(_NUMPY[codec])
+        ok = None
+        if nullable:
+            nbytes = (n + 7) // 8
+            _want(pos + nbytes <= len(body), f"column {name[:40]} is cut")
+            bits = np.frombuffer(body, dtype=np.uint8, count=nbytes, offset=pos)
+            ok = np.unpackbits(bits, count=n).astype(bool)
+            pos += nbytes
+        size = n * dtype.itemsize
+        _want(pos + size <= len(body), f"column {name[:40]} is cut")
+        a = _unshuffle(body[pos : pos + size], n, dtype)
+        pos += size
+        if codec == "d8":
+            a = np.cumsum(a, dtype=np.int64)
+        elif codec == "r8":
+            _want(base in columns, f"column {name[:40]} is relative to a missing column")
+            a = a + columns[base]  # type: ignore[index]
+        columns[name] = a
+        if ok is not None:
+            valid[name] = ok
+    _want(pos == len(body), "packed summary has bytes after its last column")
+    return columns, valid
+
+
+def _check_columns(
+    columns: dict[str, np.ndarray], offsets: np.ndarray, ranks: list[PackedRank], n_strings: int
+) -> None:
+    for name in ("record_id", "state", "time_created_ns"):
+        _want(name in columns, f"columns lack {name}")
+    for name in _STRING_FIELDS:
+        col = columns.get(name)
+        if col is not None and len(col):
+            _want(int(col.max()) < n_strings, f"column {name} names a string beyond the table")
+    state = columns["state"]
+    _want(not len(state) or int(state.max()) < len(STATE_CODES), "unknown state code")
+    retired = columns.get("retired")
+    if retired is not None and len(retired):
+        _want(int(retired.min()) >= 0 and int(retired.max()) <= 1, "retired is not 0 or 1")
+    group = columns.get("group")
+    if group is not None and len(group):
+        limit = np.repeat(
+            np.array([len(r.groups) for r in ranks], dtype=np.int64), np.diff(offsets)
+        )
+        _want(bool(((group >= -1) & (group < np.maximum(limit, 0))).all()), "group out of range")
+    is_p2p = columns.get("is_p2p")
+    if is_p2p is not None and len(is_p2p):
+        _want(int(is_p2p.max()) <= 1, "is_p2p is not 0 or 1")
+
+
+def to_summaries(packed: PackedHost) -> list[RankSummary]:
+    """The ``RankSummary`` objects of a decoded packed host summary."""
+    cols = packed.columns
+    strings = packed.strings
+    n = packed.n_entries
+
+    def column(name: str, default: Any) -> list[Any]:
+        a = cols.get(name)
+        if a is None:
+            return [default] * n
+        values = a.tolist()
+        ok = packed.valid.get(name)
+        if ok is not None:
+            values = [v if k else None for v, k in zip(values, ok.tolist(), strict=True)]
+        return values
+
+    def text(name: str) -> list[str]:
+        a = cols.get(name)
+        return [""] * n if a is None else [strings[i] for i in a.tolist()]
+
+    c = {name: column(name, None) for name, _ in COLUMNS if name not in _STRING_FIELDS}
+    t = {name: text(name) for name in _STRING_FIELDS}
+    out = []
+    for k, r in enumerate(packed.ranks):
+        lo, hi = int(packed.offsets[k]), int(packed.offsets[k + 1])
+        entries = [
+            SummaryEntry(
+                record_id=c["record_id"][i],
+                group=c["group"][i] if c["group"][i] is not None else -1,
+                collective_seq_id=c["collective_seq_id"][i] or 0,
+                p2p_seq_id=c["p2p_seq_id"][i] or 0,
+                is_p2p=bool(c["is_p2p"][i]),
+                op=t["op"][i],
+                peer=c["peer"][i],
+                input_sizes=t["input_sizes"][i],
+                output_sizes=t["output_sizes"][i],
+                input_dtypes=t["input_dtypes"][i],
+                output_dtypes=t["output_dtypes"][i],
+                state=STATE_CODES[c["state"][i]],
+                time_created_ns=c["time_created_ns"][i],
+                time_started_ns=c["time_started_ns"][i],
+                time_completed_ns=c["time_completed_ns"][i],
+                duration_ms=c["duration_ms"][i],
+                thread_id=t["thread_id"][i],
+                thread_name=t["thread_name"][i],
+                stack=t["stack"][i],
+                error=t["error"][i],
+                retired=c["retired"][i],
+                timeout_ms=c["timeout_ms"][i],
+                call_site=t["call_site"][i],
+            )
+            for i in range(lo, hi)
+        ]
+        groups = [
+            SummaryGroup(
+                packed.groups[hg][0],
+                packed.groups[hg][1],
+                packed.groups[hg][3],
+                *f,
+                local_peers=packed.groups[hg][4],
+            )
+            for hg, f in r.groups
+        ]
+        out.append(
+            RankSummary(
+                rank=r.rank,
+                world_size=r.world_size,
+                identity=r.identity,
+                groups=groups,
+                entries=entries,
+                taken_ns=r.taken_ns,
+                heartbeat_ns=r.heartbeat_ns,
+                stalled=r.stalled,
+                alive=r.alive,
+                wrapped=r.wrapped,
+                records_written=r.records_written,
+                omitted=r.omitted,
+                exit_kind=r.exit_kind,
+                exit_detail=r.exit_detail,
+                stacks=r.stacks,
+                notes=list(r.notes),
+                dump_time_ns=r.dump_time_ns,
+            )
+        )
+    return out
