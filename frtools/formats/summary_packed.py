@@ -59,6 +59,7 @@ from frtools.formats.summary import (
 from frtools.model.ranks import MAX_WORLD_SIZE, RankTextError, format_ranks, parse_ranks
 
 __all__ = [
+    "DEFAULT_HOST_WINDOW",
     "MAGIC",
     "PACKED_KIND",
     "PACKED_SUFFIX",
@@ -72,6 +73,10 @@ __all__ = [
 ]
 
 MAGIC = b"FRTSUMPK"
+# The last ops per rank a host summary keeps by default (every op that did not complete is
+# kept besides, up to MAX_PENDING): what the verdict needs at 131,072 ranks without the
+# central step holding more than ~8 M ops (docs/fleet.md: how it was chosen).
+DEFAULT_HOST_WINDOW = 64
 PACKED_KIND = "host-packed"
 PACKED_SUFFIX = ".summary"
 STATE_CODES = ("scheduled", "started", "completed")

@@ -440,12 +440,18 @@ def _merge_groups(dumps: Sequence[RankDump]) -> dict[str, ProcessGroup]:
     # a 2,048-rank group would otherwise hash and compare 33 M ints over and over
     canonical: dict[tuple[int, ...], tuple[int, ...]] = {}
     by_id: dict[int, tuple[int, ...]] = {}
+    # a list object several files share (one reader process's parse, a host summary's ranks)
+    # is hashed once: 131,072 ranks each naming a 16,384-rank group would hash 2 G ints
+    seen: dict[int, tuple[int, ...]] = {}
     for d in dumps:
         for name, g in d.process_groups.items():
             if g.desc:
                 descs[name][g.desc] += 1
             if g.ranks:
-                g.ranks = canonical.setdefault(g.ranks, g.ranks)
+                same = seen.get(id(g.ranks))
+                if same is None:
+                    same = seen[id(g.ranks)] = canonical.setdefault(g.ranks, g.ranks)
+                g.ranks = same
                 by_id[id(g.ranks)] = g.ranks
                 listed[name][id(g.ranks)] += 1
     names = set(descs) | set(listed)
