@@ -29,6 +29,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Write every rank's last ops as a Perfetto / chrome://tracing file.",
     ),
     "dump": ("frtools.commands.dump", "dump", "Collect a job's flight records and stacks."),
+    "summarize": (
+        "frtools.commands.summarize",
+        "summarize",
+        "Summarize one host's flight records for a fleet analysis.",
+    ),
     "run": ("frtools.commands.run", "run", "Run a command with the recorder on."),
     "demo": ("frtools.commands.demo", "demo", "Hang a small local job on purpose and diagnose it."),
     "convert": (

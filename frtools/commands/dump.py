@@ -134,6 +134,12 @@ def print_summary(console: Console, manifest: Manifest, out: Path) -> None:
     metavar="PREFIX",
     help="With --torch-pipe: where NCCL writes dumps (default: $TORCH_NCCL_DEBUG_INFO_TEMP_FILE or /tmp/nccl_trace_rank_).",
 )
+@click.option(
+    "--summary/--no-summary",
+    default=True,
+    show_default=True,
+    help="Also write this host's summary (<host>.summary, docs/fleet.md) beside the records.",
+)
 def dump(
     job: str | None,
     output: str | None,
@@ -146,6 +152,7 @@ def dump(
     torch_store: str | None,
     torch_pipe: str | None,
     torch_dump_prefix: str | None,
+    summary: bool,
 ) -> None:
     """Collect a job's flight records and Python stacks into one directory.
 
@@ -199,7 +206,26 @@ def dump(
         except OSError as exc:
             _err.print(f"[red]frtools dump: {job_dir}: {exc.strerror or exc}[/red]")
             continue
+        if summary and manifest.ranks_found:
+            _write_host_summary(console, target)
         print_summary(console, manifest, target)
+
+
+def _write_host_summary(console: Console, out: Path) -> None:
+    """``<host>.summary`` beside the collected records: what a fleet analysis ships from
+    this host (the analyzer prefers the full records where both are present)."""
+    from frtools.analyze.readers import UnusableInput
+    from frtools.analyze.summarize import summarize_path
+    from frtools.formats.summary_packed import host_file_name
+
+    try:
+        result = summarize_path(out, workers=1)
+        path = out / host_file_name(result.host)
+        path.write_bytes(result.encode())
+    except (UnusableInput, OSError, ValueError) as exc:
+        _err.print(f"[yellow]frtools dump: no host summary: {exc}[/yellow]", soft_wrap=True)
+        return
+    console.print(f"host summary: {path} ({path.stat().st_size / 1024:.1f} KB)")
 
 
 def _collect_remote(

@@ -373,12 +373,13 @@ def _concat_dumps(dumps: Sequence[RankDump], spans: Spans) -> pa.Table:
 def _newest_first(
     candidates: Iterable[tuple[FileResult, RankDump]],
 ) -> list[tuple[FileResult, RankDump]]:
-    def key(c: tuple[FileResult, RankDump]) -> tuple[int, bool, float, str]:
+    def key(c: tuple[FileResult, RankDump]) -> tuple[int, bool, int, float, str]:
         r, d = c
         t = d.max_time_created_ns
-        # same newest op: the same moment; prefer the file with call sites (pickle over JSON)
+        # same newest op: the same moment; prefer the file with call sites (pickle over JSON),
+        # then the fuller record (a black box over the summary written beside it)
         has_stacks = d.entries.column("stack").null_count < d.entries.num_rows
-        return (t if t is not None else -1, has_stacks, r.mtime, r.input.path)
+        return (t if t is not None else -1, has_stacks, d.entries.num_rows, r.mtime, r.input.path)
 
     return sorted(candidates, key=key, reverse=True)
 
@@ -541,6 +542,8 @@ def _read_rank_dumps(
 
     chosen: dict[int, RankDump] = {}
     kept_inputs: dict[int, InputFile] = {}
+    superseded: dict[int, list[int]] = defaultdict(list)
+    owners: dict[int, FileResult] = {}
     for rank, candidates in sorted(by_rank.items()):
         ordered = _newest_first(candidates) if len(candidates) > 1 else candidates
         keep, dump = ordered[0]
@@ -554,7 +557,8 @@ def _read_rank_dumps(
             _add_reason(r.input, f"another recorder of rank {rank}, merged with {keep.input.path}")
         for r, d in older:
             if r.more:  # a file of several ranks: only this rank of it is older
-                _add_reason(r.input, f"older record of rank {rank}; using {keep.input.path}")
+                superseded[id(r)].append(rank)
+                owners[id(r)] = r
                 continue
             r.input.status = "duplicate"
             r.input.reason = (
@@ -563,6 +567,13 @@ def _read_rank_dumps(
                 else f"nothing beyond the other record of rank {rank}; using {keep.input.path}"
             )
             r.dump = None  # let go of the table
+    for key, ranks in superseded.items():
+        r = owners[key]
+        if len(ranks) == len(r.dumps):
+            r.input.status = "duplicate"
+            r.input.reason = f"ranks {format_ranks(ranks)}: newer or fuller records are used"
+        else:
+            _add_reason(r.input, f"ranks {format_ranks(ranks)}: newer or fuller records used")
     return inputs, chosen, kept_inputs
 
 
