@@ -138,10 +138,19 @@ def _human_bytes(n: float) -> str:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["torch", "frtools"]),
+    type=click.Choice(["torch", "frtools", "summary"]),
     default="torch",
     show_default=True,
-    help="torch: PyTorch NCCL Flight Recorder pickles; frtools: frtools snapshots (.frt).",
+    help="torch: PyTorch NCCL Flight Recorder pickles; frtools: frtools snapshots (.frt); "
+    "summary: the host summaries `frtools summarize` makes of those snapshots "
+    "(node<H>.summary, 8 ranks a host), without writing the snapshots.",
+)
+@click.option(
+    "--window",
+    default=64,
+    show_default=True,
+    type=click.IntRange(1, 3840),
+    help="With --format summary: the last ops kept per rank.",
 )
 @click.option("--force", is_flag=True, help="Write into a directory that already holds files.")
 def synth(
@@ -166,6 +175,7 @@ def synth(
     timing: bool,
     workers: int | None,
     fmt: str,
+    window: int,
     force: bool,
 ) -> None:
     """Simulate a Megatron-style job's PyTorch Flight Recorder dumps with one injected
@@ -199,6 +209,7 @@ def synth(
             clock_skew_ms=clock_skew_ms,
             workers=workers,
             format=fmt,
+            window=window,
         )
     except (LayoutError, FaultError) as e:
         click.echo(f"error: {e}", err=True)
@@ -209,7 +220,7 @@ def synth(
     t = result.truth
     lay = t["layout"]
     console.print(
-        f"Wrote {result.files} rank dumps ({_human_bytes(result.bytes)}) and truth.json to "
+        f"Wrote {result.files} {'host summaries' if fmt == 'summary' else 'rank dumps'} ({_human_bytes(result.bytes)}) and truth.json to "
         f"{out} in {result.seconds:.1f} s"
     )
     console.print(

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .faults import FAULTS, VERDICT_KIND, FaultError, FaultPlan, plan_fault, simulate_hang
-from .job import WriteParams, make_job
+from .job import RANKS_PER_HOST, WriteParams, make_job
 from .layout import GROUP_DESCS, Layout, LayoutError
 from .schedule import ModelShape, Schedule, build_schedule
 from .write import WRITERS, write_dumps
@@ -99,13 +99,16 @@ def synthesize(
     clock_skew_ms: float = 0.2,
     workers: int | None = None,
     format: str = "torch",
+    window: int = 64,
 ) -> SynthResult:
     """Write a simulated job's dumps and ``truth.json`` into ``out_dir``.
 
     ``format``: ``"torch"`` writes PyTorch NCCL Flight Recorder pickles
-    (``nccl_trace_rank_<R>``), ``"frtools"`` frtools snapshots (``rank_<R>.frt``)."""
+    (``nccl_trace_rank_<R>``), ``"frtools"`` frtools snapshots (``rank_<R>.frt``),
+    ``"summary"`` the host summaries ``frtools summarize`` would make of those snapshots
+    (``node<H>.summary``, the last ``window`` ops per rank), without writing them."""
     if format not in WRITERS:
-        raise ValueError(f"unknown format {format!r}: torch or frtools")
+        raise ValueError(f"unknown format {format!r}: torch, frtools or summary")
     t_start = time.perf_counter()
     layout = Layout.from_sizes(world_size, tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)
     schedule = build_schedule(layout, shape)
@@ -135,6 +138,7 @@ def synthesize(
         clock_skew_ms=clock_skew_ms,
         omit_ranks=set(plan.ranks) if fault == "dead" else set(),
         format=format,
+        window=window,
     )
     job = make_job(schedule, plan, outcome, params)
     out = Path(out_dir)
@@ -147,4 +151,7 @@ def synthesize(
     nbytes = write_dumps(job, out, workers=workers)
     (out / "truth.json").write_text(json.dumps(truth, indent=2) + "\n")
     files = layout.world_size - len(params.omit_ranks)
+    if format == "summary":  # one file per host that has a rank with a record
+        kept = set(range(layout.world_size)) - params.omit_ranks
+        files = len({r // RANKS_PER_HOST for r in kept})
     return SynthResult(out, truth, files, nbytes, time.perf_counter() - t_start)

@@ -35,7 +35,9 @@ class WriteParams:
     timing: bool = True  # TORCH_NCCL_ENABLE_TIMING: completed calls carry duration_ms
     clock_skew_ms: float = 0.2
     prefix: str = DUMP_FILE_PREFIX  # torch: file name = prefix + rank
-    format: str = "torch"  # "torch": PyTorch FR pickles; "frtools": frtools snapshots
+    format: str = "torch"  # "torch": PyTorch FR pickles; "frtools": frtools snapshots;
+    # "summary": packed host summaries of the last ``window`` ops per rank
+    window: int = 64
     omit_ranks: set[int] = field(default_factory=set)  # ranks that leave no dump
 
 
