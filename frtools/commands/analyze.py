@@ -9,11 +9,14 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
 from frtools.commands._common import (
     OneLineCommand,
+    fail,
+    first_line,
     load_and_diagnose,
     progress_wanted,
     run_guarded,
@@ -24,7 +27,7 @@ FORMATS = ("terminal", "json", "markdown", "github", "junit")
 
 
 @click.command("analyze", cls=OneLineCommand)
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=click.Path(path_type=Path), required=False)
 @click.option(
     "--format",
     "fmt",
@@ -64,42 +67,86 @@ FORMATS = ("terminal", "json", "markdown", "github", "junit")
     "$FRTOOLS_HISTORY); `frtools history` ranks the hosts that keep being guilty. A catalog "
     "that cannot take it is a warning, never another exit code.",
 )
+@click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="auto",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Fleet analysis on a Ray cluster (default address: auto, the running one): "
+    "summarize the records on every node where they lie, diagnose the summaries here. "
+    "PATH is then where the records are on each node (default: each node's $FRTOOLS_DIR). "
+    "Needs frtools[ray]; see docs/fleet.md.",
+)
+@click.option("--job", help="With --ray: the job's folder name under each node's PATH.")
+@click.option(
+    "--window",
+    type=click.IntRange(1, 3840),
+    default=None,
+    help="With --ray: the last ops per rank the nodes keep (default: 64).",
+)
+@click.option(
+    "--summaries",
+    "summaries_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="With --ray: keep the host summaries in this folder (frtools analyze reads it).",
+)
 def analyze(
-    path: Path,
+    path: Path | None,
     fmt: str,
     output: Path | None,
     verbose: bool,
     workers: int | None,
     world_size: int | None,
     catalog: Path | None,
+    ray_address: str | None,
+    job: str | None,
+    window: int | None,
+    summaries_dir: Path | None,
 ) -> None:
     """Find the hung collective and the guilty rank in the dumps under PATH.
 
-    Exit code 0: healthy; 1: a problem was found; 2: unusable input or usage error.
+    PATH may mix black boxes, PyTorch Flight Recorder dumps and host summaries
+    (``frtools summarize``). Exit code 0: healthy; 1: a problem was found; 2: unusable
+    input or usage error.
     """
-    run_guarded("frtools", lambda: _run(path, fmt, output, verbose, workers, world_size, catalog))
+    if ray_address is None:
+        if path is None:
+            fail("frtools analyze", "error: Missing argument 'PATH'.")
+        if job or window or summaries_dir:
+            fail("frtools analyze", "error: --job, --window and --summaries go with --ray")
+    fleet = (ray_address, job, window, summaries_dir)
+    run_guarded(
+        "frtools", lambda: _run(path, fmt, output, verbose, workers, world_size, catalog, fleet)
+    )
 
 
 def _run(
-    path: Path,
+    path: Path | None,
     fmt: str,
     output: Path | None,
     verbose: bool,
     workers: int | None,
     world_size: int | None = None,
     catalog: Path | None = None,
+    fleet: tuple[str | None, str | None, int | None, Path | None] = (None, None, None, None),
 ) -> int:
     from frtools.commands.history import catalog_for, record_verdict
 
     started = time.monotonic()
     catalog = catalog_for(catalog)
-    trace, _, verdict = load_and_diagnose(
-        "frtools",
-        path,
-        workers=workers,
-        world_size=world_size,
-        progress=progress_wanted(path, human=fmt == "terminal"),
-    )
+    if fleet[0] is not None:
+        trace, verdict = _run_on_ray(path, world_size, fmt, *fleet)
+    else:
+        assert path is not None
+        trace, _, verdict = load_and_diagnose(
+            "frtools",
+            path,
+            workers=workers,
+            world_size=world_size,
+            progress=progress_wanted(path, human=fmt == "terminal"),
+        )
 
     if fmt == "json":
         from frtools.analyze.reporters import json_report
@@ -137,5 +184,43 @@ def _run(
     if text is not None:
         write_text("frtools", text, output)
     if catalog is not None:  # after the verdict is out: a failing catalog only warns
-        record_verdict(catalog, verdict, trace, path)
+        record_verdict(catalog, verdict, trace, path if path is not None else Path.cwd())
     return verdict.exit_code
+
+
+def _run_on_ray(
+    path: Path | None,
+    world_size: int | None,
+    fmt: str,
+    address: str,
+    job: str | None,
+    window: int | None,
+    summaries_dir: Path | None,
+) -> tuple[Any, Any]:
+    """The Trace the nodes' summaries make and its verdict."""
+    from frtools.analyze.ray_fleet import NodeReport, RayUnavailable, analyze_on_ray
+    from frtools.analyze.readers import UnusableInput
+    from frtools.formats.summary_packed import DEFAULT_HOST_WINDOW
+
+    chatty = fmt == "terminal" and sys.stderr.isatty()
+
+    def report(r: NodeReport) -> None:
+        if r.error:
+            click.echo(f"frtools: node {r.node}: {r.error}", err=True)
+        elif chatty:
+            what = f"{len(r.ranks)} rank(s)" if r.data else r.note
+            click.echo(f"  {r.node}: {what} ({r.seconds:.1f} s)", err=True)
+
+    try:
+        result = analyze_on_ray(
+            address,
+            job,
+            root=str(path) if path is not None else None,
+            window=window or DEFAULT_HOST_WINDOW,
+            summaries_dir=summaries_dir,
+            world_size=world_size,
+            on_report=report,
+        )
+    except (RayUnavailable, UnusableInput) as e:
+        fail("frtools", f"error: {first_line(e, 'Ray analysis failed')}")
+    return result.trace, result.verdict

@@ -23,6 +23,7 @@ contract.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -181,6 +182,13 @@ def looks_packed(head: bytes) -> bool:
 # -- writing -------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    """Member lists repeat on every rank of a host and across hosts (the default group of
+    131,072 ranks): each distinct list is written once per process."""
+    return format_ranks(ranks, strides=True)
+
+
 def _shuffle(a: np.ndarray) -> bytes:
     """The bytes of ``a`` grouped by significance: all first bytes, then all second bytes…"""
     w = a.dtype.itemsize
@@ -222,7 +230,7 @@ def encode_packed(
     for s in summaries:
         mine = []
         for g in s.groups:
-            text = format_ranks(g.ranks, strides=True) if g.ranks else ""
+            text = _ranks_text(tuple(g.ranks)) if g.ranks else ""
             key = (g.name, g.desc, text, g.local_peers)
             hg = groups.setdefault(key, len(groups))
             mine.append(

@@ -11,6 +11,8 @@ reader): the same groups, frontiers, kept ops, strings and facts, field by field
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from frtools.formats.summary import MAX_PENDING, RankSummary, SummaryEntry, SummaryGroup
@@ -42,6 +44,7 @@ def file_name(params: WriteParams, host: int) -> str:
     return host_file_name(f"node{host:05d}")
 
 
+@functools.lru_cache(maxsize=1024)
 def _call_site(stack: str) -> str:
     from frtools.model.trace import is_user_frame  # the snapshot reader's choice of frame
 
@@ -50,6 +53,15 @@ def _call_site(stack: str) -> str:
         if is_user_frame(line.rsplit(" in ", 1)[0].rsplit(":", 1)[0]):
             return line
     return lines[0] if lines else ""
+
+
+def _members(job: Job, kind: str, name: str, members: np.ndarray) -> tuple[int, ...]:
+    """A group's member tuple, built once per job (the default group has every rank)."""
+    cache = job.__dict__.setdefault("_summary_members", {})
+    found = cache.get((kind, name))
+    if found is None:
+        found = cache[(kind, name)] = tuple(members.tolist())
+    return found
 
 
 def rank_summary(
@@ -79,7 +91,9 @@ def rank_summary(
             continue
         names.append(name)
         e, s, c = a.status.get(kind, (0, 0, 0))
-        groups.append(SummaryGroup(name, desc, tuple(int(m) for m in a.pg_members[kind]), e, s, c))
+        groups.append(
+            SummaryGroup(name, desc, _members(job, kind, name, a.pg_members[kind]), e, s, c)
+        )
     index = {name: i for i, name in enumerate(names)}
     row_of_kind = {kind: index[a.pg_tuple[kind][0]] for kind in GROUP_ROWS}
 

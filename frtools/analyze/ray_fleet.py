@@ -1,0 +1,259 @@
+"""A fleet analysis on Ray: summarize on the nodes that hold the records, diagnose here.
+
+``analyze_on_ray`` runs the per-host step (``frtools.analyze.summarize``) as one Ray task
+per node, pinned to that node (``NodeAffinitySchedulingStrategy``, not soft: a node's
+records are on its own disk), gathers the packed host summaries as the tasks finish
+(``ray.wait``), writes them into one folder and diagnoses it like any dump folder. Only
+summaries travel (~10 KB a host), never a black box (~4.5 MB a rank).
+
+It fits how Ray Train jobs already run: every worker's recorder writes under its node's
+``FRTOOLS_DIR`` (``<dir>/<job>/rank_<R>.frt``), and the driver (or anyone who can reach the
+cluster) calls ``analyze_on_ray(job=...)``. Which nodes are asked: every alive node, or
+those whose host name / IP is in ``nodes``, or that offer the custom ``resource``, or carry
+the node ``label`` (``key=value``). A node without records answers "nothing here"; a node
+that fails costs its ranks (they show as ranks without a record), not the analysis.
+
+Ray is an optional dependency (``pip install 'frtools[ray]'``); it is imported only when
+``analyze_on_ray`` runs. ``summarize_node`` — what a task does — needs no Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from frtools.config import DIR
+from frtools.formats.manifest import rank_in_file_name
+from frtools.formats.summary_packed import DEFAULT_HOST_WINDOW, host_file_name
+
+__all__ = ["FleetResult", "NodeReport", "analyze_on_ray", "find_job_dirs", "summarize_node"]
+
+
+class RayUnavailable(RuntimeError):
+    """Ray is not installed, or no cluster could be reached; the message says which."""
+
+
+@dataclass
+class NodeReport:
+    """What one node's task sent back: its summary (``None``: no records there) and why."""
+
+    node: str  # host name (IP) of the node
+    host: str | None = None  # the host name the summary goes by
+    data: bytes | None = None
+    ranks: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    note: str = ""
+    error: str | None = None
+
+
+@dataclass
+class FleetResult:
+    """The verdict of a fleet analysis, its Trace and Alignment, and every node's report."""
+
+    verdict: Any
+    trace: Any
+    alignment: Any
+    reports: list[NodeReport]
+    summaries_dir: Path | None
+    seconds: float
+
+
+def find_job_dirs(root: Path) -> dict[str, Path]:
+    """Job id -> folder, for ``root`` itself when it holds rank files, else each folder
+    under it that does (the recorder's ``<FRTOOLS_DIR>/<job>`` layout)."""
+    if not root.is_dir():
+        return {}
+    if any(rank_in_file_name(p.name) is not None for p in root.iterdir() if p.is_file()):
+        return {root.name: root}
+    return {
+        child.name: child
+        for child in sorted(root.iterdir())
+        if child.is_dir()
+        and any(rank_in_file_name(p.name) is not None for p in child.iterdir() if p.is_file())
+    }
+
+
+def summarize_node(
+    root: str | None = None, job: str | None = None, window: int = DEFAULT_HOST_WINDOW
+) -> NodeReport:
+    """The per-host step on this machine: summarize ``job``'s records under ``root``
+    (default: this node's ``$FRTOOLS_DIR``). Never raises: a failure is the report's
+    ``error``."""
+    t0 = time.perf_counter()
+    node = f"{socket.gethostname()} ({_node_ip()})"
+    base = Path(root or DIR.read())
+    try:
+        jobs = find_job_dirs(base)
+        if job is not None:
+            jobs = {k: v for k, v in jobs.items() if k == job}
+        if not jobs:
+            what = f"no records of job {job!r}" if job else "no records"
+            return NodeReport(node, note=f"{what} under {base}", seconds=_since(t0))
+        if len(jobs) > 1:
+            return NodeReport(
+                node,
+                error=f"{len(jobs)} jobs under {base} ({', '.join(jobs)}): name one (job=...)",
+                seconds=_since(t0),
+            )
+        from frtools.analyze.summarize import summarize_path
+
+        job_dir = next(iter(jobs.values()))
+        result = summarize_path(job_dir, window=window, workers=1)
+        bad = [i for i in result.inputs if i.status == "error"]
+        return NodeReport(
+            node,
+            host=result.host,
+            data=result.encode(),
+            ranks=[s.rank for s in result.summaries],
+            seconds=_since(t0),
+            note=f"{job_dir}" + (f"; {len(bad)} unusable file(s)" if bad else ""),
+        )
+    except Exception as e:  # noqa: BLE001 - one node's failure is a line in the report
+        return NodeReport(node, error=f"{type(e).__name__}: {e}", seconds=_since(t0))
+
+
+def _since(t0: float) -> float:
+    return time.perf_counter() - t0
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except Exception:  # noqa: BLE001 - only a label
+        pass
+    return "?"
+
+
+def _select_nodes(
+    nodes: list[dict[str, Any]],
+    names: Sequence[str] | None,
+    resource: str | None,
+    label: str | None,
+) -> list[dict[str, Any]]:
+    alive = [n for n in nodes if n.get("Alive")]
+    if names:
+        wanted = set(names)
+        alive = [
+            n
+            for n in alive
+            if n.get("NodeManagerHostname") in wanted
+            or n.get("NodeManagerAddress") in wanted
+            or n.get("NodeID") in wanted
+        ]
+    if resource:
+        alive = [n for n in alive if (n.get("Resources") or {}).get(resource, 0) > 0]
+    if label:
+        key, _, value = label.partition("=")
+        alive = [
+            n
+            for n in alive
+            if key in (n.get("Labels") or {}) and (not value or n["Labels"][key] == value)
+        ]
+    return alive
+
+
+def analyze_on_ray(
+    address: str | None = "auto",
+    job: str | None = None,
+    *,
+    root: str | None = None,
+    window: int = DEFAULT_HOST_WINDOW,
+    nodes: Sequence[str] | None = None,
+    resource: str | None = None,
+    label: str | None = None,
+    summaries_dir: str | os.PathLike[str] | None = None,
+    timeout_s: float = 300.0,
+    world_size: int | None = None,
+    on_report: Callable[[NodeReport], None] | None = None,
+) -> FleetResult:
+    """Summarize ``job`` on every chosen node of the Ray cluster at ``address`` and
+    diagnose the summaries here.
+
+    ``address``: as ``ray.init`` takes it (``"auto"``: the running cluster; ignored when
+    this process is already connected, as a Ray Train driver is). ``root``: where the
+    records are on each node (default: each node's ``$FRTOOLS_DIR``). ``summaries_dir``:
+    keep the host summaries there (default: a temporary folder, removed). Nodes that have
+    not answered after ``timeout_s`` are left out (their ranks have no record).
+    ``on_report``: called with each node's report as it arrives. Raises
+    ``RayUnavailable`` without Ray or a cluster, and ``frtools.analyze.readers
+    .UnusableInput`` when no node had a record."""
+    t0 = time.perf_counter()
+    try:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    except ImportError:
+        raise RayUnavailable("Ray is not installed: pip install 'frtools[ray]'") from None
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise RayUnavailable(f"cannot reach a Ray cluster at {address!r}: {e}") from None
+    chosen = _select_nodes(ray.nodes(), nodes, resource, label)
+    if not chosen:
+        raise RayUnavailable("no alive Ray node matches (nodes/resource/label)")
+    task = ray.remote(num_cpus=0, max_retries=0)(summarize_node)
+    pending = {
+        task.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+        ).remote(root, job, window): n
+        for n in chosen
+    }
+    keep = summaries_dir is not None
+    out = Path(summaries_dir) if keep else Path(tempfile.mkdtemp(prefix="frtools-fleet-"))
+    out.mkdir(parents=True, exist_ok=True)
+    reports: list[NodeReport] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 5.0))
+            for ref in done:
+                n = pending.pop(ref)
+                try:
+                    report = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - a lost node, a failed worker
+                    report = NodeReport(_node_name(n), error=f"{type(e).__name__}: {e}")
+                if report.data is not None:
+                    name = host_file_name(report.host or _node_name(n))
+                    target = out / name
+                    if target.exists():  # two nodes that go by one host name
+                        target = out / host_file_name(f"{report.host}-{n['NodeID'][:8]}")
+                    target.write_bytes(report.data)
+                reports.append(report)
+                if on_report is not None:
+                    on_report(report)
+        for ref, n in pending.items():
+            ray.cancel(ref, force=True)
+            reports.append(NodeReport(_node_name(n), error=f"no answer within {timeout_s:.0f} s"))
+        from frtools.analyze.align import align
+        from frtools.analyze.diagnose import diagnose
+        from frtools.analyze.readers import UnusableInput, load_trace
+
+        if not any(r.data for r in reports):
+            lines = "; ".join(f"{r.node}: {r.error or r.note}" for r in reports)
+            raise UnusableInput(f"no node of the Ray cluster had records: {lines}")
+        trace = load_trace(out, world_size=world_size)
+        alignment = align(trace)
+        verdict = diagnose(trace, alignment)
+        return FleetResult(
+            verdict, trace, alignment, reports, out if keep else None, time.perf_counter() - t0
+        )
+    finally:
+        if not keep:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _node_name(n: dict[str, Any]) -> str:
+    return f"{n.get('NodeManagerHostname', '?')} ({n.get('NodeManagerAddress', '?')})"
