@@ -617,7 +617,7 @@ def test_a_worker_that_cannot_spool_its_table_hands_it_over_by_pipe(tmp_path: Pa
     spool.mkdir()
     (result,), table_path, rows = _read_chunk_to_spool(([str(path)], str(spool)))
     assert table_path is not None and Path(table_path).parent == spool
-    assert result.dump is not None and result.dump.entries is None and rows == [[5]]
+    assert result.dump is not None and result.dump.entries is None and rows == [[(0, 5)]]
 
 
 @pytest.mark.timeout(30)

@@ -141,7 +141,17 @@ def rank_summary(
     known = set(names)
     for name in sorted({x for x in used if x is not None} - known):
         names.append(name)
-    names = names[:MAX_GROUPS]
+    # a group whose only member is this rank, with none of the kept ops on it, cannot make
+    # anyone wait: left out (at 131,072 ranks, three such groups a rank would triple the
+    # groups the central step tracks)
+    in_use = set(used)
+    names = [
+        name
+        for name in names
+        if name in in_use
+        or (pg := dump.process_groups.get(name)) is None
+        or pg.ranks != (info.rank,)
+    ][:MAX_GROUPS]
     index = {name: i for i, name in enumerate(names)}
     groups = []
     for name in names:

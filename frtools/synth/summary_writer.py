@@ -83,11 +83,22 @@ def rank_summary(
         older = older[rows_state[older] != 0][:MAX_PENDING]
     kept = np.concatenate([older, recent]).astype(np.int64)
 
+    # the kinds the kept ops use (a group of this rank alone, unused, is left out, as
+    # frtools summarize does)
+    used_kinds = set()
+    for k in kept.tolist():
+        if a.barrier and k == 0:
+            used_kinds.add(INIT_BARRIER.kind)
+            continue
+        i = k - int(a.barrier)
+        program = a.hang_slots if a.in_hang[i] else a.slots
+        used_kinds.add(program[min(int(a.pos[i]), len(program) - 1)].kind)
     names = []
     groups = []
     for kind in GROUP_ROWS:
         name, desc = a.pg_tuple[kind]
-        if name in names:
+        members = a.pg_members[kind]
+        if name in names or (kind not in used_kinds and len(members) == 1 and members[0] == rank):
             continue
         names.append(name)
         e, s, c = a.status.get(kind, (0, 0, 0))
@@ -95,7 +106,7 @@ def rank_summary(
             SummaryGroup(name, desc, _members(job, kind, name, a.pg_members[kind]), e, s, c)
         )
     index = {name: i for i, name in enumerate(names)}
-    row_of_kind = {kind: index[a.pg_tuple[kind][0]] for kind in GROUP_ROWS}
+    row_of_kind = {k: index[a.pg_tuple[k][0]] for k in GROUP_ROWS if a.pg_tuple[k][0] in index}
 
     entries = []
     thread = str(100_000 + rank)

@@ -21,12 +21,13 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pyarrow as pa
@@ -88,7 +89,9 @@ def read_file(path: str | Path) -> FileResult:
     return result
 
 
-def _read_file(path: Path) -> FileResult:
+def _classify(path: Path) -> FileResult | tuple[ModuleType, float]:
+    """The file's fate without reading it all: a ``FileResult`` when it is settled already
+    (unreadable, empty, not a dump), else the reader that claims it and its mtime."""
     p = str(path)
     try:
         st = path.stat()
@@ -114,39 +117,104 @@ def _read_file(path: Path) -> FileResult:
             return FileResult(InputFile(p, "error", "corrupt gzip file"), mtime=st.st_mtime)
         reason = side or "not a dump: no reader recognizes its content"
         return FileResult(InputFile(p, "skipped", reason), mtime=st.st_mtime)
-    fmt = reader.FORMAT
+    return reader, st.st_mtime
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
     # a dump parses into ~100 small containers per entry, none in a cycle: the cyclic GC
     # would only rescan them again and again (half the read time on big dumps)
-    gc_was_enabled = gc.isenabled()
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
-        read_all = getattr(reader, "read_all", None)
-        dumps = read_all(path) if read_all is not None else [reader.read(path)]
-        if not dumps:
-            raise DumpError("holds no rank")
-        dump = dumps[0]
-    except (DumpError, InputRefused) as e:
-        return FileResult(InputFile(p, "error", str(e), format=fmt), mtime=st.st_mtime)
-    except RecursionError:
-        reason = "nests too deeply to be a dump; refused"
-        return FileResult(InputFile(p, "error", reason, format=fmt), mtime=st.st_mtime)
-    except MemoryError:
-        reason = "too large to load (out of memory)"
-        return FileResult(InputFile(p, "error", reason, format=fmt), mtime=st.st_mtime)
-    except Exception as e:  # a reader bug must cost one file, not the whole analysis
-        reason = f"{fmt} reader failed: {type(e).__name__}: {e}"
-        return FileResult(InputFile(p, "error", reason, format=fmt), mtime=st.st_mtime)
+        yield
     finally:
-        if gc_was_enabled:
+        if was_enabled:
             gc.enable()
+
+
+def _failure(p: str, fmt: str, mtime: float, e: BaseException) -> FileResult:
+    if isinstance(e, (DumpError, InputRefused)):
+        reason = str(e)
+    elif isinstance(e, RecursionError):
+        reason = "nests too deeply to be a dump; refused"
+    elif isinstance(e, MemoryError):
+        reason = "too large to load (out of memory)"
+    else:  # a reader bug must cost one file, not the whole analysis
+        reason = f"{fmt} reader failed: {type(e).__name__}: {e}"
+    return FileResult(InputFile(p, "error", reason, format=fmt), mtime=mtime)
+
+
+def _success(p: str, dumps: list[RankDump], mtime: float) -> FileResult:
+    if not dumps:
+        return FileResult(InputFile(p, "error", "holds no rank"), mtime=mtime)
+    dump = dumps[0]
     if len(dumps) > 1:
         ranks = format_ranks(d.rank_info.rank for d in dumps)
         info = InputFile(p, "ok", f"ranks {ranks}", format=dump.rank_info.format)
-        return FileResult(info, dump, st.st_mtime, more=dumps[1:])
+        return FileResult(info, dump, mtime, more=dumps[1:])
     info = InputFile(
         p, "ok", "; ".join(dump.notes), rank=dump.rank_info.rank, format=dump.rank_info.format
     )
-    return FileResult(info, dump, st.st_mtime)
+    return FileResult(info, dump, mtime)
+
+
+def _read_file(path: Path) -> FileResult:
+    found = _classify(path)
+    if isinstance(found, FileResult):
+        return found
+    reader, mtime = found
+    fmt = reader.FORMAT
+    with _no_cyclic_gc():
+        try:
+            read_all = getattr(reader, "read_all", None)
+            dumps = read_all(path) if read_all is not None else [reader.read(path)]
+        except Exception as e:  # noqa: BLE001 - sorted out by _failure
+            return _failure(str(path), fmt, mtime, e)
+    return _success(str(path), dumps, mtime)
+
+
+def _read_chunk(paths: Sequence[str], spans: Spans) -> list[FileResult]:
+    """Read several files; those whose reader reads many at once (``read_many``: packed
+    host summaries) are read in one call, their dumps' entries left None and found in
+    ``spans`` (one table for all of them)."""
+    results: list[FileResult | None] = [None] * len(paths)
+    batches: dict[str, tuple[ModuleType, list[tuple[int, Path, float]]]] = {}
+    for i, p in enumerate(paths):
+        path = Path(p)
+        found = _classify(path)
+        if isinstance(found, FileResult):
+            results[i] = found
+        elif hasattr(found[0], "read_many"):
+            batches.setdefault(found[0].__name__, (found[0], []))[1].append((i, path, found[1]))
+        else:
+            results[i] = _read_file(path)
+    for reader, items in batches.values():
+        with _no_cyclic_gc():
+            try:
+                outs, table, rows = reader.read_many([path for _, path, _ in items])
+            except Exception:  # noqa: BLE001 - a batch failure: each file on its own
+                outs = None
+        if outs is None:
+            for i, path, _ in items:
+                results[i] = _read_file(path)
+            continue
+        offset = 0  # the files' rows follow each other in the batch's table
+        for (i, path, mtime), out, counts in zip(items, outs, rows, strict=True):
+            if isinstance(out, BaseException):
+                results[i] = _failure(str(path), reader.FORMAT, mtime, out)
+                continue
+            for d, c in zip(out, counts, strict=True):
+                spans[id(d)] = (table, offset, c)
+                offset += c
+            results[i] = _success(str(path), out, mtime)
+    final = []
+    for p, r in zip(paths, results, strict=True):
+        assert r is not None
+        if r.input.status == "error" and r.input.rank is None:
+            r.input.rank = rank_from_filename(Path(p).name)[0]
+        final.append(r)
+    return final
 
 
 def _files_under(path: Path) -> list[Path]:
@@ -204,10 +272,10 @@ def _read_all(
                     if meanwhile is not None:
                         meanwhile()  # the workers read on; their results wait in the queue
                         meanwhile = None
-                    for chunk_results, table_path, rows in done:
+                    for chunk_results, table_path, where in done:
                         if table_path is not None:
                             try:
-                                _assign_slices(chunk_results, _unspool(table_path), rows, spans)
+                                _adopt(chunk_results, _unspool(table_path), where, spans)
                             except (OSError, pa.ArrowException) as e:
                                 chunk_results = [
                                     FileResult(
@@ -227,14 +295,11 @@ def _read_all(
             bar.start()
         if meanwhile is not None:
             meanwhile()
-        for f in files[len(results) :]:
-            r = read_file(f)
-            if r.more:  # a multi-rank file: its dumps as adjacent slices of one table
-                table, rows = _shared_table([r])
-                if table is not None:
-                    _assign_slices([r], table, rows, spans)
-            results.append(r)
-            advance()
+        rest = [str(f) for f in files[len(results) :]]
+        for i in range(0, len(rest), CHUNK_FILES):
+            for r in _read_chunk(rest[i : i + CHUNK_FILES], spans):
+                results.append(r)
+                advance()
     finally:
         if bar is not None:
             bar.stop()
@@ -280,52 +345,65 @@ def _remove_stale_spools(base: str) -> None:
 # files a worker reads into one spooled table
 CHUNK_FILES = 32
 
-
-def _shared_table(results: Sequence[FileResult]) -> tuple[pa.Table | None, list[list[int]]]:
-    """All entries of ``results`` as one single-chunk table (dictionaries unified), and per
-    file each dump's row count, in order."""
-    tables: list[pa.Table] = []
-    rows: list[list[int]] = []
-    for r in results:
-        rows.append([d.entries.num_rows for d in r.dumps])
-        tables.extend(d.entries for d in r.dumps)
-    if not tables:
-        return None, rows
-    table = concat_entries(tables) if len(tables) > 1 else tables[0]
-    return table.combine_chunks(), rows
-
-
-# id(RankDump) -> (shared table, offset, rows), for one load: dumps whose entries are
-# slices of one table, so that the final concatenation takes runs of them as one slice
+# id(RankDump) -> (table, offset, rows), for one load: a dump whose entries are rows of a
+# table it shares with other dumps (a batch of host summaries, a worker's chunk). Its
+# ``entries`` stay None until needed (``_entries``): slicing 131,072 tables costs seconds,
+# and the final concatenation takes runs of adjacent rows as one slice.
 Spans = dict[int, tuple[pa.Table, int, int]]
 
 
-def _assign_slices(
-    results: Sequence[FileResult], table: pa.Table, rows: list[list[int]], spans: Spans
-) -> None:
-    offset = 0
-    for r, counts in zip(results, rows, strict=True):
-        for d, n in zip(r.dumps, counts, strict=True):
-            d.entries = table.slice(offset, n)
-            spans[id(d)] = (table, offset, n)
-            offset += n
+def _entries(d: RankDump, spans: Spans) -> pa.Table:
+    if d.entries is None:
+        table, offset, rows = spans[id(d)]
+        d.entries = table.slice(offset, rows)
+    return d.entries
+
+
+def _shared_table(
+    results: Sequence[FileResult], spans: Spans
+) -> tuple[pa.Table | None, list[list[tuple[int, int]]]]:
+    """All entries of ``results`` as one single-chunk table, and per file each dump's
+    (offset, rows) in it."""
+    pieces: list[pa.Table] = []
+    start: dict[int, int] = {}  # id(table) -> its offset in the joined table
+    total = 0
+    where: list[list[tuple[int, int]]] = []
+    for r in results:
+        mine = []
+        for d in r.dumps:
+            if id(d) in spans:
+                table, offset, rows = spans[id(d)]
+            else:
+                table, offset, rows = d.entries, 0, d.entries.num_rows
+            if id(table) not in start:
+                start[id(table)] = total
+                pieces.append(table)
+                total += table.num_rows
+            mine.append((start[id(table)] + offset, rows))
+        where.append(mine)
+    if not pieces:
+        return None, where
+    joined = concat_entries(pieces) if len(pieces) > 1 else pieces[0]
+    return joined.combine_chunks(), where
 
 
 def _read_chunk_to_spool(
     job: tuple[list[str], str | None],
-) -> tuple[list[FileResult], str | None, list[list[int]]]:
+) -> tuple[list[FileResult], str | None, list[list[tuple[int, int]]]]:
     """In a worker: read a chunk of files and write all their entries as one Arrow IPC
     file, so that the parent maps them instead of unpickling a copy (pickling the tables
-    through the pool's pipe cost more than reading the files on two cores). ``rows``: per
-    file, each dump's row count in that table. The files' results go back in one pickle,
-    so member lists that many ranks share travel once."""
+    through the pool's pipe cost more than reading the files on two cores). Per file, each
+    dump's (offset, rows) in that table. The files' results go back in one pickle, so
+    member lists that many ranks share travel once."""
     paths, spool = job
-    results = [read_file(p) for p in paths]
+    spans: Spans = {}
+    results = _read_chunk(paths, spans)
     if spool is None:
+        _materialize(results, spans)
         return results, None, []
-    table, rows = _shared_table(results)
+    table, where = _shared_table(results, spans)
     if table is None:
-        return results, None, rows
+        return results, None, where
     table_path = None
     try:
         fd, table_path = tempfile.mkstemp(suffix=".arrow", dir=spool)
@@ -335,11 +413,29 @@ def _read_chunk_to_spool(
         if table_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(table_path)
-        return results, None, rows
+        _materialize(results, spans)
+        return results, None, where
     for r in results:
         for d in r.dumps:
             d.entries = None  # type: ignore[assignment]
-    return results, table_path, rows
+    return results, table_path, where
+
+
+def _materialize(results: Sequence[FileResult], spans: Spans) -> None:
+    for r in results:
+        for d in r.dumps:
+            _entries(d, spans)
+
+
+def _adopt(
+    results: Sequence[FileResult],
+    table: pa.Table,
+    where: list[list[tuple[int, int]]],
+    spans: Spans,
+) -> None:
+    for r, mine in zip(results, where, strict=True):
+        for d, (offset, rows) in zip(r.dumps, mine, strict=True):
+            spans[id(d)] = (table, offset, rows)
 
 
 def _unspool(table_path: str) -> pa.Table:
@@ -361,7 +457,7 @@ def _concat_dumps(dumps: Sequence[RankDump], spans: Spans) -> pa.Table:
         if run is not None:
             pieces.append(run[0].slice(run[1], run[2] - run[1]))
             run = None
-        if span is not None and span[0].num_rows and d.entries is not None:
+        if span is not None:
             run = [span[0], span[1], span[1] + span[2]]
         else:
             pieces.append(d.entries)
@@ -371,10 +467,11 @@ def _concat_dumps(dumps: Sequence[RankDump], spans: Spans) -> pa.Table:
 
 
 def _newest_first(
-    candidates: Iterable[tuple[FileResult, RankDump]],
+    candidates: Iterable[tuple[FileResult, RankDump]], spans: Spans
 ) -> list[tuple[FileResult, RankDump]]:
     def key(c: tuple[FileResult, RankDump]) -> tuple[int, bool, int, float, str]:
         r, d = c
+        _entries(d, spans)
         t = d.max_time_created_ns
         # same newest op: the same moment; prefer the file with call sites (pickle over JSON),
         # then the fuller record (a black box over the summary written beside it)
@@ -432,11 +529,15 @@ def _merge_recorders(keep: RankDump, others: list[RankDump]) -> RankDump:
     return keep
 
 
-def _merge_groups(dumps: Sequence[RankDump]) -> dict[str, ProcessGroup]:
+def _merge_groups(dumps: Sequence[RankDump], spans: Spans) -> dict[str, ProcessGroup]:
     """Membership from the files that list it (the most common list where they disagree);
-    where none does, from which ranks recorded ops on the group (``inferred``)."""
-    descs: dict[str, Counter] = defaultdict(Counter)
-    listed: dict[str, Counter] = defaultdict(Counter)
+    where none does, from which ranks recorded ops on the group (``inferred``).
+
+    Plain dicts and one pass: 131,072 ranks name ~400,000 distinct groups (one of each
+    size-1 kind per rank); a Counter per group costs seconds there."""
+    # name -> {desc: count}, {id(member tuple): count}
+    descs: dict[str, dict[str, int]] = {}
+    listed: dict[str, dict[int, int]] = {}
     # one tuple object per distinct member list, counted by id: 16,384 files each listing
     # a 2,048-rank group would otherwise hash and compare 33 M ints over and over
     canonical: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -444,47 +545,66 @@ def _merge_groups(dumps: Sequence[RankDump]) -> dict[str, ProcessGroup]:
     # a list object several files share (one reader process's parse, a host summary's ranks)
     # is hashed once: 131,072 ranks each naming a 16,384-rank group would hash 2 G ints
     seen: dict[int, tuple[int, ...]] = {}
+    # the default group where a file says "all ranks": the loader fills it from the world
+    # size, nobody's ops need to be looked at for it
+    everyone: set[str] = set()
     for d in dumps:
         for name, g in d.process_groups.items():
+            dc = descs.get(name)
+            if dc is None:
+                dc = descs[name] = {}
+                listed[name] = {}
             if g.desc:
-                descs[name][g.desc] += 1
+                dc[g.desc] = dc.get(g.desc, 0) + 1
             if g.ranks:
                 same = seen.get(id(g.ranks))
                 if same is None:
                     same = seen[id(g.ranks)] = canonical.setdefault(g.ranks, g.ranks)
+                    by_id[id(same)] = same
                 g.ranks = same
-                by_id[id(g.ranks)] = g.ranks
-                listed[name][id(g.ranks)] += 1
-    names = set(descs) | set(listed)
-    for d in dumps:
-        names.update(d.process_groups)
+                lc = listed[name]
+                lc[id(same)] = lc.get(id(same), 0) + 1
+            elif d.default_pg_all and (name == "0" or g.desc == "default_pg"):
+                everyone.add(name)
 
     # who recorded ops on a group: needed only for groups no file lists (Gloo), and found
     # per file (one rank each) rather than by grouping millions of entries
     recorded: dict[str, list[int]] = {}
-    unlisted = {n for n in names if not listed[n]}
+    unlisted = {n for n, lc in listed.items() if not lc} - everyone
     if unlisted:
         for d in dumps:
-            used = d.entries.column("pg_name").unique().to_pylist()
+            # a format with a group table records ops only on the groups it lists
+            if not _records_unknown_groups(d) and unlisted.isdisjoint(d.process_groups):
+                continue
+            used = _entries(d, spans).column("pg_name").unique().to_pylist()
             for name in unlisted.intersection(n for n in used if n is not None):
                 recorded.setdefault(name, []).append(d.rank_info.rank)
 
     groups: dict[str, ProcessGroup] = {}
-    for name in sorted(names, key=_pg_sort_key):
+    for name in sorted(descs, key=_pg_sort_key):
         if not name:
             continue
+        dc = descs[name]
         desc = ""
-        if descs[name]:
+        if len(dc) == 1:
+            desc = next(iter(dc))
+        elif dc:
             # a real description beats PyTorch's placeholder "undefined"
-            ranked = sorted(descs[name].items(), key=lambda kv: (kv[0] == "undefined", -kv[1]))
-            desc = ranked[0][0]
-        if listed[name]:
-            ranks_id, _ = listed[name].most_common(1)[0]
+            desc = min(dc.items(), key=lambda kv: (kv[0] == "undefined", -kv[1]))[0]
+        lc = listed[name]
+        if lc:
+            ranks_id = next(iter(lc)) if len(lc) == 1 else max(lc.items(), key=lambda kv: kv[1])[0]
             groups[name] = ProcessGroup(name, desc, by_id[ranks_id], inferred=False)
         else:
             members = tuple(sorted(set(recorded.get(name, ()))))
             groups[name] = ProcessGroup(name, desc, members, inferred=True)
     return groups
+
+
+def _records_unknown_groups(d: RankDump) -> bool:
+    """Whether a dump may hold ops on groups it does not list (readers of formats without
+    a group table)."""
+    return d.rank_info.format not in ("frtools", "frtools-summary")
 
 
 def _pg_sort_key(name: str) -> tuple[int, int | str]:
@@ -545,7 +665,7 @@ def _read_rank_dumps(
     superseded: dict[int, list[int]] = defaultdict(list)
     owners: dict[int, FileResult] = {}
     for rank, candidates in sorted(by_rank.items()):
-        ordered = _newest_first(candidates) if len(candidates) > 1 else candidates
+        ordered = _newest_first(candidates, spans) if len(candidates) > 1 else candidates
         keep, dump = ordered[0]
         others, older = _other_recorders(ordered) if len(ordered) > 1 else ([], [])
         if others:  # the merged record is a table of its own, no longer a slice
@@ -583,7 +703,10 @@ def read_rank_dumps(
     """Every file under ``path`` read and the newest record of each rank chosen, before
     anything across ranks is merged or inferred (what one host's files alone say): the
     inputs and rank -> RankDump. Raises ``UnusableInput`` when nothing is usable."""
-    inputs, chosen, _ = _read_rank_dumps(Path(path), workers, False, None, {})
+    spans: Spans = {}
+    inputs, chosen, _ = _read_rank_dumps(Path(path), workers, False, None, spans)
+    for d in chosen.values():
+        _entries(d, spans)
     return inputs, chosen
 
 
@@ -615,7 +738,7 @@ def load_trace(
     inputs, chosen, kept_inputs = _read_rank_dumps(root, workers, progress, meanwhile, spans)
     dumps = [chosen[r] for r in sorted(chosen)]
     entries = _concat_dumps(dumps, spans)
-    groups = _merge_groups(dumps)
+    groups = _merge_groups(dumps, spans)
     for d in dumps:
         for name, g in d.process_groups.items():
             merged = groups.get(name)
@@ -662,9 +785,9 @@ def load_trace(
     if any(d.unmapped_peer_groups for d in dumps):
         trace.entries = concat_entries(
             [
-                _map_peers(d.entries, groups, d.unmapped_peer_groups)
+                _map_peers(_entries(d, spans), groups, d.unmapped_peer_groups)
                 if d.unmapped_peer_groups
-                else d.entries
+                else _entries(d, spans)
                 for d in dumps
             ]
         )

@@ -198,144 +198,236 @@ _OPS: dict[str, str] = {}
 _SITES: dict[str, str | None] = {}
 
 
-def _dictionary(codes: np.ndarray, texts: list[str], valid: np.ndarray | None = None) -> pa.Array:
-    """A dictionary column holding only the texts ``codes`` use (codes index ``texts``)."""
-    used, inverse = np.unique(codes, return_inverse=True)
-    values = pa.array([texts[i] for i in used.tolist()], type=pa.string())
-    idx = pa.array(inverse.astype(np.int32), mask=None if valid is None else ~valid)
-    return pa.DictionaryArray.from_arrays(idx, values)
+_NULLABLE = frozenset({"peer", "time_started_ns", "time_completed_ns", "timeout_ms", "retired"})
 
 
-def packed_to_rank_dumps(packed: PackedHost, source: str) -> list[RankDump]:
-    """Map a packed host summary onto the Trace: one entries table for all its ranks (each
-    RankDump's ``entries`` a slice of it), as ``summary_to_rank_dump`` maps each rank."""
-    cols = packed.columns
-    valid = packed.valid
-    strings = packed.strings
-    n = packed.n_entries
-    counts = np.diff(packed.offsets)
-    rank_ids = np.array([r.rank for r in packed.ranks], dtype=np.int32)
-    which = np.repeat(np.arange(len(packed.ranks)), counts)
+class _Interner:
+    """One string table for a batch of hosts (each host's table maps into it)."""
 
-    def ints(name: str) -> np.ndarray:
-        a = cols.get(name)
-        return np.zeros(n, dtype=np.int64) if a is None else a
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {"": 0}
+        self.texts: list[str] = [""]
 
-    def nullable(name: str, dtype: pa.DataType) -> pa.Array:
-        a = cols.get(name)
-        if a is None:
-            return pa.nulls(n, type=dtype)
-        ok = valid.get(name)
-        return pa.array(a, type=dtype, mask=None if ok is None else ~ok)
+    def codes(self, strings: list[str]) -> np.ndarray:
+        index, texts = self.index, self.texts
+        out = np.empty(len(strings), dtype=np.int64)
+        for k, t in enumerate(strings):
+            i = index.get(t)
+            if i is None:
+                i = index[t] = len(texts)
+                texts.append(t)
+            out[k] = i
+        return out
 
-    def text(name: str, empty_is_null: bool) -> pa.Array:
-        a = cols.get(name)
-        if a is None:
-            return pa.nulls(n, type=ENTRY_SCHEMA.field(name).type)
-        return _dictionary(a, strings, (a != 0) if empty_is_null else None)
 
-    # group: rank-local index -> the host's group table -> distinct names
-    local = cols.get("group")
-    local = np.full(n, -1, dtype=np.int64) if local is None else local.astype(np.int64)
-    table_of_rank = [np.array([hg for hg, _ in r.groups], dtype=np.int64) for r in packed.ranks]
-    base = np.concatenate([[0], np.cumsum([len(t) for t in table_of_rank])]).astype(np.int64)
-    flat = np.concatenate(table_of_rank + [np.zeros(1, dtype=np.int64)])
-    has_group = local >= 0
-    host_group = np.where(has_group, flat[np.where(has_group, base[which] + local, 0)], 0)
-    names = [g[0] for g in packed.groups] or [""]
-    descs = [g[1] for g in packed.groups] or [""]
+def _dict_column(codes: np.ndarray, dictionary: pa.Array, null: np.ndarray | None) -> pa.Array:
+    idx = pa.array(codes.astype(np.int32, copy=False), mask=null)
+    return pa.DictionaryArray.from_arrays(idx, dictionary)
 
-    op_codes = ints("op")
-    op_texts = [_OPS.get(t) or _OPS.setdefault(t, op_name(t)) for t in strings]
-    backends = {r.identity.get("backend") or None for r in packed.ranks}
-    if len(backends) == 1:
-        backend = next(iter(backends))
-        profiling = pa.array(
-            [t if (":" in t or not backend or not t) else f"{backend}:{t}" for t in strings]
-        )
-        profiling_col = pa.DictionaryArray.from_arrays(
-            pa.array(op_codes.astype(np.int32)), profiling
-        )
-    else:  # ranks of one host on different backends: per entry, as the JSON path does
-        texts = [strings[i] for i in op_codes.tolist()]
-        bk = [packed.ranks[k].identity.get("backend") or None for k in which.tolist()]
-        profiling_col = pa.array(
-            [
-                t if (":" in t or not b or not t) else f"{b}:{t}"
-                for t, b in zip(texts, bk, strict=True)
-            ]
-        ).dictionary_encode()
 
-    stack = ints("stack")
-    site_col = cols.get("call_site")
-    site_codes = np.zeros(n, dtype=np.int64) if site_col is None else site_col
-    derived = [_SITES[t] if t in _SITES else _SITES.setdefault(t, call_site_of(t) if t else None)
-               for t in strings]  # fmt: skip
-    sites = pa.array(
-        [
-            strings[c] if c else derived[k]
-            for c, k in zip(site_codes.tolist(), stack.tolist(), strict=True)
-        ],
-        type=pa.string(),
-    ).dictionary_encode()
+def packed_to_arrow(
+    hosts: list[PackedHost], sources: list[str]
+) -> tuple[pa.Table, list[list[RankDump]], list[list[int]]]:
+    """Several decoded packed host summaries -> one entries table (all their ranks, host
+    after host) and, per host, one RankDump per rank (``entries`` left None: rows
+    ``rows[h][k]`` of the table, in order), mapped as ``summary_to_rank_dump`` maps each
+    rank. One table per batch: building Arrow arrays costs per call, not per row."""
+    strings = _Interner()
+    n_total = sum(h.n_entries for h in hosts)
+    string_cols = ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes",
+                   "thread_id", "thread_name", "stack", "error", "op", "call_site")  # fmt: skip
+    parts: dict[str, list[np.ndarray]] = {}
+    masks: dict[str, list[np.ndarray]] = {}
+    rank_col: list[np.ndarray] = []
+    group_col: list[np.ndarray] = []  # batch group index (-1: none)
+    backend_col: list[np.ndarray] = []  # batch string index of the rank's backend
+    group_index: dict[tuple[str, str], int] = {}
+    group_names: list[str] = []
+    group_descs: list[str] = []
+    all_dumps: list[list[RankDump]] = []
+    all_rows: list[list[int]] = []
 
-    state = ints("state")
-    state_of = np.array([STATES.index(s) for s in STATE_CODES], dtype=np.int32)
-    retired_raw = cols.get("retired")
+    def put(name: str, values: np.ndarray, ok: np.ndarray | None = None) -> None:
+        parts.setdefault(name, []).append(values)
+        if name in _NULLABLE:
+            masks.setdefault(name, []).append(np.ones(len(values), bool) if ok is None else ok)
+
+    for packed, source in zip(hosts, sources, strict=True):
+        n = packed.n_entries
+        cols = packed.columns
+        counts = np.diff(packed.offsets)
+        which = np.repeat(np.arange(len(packed.ranks)), counts)
+        code = strings.codes(packed.strings)
+        for name in string_cols:
+            a = cols.get(name)
+            put(name, code[a] if a is not None else np.zeros(n, dtype=np.int64))
+        for name in ("record_id", "collective_seq_id", "p2p_seq_id", "is_p2p", "state",
+                     "time_created_ns"):  # fmt: skip
+            a = cols.get(name)
+            put(name, a.astype(np.int64) if a is not None else np.zeros(n, dtype=np.int64))
+        for name in ("peer", "time_started_ns", "time_completed_ns", "timeout_ms", "retired"):
+            a = cols.get(name)
+            if a is None:
+                put(name, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool))
+            else:
+                put(name, a.astype(np.int64), packed.valid.get(name))
+        d = cols.get("duration_ms")
+        if d is None:
+            put("duration_ms", np.full(n, np.nan))
+        else:
+            ok = packed.valid.get("duration_ms")
+            put("duration_ms", np.where(ok, d, np.nan) if ok is not None else d)
+        found = []
+        for g in packed.groups:
+            i = group_index.get((g[0], g[1]))
+            if i is None:
+                i = group_index[(g[0], g[1])] = len(group_names)
+                group_names.append(g[0])
+                group_descs.append(g[1])
+            found.append(i)
+        gmap = np.array(found + [-1], dtype=np.int64)
+        # rank-local group index -> host group -> batch group
+        tables = [np.array([hg for hg, _ in r.groups] + [-1], dtype=np.int64) for r in packed.ranks]
+        base = np.concatenate([[0], np.cumsum([len(t) for t in tables])]).astype(np.int64)
+        flat = np.concatenate(tables) if tables else np.zeros(1, dtype=np.int64)
+        local = cols.get("group")
+        local = np.full(n, -1, dtype=np.int64) if local is None else local.astype(np.int64)
+        host_group = np.where(local >= 0, flat[base[which] + np.maximum(local, 0)], -1)
+        group_col.append(gmap[host_group])
+        rank_col.append(np.array([r.rank for r in packed.ranks], dtype=np.int32)[which])
+        bk = strings.codes([r.identity.get("backend") or "" for r in packed.ranks])
+        backend_col.append(bk[which] if len(bk) else np.zeros(0, dtype=np.int64))
+        dumps, rows = _rank_dumps(packed, source, cols.get("time_created_ns"))
+        all_dumps.append(dumps)
+        all_rows.append(rows)
+
+    def joined(name: str) -> np.ndarray:
+        chunks = parts.get(name) or []
+        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+
+    def nulls(name: str) -> np.ndarray | None:
+        if name not in masks:
+            return None
+        ok = np.concatenate(masks[name]) if masks[name] else np.ones(0, dtype=bool)
+        return None if ok.all() else ~ok
+
+    texts = strings.texts
+    text_dict = pa.array(texts, type=pa.string())
+    ops = pa.array([_OPS.get(t) or _OPS.setdefault(t, op_name(t)) for t in texts])
+    op = joined("op")
+    backend = np.concatenate(backend_col) if backend_col else np.zeros(0, dtype=np.int64)
+    if not backend.any():
+        profiling = _dict_column(op, text_dict, None)
+    else:  # an op without a prefix takes its rank's backend's, as the JSON path does
+        pairs = op * len(texts) + backend
+        uniq, inverse = np.unique(pairs, return_inverse=True)
+        values = []
+        for key in uniq.tolist():
+            t, b = texts[key // len(texts)], texts[key % len(texts)]
+            values.append(t if (":" in t or not b or not t) else f"{b}:{t}")
+        profiling = _dict_column(inverse, pa.array(values, type=pa.string()), None)
+    stack = joined("stack")
+    site = joined("call_site")
+    # a call site as recorded, else derived from the stack (one derivation per text)
+    key = np.where(site != 0, site, len(texts) + stack)
+    uniq, inverse = np.unique(key, return_inverse=True)
+    site_texts = []
+    for k in uniq.tolist():
+        if k < len(texts):
+            site_texts.append(texts[k])
+        else:
+            t = texts[k - len(texts)]
+            if t not in _SITES:
+                _SITES[t] = call_site_of(t) if t else None
+            site_texts.append(_SITES[t])
+    site_values = pa.array(site_texts, type=pa.string())
+    site_null = np.asarray(site_values.is_null())[inverse] if site_values.null_count else None
+    state = joined("state")
+    state_of = np.array([STATES.index(x) for x in STATE_CODES], dtype=np.int32)
+    retired = joined("retired")
+    retired_null = nulls("retired")
     done = state == STATE_CODES.index("completed")
-    if retired_raw is not None:
-        ok = valid.get("retired", np.ones(n, dtype=bool))
-        retired = np.where(ok, retired_raw != 0, done)
-    else:
-        retired = done
-    duration = cols.get("duration_ms")
-    peer = cols.get("peer")
+    retired_b = (
+        np.where(retired_null, done, retired != 0) if retired_null is not None else retired != 0
+    )
+    if "retired" not in parts:
+        retired_b = done
+    group = np.concatenate(group_col) if group_col else np.zeros(0, dtype=np.int64)
+    no_group = group < 0
+    group = np.maximum(group, 0)
+    # one dictionary entry per distinct name (and desc): categories must be unique
+    name_values, name_of = np.unique(np.array(group_names or [""], object), return_inverse=True)
+    desc_values, desc_of = np.unique(np.array(group_descs or [""], object), return_inverse=True)
+    names = pa.array(name_values.tolist(), type=pa.string())
+    descs = pa.array(desc_values.tolist(), type=pa.string())
+    duration = joined("duration_ms").astype(np.float64)
     arrays = {
-        "rank": pa.array(rank_ids[which] if n else np.zeros(0, np.int32), type=pa.int32()),
-        "record_id": pa.array(ints("record_id")),
-        "pg_name": _dictionary(host_group, names, has_group),
-        "pg_desc": _dictionary(host_group, descs, has_group),
-        "collective_seq_id": pa.array(ints("collective_seq_id")),
-        "p2p_seq_id": pa.array(ints("p2p_seq_id")),
-        "is_p2p": pa.array(ints("is_p2p") != 0),
-        "op": _dictionary(op_codes, op_texts),
-        "profiling_name": profiling_col,
-        "peer": nullable("peer", pa.int32()) if peer is not None else pa.nulls(n, pa.int32()),
-        "input_sizes": text("input_sizes", False),
-        "output_sizes": text("output_sizes", False),
-        "input_dtypes": text("input_dtypes", False),
-        "output_dtypes": text("output_dtypes", False),
-        "state": pa.DictionaryArray.from_arrays(
-            pa.array(state_of[state]), pa.array(list(STATES), type=pa.string())
+        "rank": pa.array(
+            np.concatenate(rank_col) if rank_col else np.zeros(0, np.int32), type=pa.int32()
         ),
-        "time_created_ns": pa.array(ints("time_created_ns")),
-        "time_started_ns": nullable("time_started_ns", pa.int64()),
-        "time_completed_ns": nullable("time_completed_ns", pa.int64()),
-        "duration_ms": (
-            pa.nulls(n, pa.float64())
-            if duration is None
-            else pa.array(duration, mask=~valid.get("duration_ms", ~np.isnan(duration)))
-        ),
-        "retired": pa.array(retired),
-        "timeout_ms": nullable("timeout_ms", pa.int64()),
-        "thread_id": text("thread_id", False),
-        "thread_name": text("thread_name", True),
-        "call_site": sites,
-        "stack": text("stack", True),
-        "error": text("error", True),
+        "record_id": pa.array(joined("record_id")),
+        "pg_name": _dict_column(name_of[group], names, no_group if no_group.any() else None),
+        "pg_desc": _dict_column(desc_of[group], descs, no_group if no_group.any() else None),
+        "collective_seq_id": pa.array(joined("collective_seq_id")),
+        "p2p_seq_id": pa.array(joined("p2p_seq_id")),
+        "is_p2p": pa.array(joined("is_p2p") != 0),
+        "op": _dict_column(op, ops, None),
+        "profiling_name": profiling,
+        "peer": pa.array(joined("peer").astype(np.int32), mask=nulls("peer")),
+        "state": _dict_column(state_of[state], pa.array(list(STATES), type=pa.string()), None),
+        "time_created_ns": pa.array(joined("time_created_ns")),
+        "time_started_ns": pa.array(joined("time_started_ns"), mask=nulls("time_started_ns")),
+        "time_completed_ns": pa.array(joined("time_completed_ns"), mask=nulls("time_completed_ns")),
+        "duration_ms": pa.array(duration, mask=np.isnan(duration)),
+        "retired": pa.array(retired_b),
+        "timeout_ms": pa.array(joined("timeout_ms"), mask=nulls("timeout_ms")),
+        "call_site": _dict_column(inverse, site_values, site_null),
     }
+    for name in ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes", "thread_id"):
+        arrays[name] = _dict_column(joined(name), text_dict, None)
+    for name in ("thread_name", "stack", "error"):
+        codes = joined(name)
+        empty = codes == 0
+        arrays[name] = _dict_column(codes, text_dict, empty if empty.any() else None)
     columns = []
     for f in ENTRY_SCHEMA:
         array = arrays[f.name]
         columns.append(array if array.type == f.type else array.cast(f.type))
-    table = pa.Table.from_arrays(columns, schema=ENTRY_SCHEMA)
+    assert all(len(c) == n_total for c in columns)
+    return pa.Table.from_arrays(columns, schema=ENTRY_SCHEMA), all_dumps, all_rows
 
-    created = ints("time_created_ns")
+
+def _rank_dumps(
+    packed: PackedHost, source: str, created: np.ndarray | None
+) -> tuple[list[RankDump], list[int]]:
+    """One RankDump per rank of a host (entries None) and its row count. The ranks of a
+    host share their ProcessGroup objects (and member tuples): the loader counts them by
+    identity, and a batch's pickle carries each once."""
+    shared: dict[tuple[int, bool], ProcessGroup] = {}
     dumps = []
+    rows = []
     for k, r in enumerate(packed.ranks):
         lo, hi = int(packed.offsets[k]), int(packed.offsets[k + 1])
         ident = r.identity
-        groups = [packed.groups[hg] for hg, _ in r.groups]
+        process_groups = {}
+        pg_status = {}
+        default_pg_all = False
+        local_peers = set()
+        for hg, f in r.groups:
+            name, desc, _text, ranks, local = packed.groups[hg]
+            everyone = _all_ranks_of(name, desc, ranks, r.world_size)
+            default_pg_all = default_pg_all or everyone
+            pg = shared.get((hg, everyone))
+            if pg is None:
+                pg = shared[(hg, everyone)] = ProcessGroup(name, desc, () if everyone else ranks)
+            process_groups[name] = pg
+            pg_status[name] = {
+                "last_enqueued_collective": f[0],
+                "last_started_collective": f[1],
+                "last_completed_collective": f[2],
+            }
+            if local:
+                local_peers.add(name)
         info = RankInfo(
             rank=r.rank,
             source=source,
@@ -350,14 +442,7 @@ def packed_to_rank_dumps(packed: PackedHost, source: str) -> list[RankDump]:
             device_id=ident.get("device_id") or None,
             world_size=r.world_size,
             comm_lib_version=ident.get("comm_lib_version") or None,
-            pg_status={
-                g[0]: {
-                    "last_enqueued_collective": f[0],
-                    "last_started_collective": f[1],
-                    "last_completed_collective": f[2],
-                }
-                for g, (_, f) in zip(groups, r.groups, strict=True)
-            },
+            pg_status=pg_status,
             stacks=r.stacks,
             dump_time_ns=r.dump_time_ns if r.dump_time_ns is not None else r.heartbeat_ns,
             stalled=r.stalled,
@@ -367,22 +452,65 @@ def packed_to_rank_dumps(packed: PackedHost, source: str) -> list[RankDump]:
             exit_detail=r.exit_detail,
             last_heartbeat_ns=r.heartbeat_ns,
         )
-        default_pg_all = False
-        process_groups = {}
-        for name, desc, _text, ranks, _local in groups:
-            if _all_ranks_of(name, desc, ranks, r.world_size):
-                default_pg_all = True
-                ranks = ()
-            process_groups[name] = ProcessGroup(name=name, desc=desc, ranks=ranks)
         dumps.append(
             RankDump(
                 rank_info=info,
-                entries=table.slice(lo, hi - lo),
+                entries=None,  # type: ignore[arg-type]
                 process_groups=process_groups,
                 notes=list(r.notes),
-                max_time_created_ns=int(created[lo:hi].max()) if hi > lo else None,
+                max_time_created_ns=(
+                    int(created[lo:hi].max()) if hi > lo and created is not None else None
+                ),
                 default_pg_all=default_pg_all,
-                unmapped_peer_groups={g[0] for g in groups if g[4]},
+                unmapped_peer_groups=local_peers,
             )
         )
+        rows.append(hi - lo)
+    return dumps, rows
+
+
+def packed_to_rank_dumps(packed: PackedHost, source: str) -> list[RankDump]:
+    """One host's ranks as RankDumps, each ``entries`` a slice of one table."""
+    table, (dumps,), (rows,) = packed_to_arrow([packed], [source])
+    offset = 0
+    for d, n in zip(dumps, rows, strict=True):
+        d.entries = table.slice(offset, n)
+        offset += n
     return dumps
+
+
+def read_many(
+    paths: list[Path],
+) -> tuple[list[list[RankDump] | DumpError], pa.Table | None, list[list[int]]]:
+    """Several files at once (the loader's batch of a worker's chunk): per file its
+    RankDumps or the ``DumpError`` that refused it. Packed host summaries are decoded into
+    one table for all of them (``rows``: per file, each dump's row count in it, in order;
+    those dumps' ``entries`` are None); other summaries come with their own tables
+    (``rows`` empty for them)."""
+    out: list[list[RankDump] | DumpError] = []
+    hosts: list[PackedHost] = []
+    host_paths: list[str] = []
+    where: list[int] = []
+    for path in paths:
+        try:
+            data, stored = read_content(path)
+            if looks_packed(data):  # bounded by its own reader
+                hosts.append(decode_packed(data))
+                host_paths.append(str(path))
+                where.append(len(out))
+                out.append([])
+            else:
+                limits.check_json(data, stored=stored)  # as for a JSON dump
+                out.append([summary_to_rank_dump(s, str(path)) for s in decode(data)])
+        except (SummaryError, limits.InputRefused) as e:
+            out.append(DumpError(str(e)))
+        except DumpError as e:
+            out.append(e)
+    rows: list[list[int]] = [[] for _ in out]
+    if not hosts:
+        return out, None, rows
+    table, dumps, counts = packed_to_arrow(hosts, host_paths)
+    for i, d, c in zip(where, dumps, counts, strict=True):
+        out[i] = d
+        rows[i] = c
+    return out, table, rows
