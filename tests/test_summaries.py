@@ -1,0 +1,166 @@
+"""Host summaries for fleet analysis (docs/fleet.md): ``frtools summarize`` of a host's black
+boxes, the packed format (round trip, size, hostile input), ``frtools synth --format
+summary`` equal to summarizing the written boxes, and the verdict of summaries equal to the
+verdict of the full records over simulated jobs of every fault kind."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+from frtools.analyze.diagnose import diagnose
+from frtools.analyze.readers import load_trace
+from frtools.analyze.summarize import summarize_path
+from frtools.formats.summary import SummaryError
+from frtools.formats.summary_packed import MAGIC, decode_packed, to_summaries
+from frtools.synth import synthesize
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _verdict_key(v) -> tuple:
+    pg = v.process_group
+    return (v.kind, tuple(sorted(v.guilty_ranks)), pg.name if pg else None, v.op)
+
+
+def _boxes(tmp: Path, fault: str, seed: int = 0, **layout) -> Path:
+    layout = layout or {"world_size": 16, "tp": 2, "pp": 2}
+    out = tmp / f"boxes-{fault}-{seed}"
+    synthesize(out, fault=fault, seed=seed, format="frtools", workers=1, **layout)
+    return out
+
+
+def _by_host(boxes: Path, out: Path, window: int = 64) -> Path:
+    """``frtools summarize`` (in process) of each 8-rank host folder of ``boxes``."""
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = sorted(int(p.stem.split("_")[1]) for p in boxes.glob("rank_*.frt"))
+    for host in sorted({r // 8 for r in ranks}):
+        folder = out.parent / f"host-{host}"
+        folder.mkdir(exist_ok=True)
+        for r in ranks:
+            if r // 8 == host:
+                os.link(boxes / f"rank_{r}.frt", folder / f"rank_{r}.frt")
+        result = summarize_path(folder, window=window, workers=1)
+        (out / f"{result.host}.summary").write_bytes(result.encode())
+    return out
+
+
+def test_packed_summary_round_trips_and_a_host_stays_under_64_kb(tmp_path):
+    boxes = _boxes(tmp_path, "missing", world_size=8, tp=2, pp=2)
+    result = summarize_path(boxes, workers=1)
+    data = result.encode()
+    assert len(data) <= 64 * 1024
+    back = to_summaries(decode_packed(data))
+    assert [s.rank for s in back] == list(range(8))
+    for a, b in zip(result.summaries, back, strict=True):
+        assert len(a.entries) == len(b.entries) >= 64
+        assert [dataclasses.astuple(e) for e in a.entries] == [
+            dataclasses.astuple(e) for e in b.entries
+        ]
+        assert [g.ranks for g in a.groups] == [g.ranks for g in b.groups]
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda d: b"NOTMAGIC" + d[8:], "no FRTSUMPK magic"),
+        (lambda d: d[: len(d) // 2], "truncated"),
+        (lambda d: MAGIC + b"\x00garbage", "corrupt"),
+        (lambda d: MAGIC + zlib.compress(b"\xff\xff\xff\x7f{}"), "header is cut"),
+        (lambda d: MAGIC + zlib.compress(b"\x02\x00\x00\x00[]"), "not an frtools summary"),
+    ],
+)
+def test_hostile_packed_summary_is_refused_with_one_line(tmp_path, mutate, reason):
+    boxes = _boxes(tmp_path, "missing", world_size=8, tp=2, pp=2)
+    data = summarize_path(boxes, workers=1).encode()
+    with pytest.raises(SummaryError, match=reason) as e:
+        decode_packed(mutate(data))
+    assert "\n" not in str(e.value)
+
+
+def test_a_bomb_is_refused_before_it_is_inflated():
+    bomb = MAGIC + zlib.compress(b"\x00" * (300 << 20), 9)
+    with pytest.raises(SummaryError, match="expands beyond"):
+        decode_packed(bomb)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "missing",
+        "dead",
+        "mismatch-op",
+        "mismatch-size",
+        "mismatch-dtype",
+        "order",
+        "stuck",
+        "straggler",
+        "healthy",
+    ],
+)
+def test_host_summaries_give_the_full_records_verdict(tmp_path, fault):
+    boxes = _boxes(tmp_path, fault, seed=3)
+    summaries = _by_host(boxes, tmp_path / "summaries")
+    assert len(list(summaries.glob("*.summary"))) == 2
+    full = diagnose(load_trace(boxes, workers=1))
+    assert _verdict_key(diagnose(load_trace(summaries, workers=1))) == _verdict_key(full)
+
+
+def test_synth_summaries_equal_summarize_of_the_written_boxes(tmp_path):
+    layout = {"world_size": 16, "tp": 2, "pp": 2, "fault": "missing", "seed": 5, "workers": 1}
+    boxes = tmp_path / "boxes"
+    synthesize(boxes, format="frtools", **layout)
+    synth = tmp_path / "synth"
+    synthesize(synth, format="summary", window=64, **layout)
+    made = _by_host(boxes, tmp_path / "made", window=64)
+    names = sorted(p.name for p in synth.glob("*.summary"))
+    assert (
+        names
+        == sorted(p.name for p in made.glob("*.summary"))
+        == [
+            "node00000.summary",
+            "node00001.summary",
+        ]
+    )
+    for name in names:
+        a = to_summaries(decode_packed((synth / name).read_bytes()))
+        b = to_summaries(decode_packed((made / name).read_bytes()))
+        for x, y in zip(a, b, strict=True):
+            assert x.rank == y.rank
+            assert [dataclasses.astuple(e) for e in x.entries] == [
+                dataclasses.astuple(e) for e in y.entries
+            ]
+            assert x.groups == y.groups
+    v_synth, v_boxes = (diagnose(load_trace(d, workers=1)) for d in (synth, boxes))
+    assert _verdict_key(v_synth) == _verdict_key(v_boxes)
+
+
+def test_summarize_command_writes_a_host_file_that_analyze_reads_mixed_with_boxes(tmp_path):
+    boxes = _boxes(tmp_path, "missing")
+    out = tmp_path / "mixed"
+    out.mkdir()
+    host0 = tmp_path / "host0"
+    host0.mkdir()
+    for r in range(8):
+        os.link(boxes / f"rank_{r}.frt", host0 / f"rank_{r}.frt")
+    for r in range(8, 16):  # the second host's boxes, the first host's summary
+        os.link(boxes / f"rank_{r}.frt", out / f"rank_{r}.frt")
+    res = subprocess.run(
+        [sys.executable, "-m", "frtools", "summarize", str(host0), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "node00000: 8 rank(s) 0-7 ->" in res.stderr
+    assert (out / "node00000.summary").exists()
+    full = diagnose(load_trace(boxes, workers=1))
+    trace = load_trace(out, workers=1)
+    assert sorted(trace.ranks) == list(range(16))
+    assert _verdict_key(diagnose(trace)) == _verdict_key(full)
