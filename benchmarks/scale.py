@@ -12,6 +12,15 @@ since ``frtools analyze`` reads files in worker processes. torchfrtrace is stopp
 
     python benchmarks/scale.py --ranks 256,1024,4096 --runs 3 --torch-limit 600
     python benchmarks/scale.py --profile 1024     # where frtools' time goes
+
+Fleet scale (issue #14; docs/fleet.md): ``--fleet-ranks`` times the central step through
+per-host summaries (``frtools synth --format summary`` writes the 8-rank host summaries
+``frtools summarize`` would make, without ~600 GB of black boxes; then ``frtools analyze``
+of that folder), with the summary sizes; ``--summarize-hosts`` times the per-host step on
+real black boxes (``frtools summarize`` of each 8-rank host folder, as a command and in
+process) and checks that the summaries give the boxes' verdict:
+
+    python benchmarks/scale.py --ranks "" --fleet-ranks 131072 --summarize-hosts 16 --runs 3
 """
 
 from __future__ import annotations
@@ -220,6 +229,175 @@ def bench(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _same_verdict(a: Path, b: Path) -> bool:
+    """Two JSON verdicts name the same fault: kind, guilty ranks, group, op and seq."""
+    try:
+        va, vb = (json.loads(p.read_text())["verdict"] for p in (a, b))
+    except (OSError, ValueError, KeyError):
+        return False
+
+    def key(v: dict) -> tuple:
+        pg = v.get("process_group") or {}
+        guilty = sorted(g["rank"] for g in v["guilty"])
+        return (v["kind"], guilty, pg.get("name"), v["op"], v["collective_seq_id"])
+
+    return key(va) == key(vb)
+
+
+def fleet(args: argparse.Namespace) -> list[dict]:
+    """The central step of a fleet analysis: ``frtools analyze`` of one folder of host
+    summaries (16,384 files at 131,072 ranks), per size."""
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n in args.fleet_ranks:
+        d = make_dumps(root, n, args.entries, "summary", args.tp, args.pp)
+        sizes = sorted(p.stat().st_size for p in d.glob("*.summary"))
+        verdict_path = root / f"verdict-summary-{n}.json"
+        verdict_path.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "frtools", "analyze", str(d), "--format", "json"]
+        argv += ["-o", str(verdict_path)]
+        if args.workers:
+            argv += ["--workers", str(args.workers)]
+        runs = [measure(argv, args.limit) for _ in range(args.runs)]
+        row = {
+            "ranks": n,
+            "hosts": len(sizes),
+            "entries_per_rank": args.entries,
+            "summary_kb_median": statistics.median(sizes) / 1024 if sizes else 0.0,
+            "summary_kb_max": max(sizes, default=0) / 1024,
+            "summaries_mb": sum(sizes) / 2**20,
+            "central_time": _fmt_time(runs, args.limit),
+            "central_s": _median(runs, "wall_s"),
+            "central_cpu_s": _median(runs, "cpu_s"),
+            "central_max_rss_mb": _median(runs, "max_rss_mb"),
+            "central_tree_rss_mb": _median(runs, "tree_rss_mb"),
+            "runs": len(runs),
+            "failed": sum(r.returncode not in (0, 1) for r in runs),
+            "verdict_right": _verdict_right(verdict_path, d / "truth.json"),
+        }
+        rows.append(row)
+        print(
+            f"  {n:,} ranks through {row['hosts']:,} host summaries "
+            f"(median {row['summary_kb_median']:.1f} KB, max {row['summary_kb_max']:.1f} KB, "
+            f"{row['summaries_mb']:.0f} MB in all): central step {row['central_time']} "
+            f"(CPU {row['central_cpu_s']:.1f} s, median of {len(runs)}), "
+            f"{row['central_max_rss_mb']:.0f} MB max process / "
+            f"{row['central_tree_rss_mb']:.0f} MB tree; verdict "
+            + ("right" if row["verdict_right"] else "WRONG (see truth.json)")
+            + (f"; {row['failed']} runs FAILED" if row["failed"] else ""),
+            flush=True,
+        )
+        if not args.keep:
+            shutil.rmtree(d, ignore_errors=True)
+    return rows
+
+
+def summarize_hosts(args: argparse.Namespace) -> dict:
+    """The per-host step on real black boxes: a job of ``--summarize-hosts`` hosts x 8
+    ranks written as frtools snapshots, one folder per host; ``frtools summarize`` of each
+    (a command: what srun/pdsh or a Ray task runs; and ``summarize_path`` in this process,
+    without the interpreter's start), then the verdict of the summaries against the
+    boxes'."""
+    from frtools.analyze.summarize import summarize_path
+
+    hosts = args.summarize_hosts
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    boxes = make_dumps(root, hosts * 8, args.entries, "frtools", args.tp, args.pp)
+    work = root / f"per-host-{hosts}"
+    shutil.rmtree(work, ignore_errors=True)
+    out = work / "summaries"
+    out.mkdir(parents=True)
+    folders = []
+    for h in range(hosts):
+        folder = work / f"host{h:05d}"
+        folder.mkdir()
+        for r in range(8 * h, 8 * h + 8):
+            src = boxes / f"rank_{r}.frt"
+            if src.exists():
+                os.link(src, folder / src.name)
+        folders.append(folder)
+    command, in_process = [], []
+    for folder in folders:
+        argv = [sys.executable, "-m", "frtools", "summarize", str(folder), "-o", str(out)]
+        run = measure(argv + ["--workers", "1"], args.limit)
+        if run.returncode != 0:
+            print(f"  frtools summarize {folder} FAILED (rc {run.returncode})")
+        command.append(run)
+        t0 = time.perf_counter()
+        summarize_path(folder, workers=1)
+        in_process.append(time.perf_counter() - t0)
+    sizes = [p.stat().st_size for p in out.glob("*.summary")]
+    box_bytes = sum(p.stat().st_size for p in boxes.glob("*.frt"))
+    verdicts = {}
+    for name, d in (("boxes", boxes), ("summaries", out)):
+        verdicts[name] = work / f"verdict-{name}.json"
+        argv = [sys.executable, "-m", "frtools", "analyze", str(d), "--format", "json"]
+        subprocess.run(argv + ["-o", str(verdicts[name])], stdout=subprocess.DEVNULL)
+    row = {
+        "hosts": hosts,
+        "ranks": hosts * 8,
+        "entries_per_rank": args.entries,
+        "command_s": _median(command, "wall_s"),
+        "command_max_s": max(r.wall_s for r in command),
+        "command_max_rss_mb": _median(command, "max_rss_mb"),
+        "in_process_s": statistics.median(in_process),
+        "in_process_max_s": max(in_process),
+        "boxes_mb_per_host": box_bytes / hosts / 2**20,
+        "summary_kb_median": statistics.median(sizes) / 1024 if sizes else 0.0,
+        "summary_kb_max": max(sizes, default=0) / 1024,
+        "same_verdict": _same_verdict(verdicts["boxes"], verdicts["summaries"]),
+        "verdict_right": _verdict_right(verdicts["summaries"], boxes / "truth.json"),
+    }
+    print(
+        f"  summarize per host ({hosts} hosts x 8 ranks x {args.entries:,} entries, "
+        f"{row['boxes_mb_per_host']:.1f} MB of boxes a host): command {row['command_s']:.2f} s "
+        f"median (max {row['command_max_s']:.2f} s, {row['command_max_rss_mb']:.0f} MB), "
+        f"in process {row['in_process_s']:.2f} s (max {row['in_process_max_s']:.2f} s); "
+        f"summary {row['summary_kb_median']:.1f} KB median, {row['summary_kb_max']:.1f} KB max; "
+        f"summaries' verdict {'= boxes' if row['same_verdict'] else 'DIFFERS from the boxes'}",
+        flush=True,
+    )
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(boxes, ignore_errors=True)
+    return row
+
+
+def fleet_table(rows: list[dict], per_host: dict | None) -> str:
+    lines = [
+        "| ranks (hosts x 8) | entries/rank | host summary: median / max | all summaries "
+        "| central step: wall (CPU) | central peak RSS: largest process / tree | verdict |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['ranks']:,} ({r['hosts']:,}) | {r['entries_per_rank']:,} "
+            f"| {r['summary_kb_median']:.1f} KB / {r['summary_kb_max']:.1f} KB "
+            f"| {r['summaries_mb']:.0f} MB "
+            f"| {r['central_time']} ({r['central_cpu_s']:.0f} s), {r['runs']} runs "
+            f"| {r['central_max_rss_mb'] / 1024:.2f} GB / {r['central_tree_rss_mb'] / 1024:.2f} GB "
+            f"| {'right' if r['verdict_right'] else 'WRONG'} |"
+        )
+    if per_host:
+        p = per_host
+        lines += [
+            "",
+            "| per-host step | hosts x 8 ranks | boxes a host | `frtools summarize` (command) "
+            "| in process | summary: median / max | summaries' verdict |",
+            "|---|---:|---:|---:|---:|---:|---|",
+            f"| {p['entries_per_rank']:,} entries/rank | {p['hosts']} x 8 "
+            f"| {p['boxes_mb_per_host']:.1f} MB "
+            f"| {p['command_s']:.2f} s median, {p['command_max_s']:.2f} s max "
+            f"| {p['in_process_s']:.2f} s median, {p['in_process_max_s']:.2f} s max "
+            f"| {p['summary_kb_median']:.1f} KB / {p['summary_kb_max']:.1f} KB "
+            f"| {'same as the boxes' if p['same_verdict'] else 'DIFFERS'}"
+            f"{'' if p['verdict_right'] else ' (WRONG)'} |",
+        ]
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| ranks | dumps | entries/rank | frtools analyze: wall (CPU) | verdict | frtools peak RSS: largest process / tree | torchfrtrace: wall (CPU) | torchfrtrace peak RSS | speedup: wall (CPU) |",
@@ -298,6 +476,20 @@ def main(argv: list[str] | None = None) -> int:
         "--dir",
         default="/dev/shm/frtools-scale" if os.path.isdir("/dev/shm") else "/tmp/frtools-scale",
     )
+    ap.add_argument(
+        "--fleet-ranks",
+        default=[],
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        help="time the central step through host summaries at these sizes (e.g. 131072)",
+    )
+    ap.add_argument(
+        "--summarize-hosts",
+        type=int,
+        default=0,
+        metavar="HOSTS",
+        help="time frtools summarize per host on black boxes of this many 8-rank hosts",
+    )
+    ap.add_argument("--workers", type=int, help="--workers of the central frtools analyze")
     ap.add_argument("--keep", action="store_true", help="keep the generated dumps")
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument(
@@ -308,11 +500,18 @@ def main(argv: list[str] | None = None) -> int:
         profile(args)
         return 0
     print(f"machine: {os.cpu_count()} CPUs; dumps under {args.dir}", flush=True)
-    rows = bench(args)
-    print()
-    print(table(rows))
+    rows = bench(args) if args.ranks or args.snapshot_ranks else []
+    fleet_rows = fleet(args) if args.fleet_ranks else []
+    per_host = summarize_hosts(args) if args.summarize_hosts else None
+    if rows:
+        print()
+        print(table(rows))
+    if fleet_rows or per_host:
+        print()
+        print(fleet_table(fleet_rows, per_host))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        doc = {"analyze": rows, "fleet": fleet_rows, "per_host": per_host}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
 
 
