@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -124,10 +125,11 @@ def _since(t0: float) -> float:
 
 
 def _node_ip() -> str:
+    """This node's IP as Ray knows it, inside a Ray worker; "?" elsewhere (Ray is never
+    imported here: a plain ``frtools summarize`` pays nothing for it)."""
+    ray = sys.modules.get("ray")
     try:
-        import ray
-
-        if ray.is_initialized():
+        if ray is not None and ray.is_initialized():
             return str(ray.util.get_node_ip_address())
     except Exception:  # noqa: BLE001 - only a label
         pass
