@@ -490,12 +490,13 @@ class _Builder:
                 and m not in minority
             }
             blockers_alive = any(not f.gone(b) for b in draft.blockers)
+            blockers = set(draft.blockers)  # a list: tested for every pending member
             gone = {
                 m
                 for m in pending
                 if m not in busy
                 and m not in minority
-                and m not in draft.blockers
+                and m not in blockers
                 and (e := f.ending(m)) is not None
                 and (e.abnormal or (e.gone and not e.victim and blockers_alive))
             }

@@ -42,12 +42,17 @@ def skipped(facts: JobFacts, graph: WaitForGraph) -> dict[int, tuple[str, int]]:
         near["pg_name"].astype(str), near["seq"], near["rank"], near["call_site"], strict=True
     ):
         sites.setdefault((pg_name, int(seq)), {})[int(rank)] = str(site)
+    # groups by kind, once: a tie is broken by the siblings (16,384 groups of a kind at
+    # 131,072 ranks: not a scan of every group per seq)
+    by_kind: dict[str, list[str]] = {}
+    for g in facts.membership.members:
+        by_kind.setdefault(facts.kind_of_group(g), []).append(g)
     found: dict[int, tuple[str, int]] = {}
     for pg_name, window in wanted.items():
         for seq in sorted(window):
             here = sites.get((pg_name, seq), {})
-            ref = _reference(facts, sites, pg_name, seq)
-            after = _reference(facts, sites, pg_name, seq + 1)
+            ref = _reference(facts, sites, pg_name, seq, by_kind)
+            after = _reference(facts, sites, pg_name, seq + 1, by_kind)
             if ref is None or after is None or ref == after:
                 continue
             for rank, site in here.items():
@@ -57,17 +62,20 @@ def skipped(facts: JobFacts, graph: WaitForGraph) -> dict[int, tuple[str, int]]:
 
 
 def _reference(
-    facts: JobFacts, sites: dict[tuple[str, int], dict[int, str]], pg_name: str, seq: int
+    facts: JobFacts,
+    sites: dict[tuple[str, int], dict[int, str]],
+    pg_name: str,
+    seq: int,
+    by_kind: dict[str, list[str]],
 ) -> str | None:
     """The call site most members reach at this seq: the group's strict majority, else its
-    siblings'."""
+    siblings' (``by_kind``: the groups of each kind, in membership order)."""
     own = _majority(sites.get((pg_name, seq), {}).values())
     if own is not None:
         return own
-    kind = facts.kind_of_group(pg_name)
     others: list[str] = []
-    for g in facts.membership.members:
-        if g != pg_name and facts.kind_of_group(g) == kind:
+    for g in by_kind.get(facts.kind_of_group(pg_name), ()):
+        if g != pg_name:
             others += list(sites.get((g, seq), {}).values())
     return _majority(others)
 
