@@ -366,11 +366,13 @@ def summarize_hosts(args: argparse.Namespace) -> dict:
 
 
 def fleet_table(rows: list[dict], per_host: dict | None) -> str:
-    lines = [
-        "| ranks (hosts x 8) | entries/rank | host summary: median / max | all summaries "
-        "| central step: wall (CPU) | central peak RSS: largest process / tree | verdict |",
-        "|---:|---:|---:|---:|---:|---:|---|",
-    ]
+    lines = []
+    if rows:
+        lines += [
+            "| ranks (hosts x 8) | entries/rank | host summary: median / max | all summaries "
+            "| central step: wall (CPU) | central peak RSS: largest process / tree | verdict |",
+            "|---:|---:|---:|---:|---:|---:|---|",
+        ]
     for r in rows:
         lines.append(
             f"| {r['ranks']:,} ({r['hosts']:,}) | {r['entries_per_rank']:,} "
@@ -383,7 +385,7 @@ def fleet_table(rows: list[dict], per_host: dict | None) -> str:
     if per_host:
         p = per_host
         lines += [
-            "",
+            *([""] if rows else []),
             "| per-host step | hosts x 8 ranks | boxes a host | `frtools summarize` (command) "
             "| in process | summary: median / max | summaries' verdict |",
             "|---|---:|---:|---:|---:|---:|---|",
