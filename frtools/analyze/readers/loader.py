@@ -204,9 +204,11 @@ def _read_chunk(paths: Sequence[str], spans: Spans) -> list[FileResult]:
             if isinstance(out, BaseException):
                 results[i] = _failure(str(path), reader.FORMAT, mtime, out)
                 continue
-            for d, c in zip(out, counts, strict=True):
-                spans[id(d)] = (table, offset, c)
-                offset += c
+            if counts:  # a packed host's dumps: slices of the batch's table
+                for d, c in zip(out, counts, strict=True):
+                    spans[id(d)] = (table, offset, c)
+                    offset += c
+            # else JSON summaries: each dump came with its own table
             results[i] = _success(str(path), out, mtime)
     final = []
     for p, r in zip(paths, results, strict=True):
