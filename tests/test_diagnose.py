@@ -775,3 +775,30 @@ def test_ranks_whose_op_gloo_retired_when_a_member_died_are_victims(tmp_path):
     v = diagnose(gloo_dumps(_with_rows(trace, rows), tmp_path))
     assert v.kind == "dead", v.headline
     assert v.guilty_ranks == [3]
+
+
+def test_rank_gloo_aborted_for_a_peers_dtype_is_a_casualty_not_the_cause():
+    """Real job (corpus fsdp2-dtype-r3-frtools): rank 3 all-reduces its metrics in float64,
+    its peers in float32. Gloo aborts rank 2, which receives 1032 bytes where it expects 516
+    (SIGABRT); ranks 0, 1, 3 leave the op with an error. Rank 2 issued the op as the majority
+    did: the disagreement is the cause, its death a consequence (this was 'dead [2, 3]')."""
+    programs = {
+        r: [Op("0", "all_reduce", "[[2048]]"), Op("0", "all_reduce", "[[1025]]",
+                                                  "Double" if r == 3 else "Float")]
+        for r in range(4)
+    }  # fmt: skip
+    trace = simulate(WORLD4, programs, completion="nccl")
+    rows = _rows(trace)
+    for row in rows:
+        if row["collective_seq_id"] == 2 and row["rank"] != 2:
+            row["state"] = "failed"
+            row["error"] = "Connection closed by peer [127.0.0.1]:29500"
+    for r, info in trace.ranks.items():
+        info.alive = False
+        info.exit_kind = "signal" if r == 2 else "exception"
+        info.exit_detail = "SIGABRT" if r == 2 else "DistBackendError: Connection closed by peer"
+    v = diagnose(_with_rows(trace, rows))
+    assert v.kind == "mismatch", v.headline
+    assert v.guilty_ranks == [3]
+    assert v.collective_seq_id == 2
+    assert 2 in v.waiting

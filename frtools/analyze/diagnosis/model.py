@@ -166,6 +166,7 @@ class NoteKind(enum.Enum):
     NO_OPS = "no_ops"  # no rank recorded any op
     ENDINGS = "endings"  # ranks whose processes ended by a failure of their own
     VICTIMS = "victims"  # ranks whose op failed because a peer went away
+    CASUALTIES = "casualties"  # point, ranks: issued the mismatched op as agreed, then ended
     IN_FLIGHT = "in_flight"  # count: ops every member issued, still running
 
 

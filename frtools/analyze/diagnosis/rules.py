@@ -80,6 +80,11 @@ def roots(ev: Evidence) -> Finding | None:
     blamed = g.roots - g.stuck_roots
     waiting = g.waiting | g.stuck_roots
     reasons = _root_reasons(ev, blamed)
+    casualties = _casualties(reasons)
+    if casualties:
+        blamed -= casualties
+        waiting |= casualties
+        reasons = {r: rp for r, rp in reasons.items() if r not in casualties}
     kinds = sorted({ROOT_KIND[r] for r, _ in reasons.values()}, key=_ROOT_KIND_ORDER.index)
     kind = kinds[0]
     points = [p for r, p in reasons.values() if ROOT_KIND[r] is kind]
@@ -114,6 +119,8 @@ def roots(ev: Evidence) -> Finding | None:
     for p in shown[:5]:
         if p.targets and p.blockers:
             notes.append(Note(NoteKind.BLOCKED, point=p))
+    if casualties:
+        notes.append(Note(NoteKind.CASUALTIES, point=point, ranks=tuple(sorted(casualties))))
     failure = _failure_notes(f, point)
     notes += failure
     for note in failure:
@@ -454,6 +461,16 @@ def _root_reasons(ev: Evidence, blamed: frozenset[int]) -> dict[int, tuple[Reaso
             ):
                 found[r] = (reason, point)
     return found
+
+
+def _casualties(reasons: dict[int, tuple[Reason, Point]]) -> frozenset[int]:
+    """Roots whose process ended in an op they issued with the majority's signature, where
+    another root issued it otherwise: the disagreement is the cause and they its casualties
+    (Gloo aborts a rank that receives a payload of another size; seen in real jobs)."""
+    odd = {p.key for reason, p in reasons.values() if reason is Reason.MISMATCH}
+    return frozenset(
+        r for r, (reason, p) in reasons.items() if reason is Reason.GONE and p.key in odd
+    )
 
 
 def _point_rank(reason: Reason, point: Point, blamed: frozenset[int]) -> tuple:

@@ -405,6 +405,12 @@ class _Wording:
                 f"Rank(s) {format_ranks(list(n.ranks))} failed in a collective because a peer "
                 "went away (victims, not healthy and not guilty)."
             )
+        if k is NoteKind.CASUALTIES:
+            return (
+                f"Rank(s) {format_ranks(list(n.ranks))} issued the op as the majority did and "
+                "ended there: casualties of the disagreement (Gloo aborts a rank that receives "
+                "a payload of another size), not its cause."
+            )
         if k is NoteKind.IN_FLIGHT:
             return f"{n.count} in-flight op(s) that every member issued."
         return ""
