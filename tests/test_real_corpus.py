@@ -44,7 +44,11 @@ def corpus_runs(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
 @pytest.mark.slow
 @pytest.mark.timeout(CASE_TIMEOUT)
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=[pytest.mark.fr_recorder] if c.recorder == "fr" else []) for c in CASES],
+    ids=[c.id for c in CASES],
+)
 def test_real_job_gets_its_verdict(case: Case, corpus_runs) -> None:  # noqa: ANN001
     run = corpus_runs(case)
     assert run.ending != "limit", f"the job did not end or hang in time\n{run.tail()}"
