@@ -133,11 +133,31 @@ def rank_snapshot(job: Job, rank: int) -> bytes:
     if a.barrier:
         created_ns, started_ns, completed_ns, duration_ms = init_barrier_times(a.skew)
         op, ins, outs, idt, odt, stack = (strings.id(t) for t in _texts(INIT_BARRIER))
-        slots[0] = (
-            2, 0, 1, 0, created_ns, started_ns, completed_ns,
-            duration_ms if timing else np.nan, 100_000 + rank, 0, -1, op, ins, outs, idt, odt,
-            stack, 3, 0, int(timing), thread_name,
-        )  # fmt: skip
+        # by name: the slot layout grows (format 2 added the failure fields, zero here)
+        for field, value in (
+            ("seq", 2),
+            ("record_id", 0),
+            ("collective_seq_id", 1),
+            ("p2p_seq_id", 0),
+            ("time_created_ns", created_ns),
+            ("time_started_ns", started_ns),
+            ("time_completed_ns", completed_ns),
+            ("duration_ms", duration_ms if timing else np.nan),
+            ("thread_id", 100_000 + rank),
+            ("pg", 0),
+            ("peer", -1),
+            ("op", op),
+            ("input_sizes", ins),
+            ("output_sizes", outs),
+            ("input_dtypes", idt),
+            ("output_dtypes", odt),
+            ("stack", stack),
+            ("state", 3),
+            ("is_p2p", 0),
+            ("flags", int(timing)),
+            ("thread_name", thread_name),
+        ):
+            slots[field][0] = value  # fmt: skip
 
     pgs = np.zeros(len(GROUP_ROWS), dtype=PG_DTYPE)
     for i, kind in enumerate(GROUP_ROWS):
