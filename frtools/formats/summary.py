@@ -536,19 +536,43 @@ def _opt_str(value: Any, what: str, limit: int) -> str | None:
     return value
 
 
-def _rank(doc: dict[str, Any]) -> RankSummary:
+def rank_fields(doc: dict[str, Any]) -> dict[str, Any]:
+    """A rank's identity, failure facts and scalars, checked: the fields the JSON rank
+    summary and the packed host summary's rank header share (each adds its groups and ops)."""
     rank = _int(doc.get("rank"), "rank", 0, MAX_WORLD_SIZE - 1)
     world = _opt_int(doc.get("world_size"), "world_size", 1, MAX_WORLD_SIZE)
     _want(world is None or rank < world, f"rank {rank} is not below world_size {world}")
     ident_raw = doc.get("identity") or {}
     _want(isinstance(ident_raw, dict), "identity is not an object")
-    identity = _clean_identity(ident_raw)
     exit_raw = doc.get("exit") or {}
     _want(isinstance(exit_raw, dict), "exit is not an object")
     exit_kind = _opt_str(exit_raw.get("kind"), "exit.kind", 32)
     from frtools.model.trace import EXIT_KINDS  # pyarrow: not in a training process's path
 
     _want(exit_kind is None or exit_kind in EXIT_KINDS, f"unknown exit kind {exit_kind!r}")
+    notes = doc.get("notes") or []
+    _want(isinstance(notes, list) and len(notes) <= MAX_NOTES, "notes is not a short list")
+    return {
+        "rank": rank,
+        "world_size": world,
+        "identity": _clean_identity(ident_raw),
+        "taken_ns": _int(doc.get("taken_ns"), "taken_ns", 0),
+        "heartbeat_ns": _opt_int(doc.get("heartbeat_ns"), "heartbeat_ns", 0),
+        "dump_time_ns": _opt_int(doc.get("dump_time_ns"), "dump_time_ns", 0),
+        "stalled": _opt_bool(doc.get("stalled"), "stalled"),
+        "alive": _opt_bool(doc.get("alive"), "alive"),
+        "wrapped": bool(_opt_bool(doc.get("wrapped"), "wrapped")),
+        "records_written": _int(doc.get("records_written", 0), "records_written", 0),
+        "omitted": _int(doc.get("omitted", 0), "omitted", 0),
+        "exit_kind": exit_kind,
+        "exit_detail": _opt_str(exit_raw.get("detail"), "exit.detail", MAX_STRING_CHARS),
+        "stacks": _opt_str(doc.get("stacks"), "stacks", MAX_STACKS_CHARS),
+        "notes": [_opt_str(n, "a note", 1024) or "" for n in notes],
+    }
+
+
+def _rank(doc: dict[str, Any]) -> RankSummary:
+    fields = rank_fields(doc)
     strings = doc.get("strings")
     _want(isinstance(strings, list) and len(strings) >= 1, "strings is not a list")
     _want(len(strings) <= MAX_STRINGS, f"more than {MAX_STRINGS} strings")
@@ -556,29 +580,7 @@ def _rank(doc: dict[str, Any]) -> RankSummary:
         _want(isinstance(s, str) and len(s) <= MAX_STRING_CHARS, "a string is too long or not one")
     _want(strings[0] == "", "strings[0] must be the empty string")
     groups = _groups(doc.get("groups"))
-    entries = _entries(doc, strings, len(groups))
-    notes_raw = doc.get("notes") or []
-    _want(isinstance(notes_raw, list) and len(notes_raw) <= MAX_NOTES, "notes is not a short list")
-    notes = [_opt_str(n, "a note", 1024) or "" for n in notes_raw]
-    return RankSummary(
-        rank=rank,
-        world_size=world,
-        identity=identity,
-        groups=groups,
-        entries=entries,
-        taken_ns=_int(doc.get("taken_ns"), "taken_ns", 0),
-        heartbeat_ns=_opt_int(doc.get("heartbeat_ns"), "heartbeat_ns", 0),
-        stalled=_opt_bool(doc.get("stalled"), "stalled"),
-        alive=_opt_bool(doc.get("alive"), "alive"),
-        wrapped=bool(_opt_bool(doc.get("wrapped"), "wrapped")),
-        records_written=_int(doc.get("records_written", 0), "records_written", 0),
-        omitted=_int(doc.get("omitted", 0), "omitted", 0),
-        exit_kind=exit_kind,
-        exit_detail=_opt_str(exit_raw.get("detail"), "exit.detail", MAX_STRING_CHARS),
-        stacks=_opt_str(doc.get("stacks"), "stacks", MAX_STACKS_CHARS),
-        notes=notes,
-        dump_time_ns=_opt_int(doc.get("dump_time_ns"), "dump_time_ns", 0),
-    )
+    return RankSummary(**fields, groups=groups, entries=_entries(doc, strings, len(groups)))
 
 
 def _groups(raw: Any) -> list[SummaryGroup]:

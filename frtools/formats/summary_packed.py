@@ -41,8 +41,6 @@ from frtools.formats.summary import (
     MAX_GROUPS,
     MAX_HOST_RANKS,
     MAX_IDENTITY_CHARS,
-    MAX_NOTES,
-    MAX_STACKS_CHARS,
     MAX_STRING_CHARS,
     MAX_STRINGS,
     VERSION,
@@ -50,14 +48,14 @@ from frtools.formats.summary import (
     SummaryEntry,
     SummaryError,
     SummaryGroup,
-    _clean_identity,
     _int,
     _opt_bool,
     _opt_int,
     _opt_str,
     _want,
+    rank_fields,
 )
-from frtools.model.ranks import MAX_WORLD_SIZE, RankTextError, format_ranks, parse_ranks
+from frtools.model.ranks import RankTextError, format_ranks, parse_ranks
 
 __all__ = [
     "DEFAULT_HOST_WINDOW",
@@ -387,16 +385,11 @@ def _host_groups(raw: Any) -> list[tuple[str, str, str, tuple[int, ...], bool]]:
 
 def _ranks(raw: Any, n_groups: int) -> list[PackedRank]:
     _want(isinstance(raw, list) and len(raw) <= MAX_HOST_RANKS, "ranks is not a short list")
-    from frtools.model.trace import EXIT_KINDS  # pyarrow: not in a training process's path
-
     out = []
     for i, doc in enumerate(raw):
         _want(isinstance(doc, dict), f"rank item {i} is not an object")
-        rank = _int(doc.get("rank"), "rank", 0, MAX_WORLD_SIZE - 1)
-        world = _opt_int(doc.get("world_size"), "world_size", 1, MAX_WORLD_SIZE)
-        _want(world is None or rank < world, f"rank {rank} is not below world_size {world}")
-        ident = doc.get("identity") or {}
-        _want(isinstance(ident, dict), "identity is not an object")
+        fields = rank_fields(doc)
+        rank = fields["rank"]
         groups_raw = doc.get("groups")
         _want(isinstance(groups_raw, list) and len(groups_raw) <= MAX_GROUPS, "rank groups")
         # thousands of hosts x ranks x groups: checked in bulk, not value by value
@@ -413,32 +406,11 @@ def _ranks(raw: Any, n_groups: int) -> list[PackedRank]:
             lo = min(min(g[1:]) for g in groups_raw)
             hi = max(max(g[1:]) for g in groups_raw)
             _want(lo >= -1 and hi <= _INT64_MAX, f"rank {rank} frontier out of range")
-        groups = [(g[0], tuple(g[1:])) for g in groups_raw]
-        exit_raw = doc.get("exit") or {}
-        _want(isinstance(exit_raw, dict), "exit is not an object")
-        exit_kind = _opt_str(exit_raw.get("kind"), "exit.kind", 32)
-        _want(exit_kind is None or exit_kind in EXIT_KINDS, f"unknown exit kind {exit_kind!r}")
-        notes = doc.get("notes") or []
-        _want(isinstance(notes, list) and len(notes) <= MAX_NOTES, "notes is not a short list")
         out.append(
             PackedRank(
-                rank=rank,
-                world_size=world,
-                identity=_clean_identity(ident),
-                groups=groups,  # type: ignore[arg-type]
+                **fields,
+                groups=[(g[0], tuple(g[1:])) for g in groups_raw],  # type: ignore[misc]
                 n_entries=_int(doc.get("entries"), "entries", 0, MAX_ENTRIES),
-                taken_ns=_int(doc.get("taken_ns"), "taken_ns", 0),
-                heartbeat_ns=_opt_int(doc.get("heartbeat_ns"), "heartbeat_ns", 0),
-                dump_time_ns=_opt_int(doc.get("dump_time_ns"), "dump_time_ns", 0),
-                stalled=_opt_bool(doc.get("stalled"), "stalled"),
-                alive=_opt_bool(doc.get("alive"), "alive"),
-                wrapped=bool(_opt_bool(doc.get("wrapped"), "wrapped")),
-                records_written=_int(doc.get("records_written", 0), "records_written", 0),
-                omitted=_int(doc.get("omitted", 0), "omitted", 0),
-                exit_kind=exit_kind,
-                exit_detail=_opt_str(exit_raw.get("detail"), "exit.detail", MAX_STRING_CHARS),
-                stacks=_opt_str(doc.get("stacks"), "stacks", MAX_STACKS_CHARS),
-                notes=[_opt_str(x, "a note", 1024) or "" for x in notes],
             )
         )
     return out
