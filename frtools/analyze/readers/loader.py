@@ -496,6 +496,8 @@ def _other_recorders(ordered: list[Candidate]) -> tuple[list[Candidate], list[Ca
     the one c10d's hook fills for nccl2): a rank on mixed groups has several records, each
     of other groups, and together they are its record. A record whose groups overlap the
     kept ones', or that holds no op, is an older or poorer copy."""
+    if len(ordered) == 1:  # the common case: no per-rank scan of the groups column
+        return [], []
     seen = _groups_recorded(ordered[0][1])
     others, older = [], []
     for c in ordered[1:]:
