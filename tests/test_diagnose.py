@@ -202,9 +202,11 @@ def test_straggler_is_named_when_nothing_hangs():
     assert "ms" in v.guilty[0].reason
 
 
-def test_small_jitter_is_not_a_straggler():
-    v = diagnose(simulate(JOB, training(JOB, 4), delay_ms={6: 1}))
-    assert v.kind == "healthy"
+@pytest.mark.parametrize("late_ms", [1, 10])
+def test_small_jitter_is_not_a_straggler(late_ms):
+    """10 ms: what one rank of a healthy job showed in CI, beside two other jobs on 2 cores."""
+    v = diagnose(simulate(JOB, training(JOB, 4), delay_ms={6: late_ms}))
+    assert v.kind == "healthy", v.headline
 
 
 # A healthy 4-step DDP job (examples/train_ddp.py, 4 Gloo ranks under frtools run, torch 2.15,

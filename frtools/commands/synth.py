@@ -114,7 +114,7 @@ def _human_bytes(n: float) -> str:
 )
 @click.option(
     "--straggler-ms",
-    default=8.0,
+    default=30.0,
     show_default=True,
     type=click.FloatRange(0),
     help="How late a straggler calls each collective.",

@@ -95,7 +95,7 @@ def synthesize(
     steps: int = 0,
     shape: ModelShape | None = None,
     timing: bool = True,
-    straggler_ms: float = 8.0,
+    straggler_ms: float = 30.0,
     clock_skew_ms: float = 0.2,
     workers: int | None = None,
     format: str = "torch",

@@ -99,7 +99,7 @@ class FaultPlan:
     ranks: list[int]
     phase: int | None = None  # the faulty call's phase in the hang step
     deviations: dict[int, Deviation] = field(default_factory=dict)
-    straggler_ms: float = 8.0
+    straggler_ms: float = 30.0
     peers_fail: bool = False  # dead: the peers' ops fail and are recorded completed (Gloo)
 
     @property
@@ -128,7 +128,7 @@ def plan_fault(
     ranks: list[int] | None,
     rng: np.random.Generator,
     n_faulty: int = 1,
-    straggler_ms: float = 8.0,
+    straggler_ms: float = 30.0,
 ) -> FaultPlan:
     """Choose where the fault happens (the phase and, unless given, the ranks), and give
     every rank its own token splits in the hang step's all_to_alls."""
@@ -205,7 +205,7 @@ def _plan_fault(
     ranks: list[int] | None,
     rng: np.random.Generator,
     n_faulty: int = 1,
-    straggler_ms: float = 8.0,
+    straggler_ms: float = 30.0,
 ) -> FaultPlan:
     layout = schedule.layout
     n = layout.world_size

@@ -38,6 +38,9 @@ class Case:
     steps: int = 5
     fault_step: int = 3
     fault_at: str = "step"  # train.py --fault-at
+    # train.py --linger-on-error: a rank whose collective failed stays up this long after its
+    # dump (the harness kills a job that makes no progress for HANG_AFTER, well before)
+    linger_on_error: float = 0.0
     analyze_args: tuple[str, ...] = ()
     run_of: str | None = None
     reported: bool = False  # one of the failures reported from real jobs
@@ -88,12 +91,16 @@ CASES: tuple[Case, ...] = (
          "8-rank DDP; at step 9 rank 7 all-reduces a 769-float metrics vector where its peers "
          "pass 1025 (world all_reduce #31). Gloo aborts rank 7 (gloo::EnforceNotMet, SIGABRT): "
          "no dump. Ranks that exchange with it (its ring neighbours 0 and 6, sometimes more) "
-         "leave the op with a connection error, retired (completed in pg_status); the others "
-         "stay blocked in #31 (5 of 7 in one run, 3 in another). Without --world-size nothing "
+         "leave the op with a connection error, retired (completed in pg_status), dump, and "
+         "stay up writing a checkpoint, as in the report; the others stay blocked in #31 and "
+         "dump from their watchdog (5 of 7 in one run, 3 in another). (When the errored ranks "
+         "exit at once, their closed sockets fail every blocked rank in turn, each retires "
+         "#31 and re-dumps: the dumps then hold nothing a healthy run's would not.) "
+         "Without --world-size nothing "
          "in the 7 dumps (rank_0..rank_6, no gap) says an 8th rank exists, so no rank can be "
          "named; but ranks are blocked in an op every rank with a dump issued and others "
          "retired: 'healthy' would be false. inconclusive (exit 1).",
-         steps=11, fault_step=9, reported=True),
+         steps=11, fault_step=9, linger_on_error=10.0, reported=True),
     Case("ddp8-size-r7-fr-ws", "ddp", "size", 7, 8, "fr", "dead", (7,),
          "The same dumps analyzed with --world-size 8 (the user knows it): rank 7 has no dump "
          "and every blocked rank waits for it in world all_reduce #31. Its sizes are not "

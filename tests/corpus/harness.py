@@ -80,6 +80,8 @@ def train_args(case: Case, fr_dir: Path | None, hb: Path) -> list[str]:
         str(case.fault_step),
         "--fault-at",
         case.fault_at,
+        "--linger-on-error",
+        str(case.linger_on_error),
         "--steps",
         str(case.steps),
         "--heartbeat-dir",

@@ -529,6 +529,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hang-seconds", type=float, default=4.0)
     parser.add_argument("--heartbeat-dir", default=None)
     parser.add_argument("--pg-timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--linger-on-error",
+        type=float,
+        default=0.0,
+        help="seconds a rank whose collective failed stays up after its dump before it raises "
+        "(writing a checkpoint, flushing logs): its sockets stay open, so the failure does "
+        "not cascade to the ranks still blocked in the op",
+    )
     args = parser.parse_args(argv)
     if args.fault not in ("none", "straggler", *STOPS) and args.fault not in SHAPE_FAULTS.get(
         args.shape, ()
@@ -560,10 +568,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         RUNNERS[args.shape](rt)
     except Exception as exc:
+        rt.done()
         if is_collective_error(exc):
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             rt.dump(f"collective failed: {first[:200]}")
-        rt.done()
+            time.sleep(args.linger_on_error)
         raise
     rt.done()
     # Gloo marks a work completed from a callback that may run just after wait() returned;
