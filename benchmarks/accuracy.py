@@ -15,6 +15,13 @@ minutes on 2 cores) and prints its table after the simulated one:
 
     python benchmarks/accuracy.py --cases 300 --real --markdown acc.md
 
+``--summaries`` writes each case as frtools black boxes instead, summarizes them per host
+(8 ranks a host, ``summarize_path`` as ``frtools summarize`` does) and judges the verdict
+from the host summaries alone; it also counts how often that verdict equals the one from
+the full boxes (docs/fleet.md: they must be equal):
+
+    python benchmarks/accuracy.py --cases 300 --summaries
+
 ``--analyzer DIR`` judges this simulator's cases with the frtools found at DIR (another
 checkout, e.g. before a change), run as ``python -m frtools analyze`` with ``PYTHONPATH=DIR``:
 the way to check that the simulator catches an old analyzer's mistakes.
@@ -89,6 +96,7 @@ class Outcome:
     found_pg: str | None = None
     error: str = ""
     seconds: float = 0.0
+    same_as_full: bool | None = None  # --summaries: the full boxes' verdict is the same
 
     @property
     def kind_ok(self) -> bool:
@@ -151,7 +159,36 @@ def _judge_elsewhere(analyzer: str, dumps: Path) -> tuple[str, list[int], str | 
     return v["kind"], sorted(g["rank"] for g in v["guilty"]), pg["name"] if pg else None
 
 
-def run_case(case: Case, tmp_root: str | None = None, analyzer: str | None = None) -> Outcome:
+def _verdict_key(verdict) -> tuple[str, list[int], str | None]:  # noqa: ANN001
+    pg = verdict.process_group
+    return verdict.kind, sorted(g.rank for g in verdict.guilty), pg.name if pg else None
+
+
+def _host_summaries(boxes: Path, out: Path, per_host: int = 8) -> Path:
+    """What ``frtools dump`` leaves on each host of a fleet: one summary per 8-rank host
+    folder of ``boxes`` (hard links, so the boxes are not copied)."""
+    from frtools.analyze.summarize import summarize_path
+
+    out.mkdir(parents=True)
+    hosts: dict[int, list[Path]] = defaultdict(list)
+    for box in boxes.glob("rank_*.frt"):
+        hosts[int(box.stem.split("_")[1]) // per_host].append(box)
+    for host, files in sorted(hosts.items()):
+        folder = boxes.parent / f"host-{host}"
+        folder.mkdir()
+        for f in files:
+            os.link(f, folder / f.name)
+        result = summarize_path(folder, workers=1)
+        (out / f"{result.host}.summary").write_bytes(result.encode())
+    return out
+
+
+def run_case(
+    case: Case,
+    tmp_root: str | None = None,
+    analyzer: str | None = None,
+    summaries: bool = False,
+) -> Outcome:
     from frtools.analyze.diagnose import diagnose
     from frtools.analyze.readers import load_trace
 
@@ -177,6 +214,7 @@ def run_case(case: Case, tmp_root: str | None = None, analyzer: str | None = Non
                 ),
                 timing=case.timing,
                 workers=1,
+                **({"format": "frtools"} if summaries else {}),
             )
         except Exception as e:  # a case synth cannot build is reported, not hidden
             return Outcome(case, "?", [], None, error=f"synth: {type(e).__name__}: {e}")
@@ -190,10 +228,14 @@ def run_case(case: Case, tmp_root: str | None = None, analyzer: str | None = Non
                 outcome.found_kind, outcome.found_guilty, outcome.found_pg = found
                 outcome.seconds = time.perf_counter() - t0
                 return outcome
-            verdict = diagnose(load_trace(out, workers=1))
-            outcome.found_kind = verdict.kind
-            outcome.found_guilty = sorted(g.rank for g in verdict.guilty)
-            outcome.found_pg = verdict.process_group.name if verdict.process_group else None
+            if summaries:
+                full = _verdict_key(diagnose(load_trace(out, workers=1)))
+                out = _host_summaries(out, Path(tmp) / "summaries")
+                t0 = time.perf_counter()
+            found = _verdict_key(diagnose(load_trace(out, workers=1)))
+            outcome.found_kind, outcome.found_guilty, outcome.found_pg = found
+            if summaries:
+                outcome.same_as_full = found == full
         except Exception as e:
             tb = traceback.extract_tb(e.__traceback__)[-1]
             outcome.error = f"{type(e).__name__}: {e} ({Path(tb.filename).name}:{tb.lineno})"
@@ -246,6 +288,13 @@ def report(outcomes: list[Outcome]) -> str:
         f"- analysis time per case: median {times[len(times) // 2] if times else 0:.2f} s, "
         f"max {times[-1] if times else 0:.2f} s",
     ]
+    through = [o for o in outcomes if o.same_as_full is not None]
+    if through:
+        same = sum(o.same_as_full for o in through)
+        lines.append(
+            f"- verdict from the host summaries = verdict from the full boxes (kind, guilty "
+            f"set, group): {same}/{len(through)}"
+        )
     misses = [o for o in outcomes if not o.exact]
     if misses:
         lines += ["", f"Misses ({len(misses)}), each reproducible with its command:", ""]
@@ -257,7 +306,8 @@ def report(outcomes: list[Outcome]) -> str:
                 f"{_fmt_ranks(o.expected_guilty)}, found {o.found_kind} {_fmt_ranks(o.found_guilty)}"
                 + (f" — {o.error}" if o.error else "")
             )
-            lines.append(f"  `{shlex.join(c.argv())}`")
+            argv = c.argv() + (["--format", "frtools"] if o.same_as_full is not None else [])
+            lines.append(f"  `{shlex.join(argv)}`")
     return "\n".join(lines)
 
 
@@ -277,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--real", action="store_true", help="also run the real-job corpus (tests/corpus/)"
     )
+    ap.add_argument(
+        "--summaries",
+        action="store_true",
+        help="write frtools black boxes, summarize them per 8-rank host, judge the summaries",
+    )
     args = ap.parse_args(argv)
     analyzer = str(Path(args.analyzer).resolve()) if args.analyzer else None
 
@@ -287,15 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     if args.workers <= 1:
         for c in cases:
-            outcomes.append(run_case(c, args.tmp, analyzer))
+            outcomes.append(run_case(c, args.tmp, analyzer, args.summaries))
     else:
         with ProcessPoolExecutor(args.workers) as pool:
-            futures = [pool.submit(run_case, c, args.tmp, analyzer) for c in cases]
+            futures = [pool.submit(run_case, c, args.tmp, analyzer, args.summaries) for c in cases]
             for i, f in enumerate(futures, 1):
                 outcomes.append(f.result())
                 if i % 50 == 0:
                     print(f"  {i}/{len(cases)} cases", file=sys.stderr)
-    text = f"### Simulated jobs ({len(cases)} cases, seed {args.seed})\n\n" + report(outcomes)
+    what = "Simulated jobs through host summaries" if args.summaries else "Simulated jobs"
+    text = f"### {what} ({len(cases)} cases, seed {args.seed})\n\n" + report(outcomes)
     print(text)
     print(f"\n({len(cases)} cases in {time.perf_counter() - t0:.0f} s)")
     real_right = True
@@ -317,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         o.case.fault == "healthy" and (o.found_guilty or o.found_kind != "healthy")
         for o in outcomes
     )
-    return 0 if exact_guilty >= 0.99 and not blamed and real_right else 1
+    differ = any(o.same_as_full is False for o in outcomes)
+    return 0 if exact_guilty >= 0.99 and not blamed and real_right and not differ else 1
 
 
 def _real_corpus() -> tuple[str, bool]:
