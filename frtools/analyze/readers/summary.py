@@ -30,6 +30,7 @@ from frtools.formats.summary import (
 from frtools.formats.summary_packed import (
     STATE_CODES,
     PackedHost,
+    PackedRank,
     decode_packed,
     looks_packed,
     to_summaries,
@@ -84,21 +85,11 @@ def read_summaries(path: Path) -> list[RankSummary]:
 
 def summary_to_rank_dump(summary: RankSummary, source: str) -> RankDump:
     """Map a summary onto the Trace model (as ``frtools_snapshot`` maps a black box)."""
-    ident = summary.identity
-    backend = ident.get("backend") or None
-    info = RankInfo(
-        rank=summary.rank,
-        source=source,
-        format=FORMAT,
-        version="1",
-        host=ident.get("host") or None,
-        pid=ident.get("pid") if isinstance(ident.get("pid"), int) else None,
-        local_rank=ident.get("local_rank") if isinstance(ident.get("local_rank"), int) else None,
-        device=ident.get("device") or None,
-        device_id=ident.get("device_id") or None,
-        world_size=summary.world_size,
-        comm_lib_version=ident.get("comm_lib_version") or None,
-        pg_status={
+    backend = summary.identity.get("backend") or None
+    info = _rank_info(
+        summary,
+        source,
+        {
             g.name: {
                 "last_enqueued_collective": g.last_enqueued_collective,
                 "last_started_collective": g.last_started_collective,
@@ -106,16 +97,6 @@ def summary_to_rank_dump(summary: RankSummary, source: str) -> RankDump:
             }
             for g in summary.groups
         },
-        stacks=summary.stacks,
-        dump_time_ns=(
-            summary.dump_time_ns if summary.dump_time_ns is not None else summary.heartbeat_ns
-        ),
-        stalled=summary.stalled,
-        alive=summary.alive,
-        wrapped=summary.wrapped,
-        exit_kind=summary.exit_kind,
-        exit_detail=summary.exit_detail,
-        last_heartbeat_ns=summary.heartbeat_ns,
     )
     world = summary.world_size
     default_pg_all = False
@@ -174,6 +155,36 @@ def summary_to_rank_dump(summary: RankSummary, source: str) -> RankDump:
         max_time_created_ns=max(created) if created else None,
         default_pg_all=default_pg_all,
         unmapped_peer_groups={g.name for g in summary.groups if g.local_peers},
+    )
+
+
+def _rank_info(
+    r: RankSummary | PackedRank, source: str, pg_status: dict[str, dict[str, int]]
+) -> RankInfo:
+    """A rank's identity and failure facts, from a JSON summary or a packed host's rank (the
+    two carry them under the same names)."""
+    ident = r.identity
+    return RankInfo(
+        rank=r.rank,
+        source=source,
+        format=FORMAT,
+        version="1",
+        host=ident.get("host") or None,
+        pid=ident.get("pid") if isinstance(ident.get("pid"), int) else None,
+        local_rank=ident.get("local_rank") if isinstance(ident.get("local_rank"), int) else None,
+        device=ident.get("device") or None,
+        device_id=ident.get("device_id") or None,
+        world_size=r.world_size,
+        comm_lib_version=ident.get("comm_lib_version") or None,
+        pg_status=pg_status,
+        stacks=r.stacks,
+        dump_time_ns=r.dump_time_ns if r.dump_time_ns is not None else r.heartbeat_ns,
+        stalled=r.stalled,
+        alive=r.alive,
+        wrapped=r.wrapped,
+        exit_kind=r.exit_kind,
+        exit_detail=r.exit_detail,
+        last_heartbeat_ns=r.heartbeat_ns,
     )
 
 
@@ -408,7 +419,6 @@ def _rank_dumps(
     rows = []
     for k, r in enumerate(packed.ranks):
         lo, hi = int(packed.offsets[k]), int(packed.offsets[k + 1])
-        ident = r.identity
         process_groups = {}
         pg_status = {}
         default_pg_all = False
@@ -428,30 +438,7 @@ def _rank_dumps(
             }
             if local:
                 local_peers.add(name)
-        info = RankInfo(
-            rank=r.rank,
-            source=source,
-            format=FORMAT,
-            version="1",
-            host=ident.get("host") or None,
-            pid=ident.get("pid") if isinstance(ident.get("pid"), int) else None,
-            local_rank=(
-                ident.get("local_rank") if isinstance(ident.get("local_rank"), int) else None
-            ),
-            device=ident.get("device") or None,
-            device_id=ident.get("device_id") or None,
-            world_size=r.world_size,
-            comm_lib_version=ident.get("comm_lib_version") or None,
-            pg_status=pg_status,
-            stacks=r.stacks,
-            dump_time_ns=r.dump_time_ns if r.dump_time_ns is not None else r.heartbeat_ns,
-            stalled=r.stalled,
-            alive=r.alive,
-            wrapped=r.wrapped,
-            exit_kind=r.exit_kind,
-            exit_detail=r.exit_detail,
-            last_heartbeat_ns=r.heartbeat_ns,
-        )
+        info = _rank_info(r, source, pg_status)
         dumps.append(
             RankDump(
                 rank_info=info,
