@@ -19,7 +19,7 @@ from frtools.analyze.readers import load_trace
 from frtools.analyze.summarize import summarize_path
 from frtools.formats.summary import SummaryError
 from frtools.formats.summary_packed import MAGIC, decode_packed, to_summaries
-from frtools.synth import synthesize
+from frtools.synth import FAULTS, synthesize
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -92,20 +92,7 @@ def test_a_bomb_is_refused_before_it_is_inflated():
         decode_packed(bomb)
 
 
-@pytest.mark.parametrize(
-    "fault",
-    [
-        "missing",
-        "dead",
-        "mismatch-op",
-        "mismatch-size",
-        "mismatch-dtype",
-        "order",
-        "stuck",
-        "straggler",
-        "healthy",
-    ],
-)
+@pytest.mark.parametrize("fault", FAULTS)
 def test_host_summaries_give_the_full_records_verdict(tmp_path, fault):
     boxes = _boxes(tmp_path, fault, seed=3)
     summaries = _by_host(boxes, tmp_path / "summaries")
