@@ -28,7 +28,7 @@ from frtools.analyze.diagnose import diagnose
 from frtools.analyze.readers import load_trace, read_file
 from frtools.analyze.readers import summary as summary_reader
 from frtools.analyze.verdict import GuiltyRank, Verdict
-from frtools.formats.blackbox import read_snapshot
+from frtools.formats.blackbox import SLOT_DTYPE, read_header, read_snapshot
 from frtools.formats.summary import (
     MAX_ENTRIES,
     SummaryError,
@@ -38,10 +38,10 @@ from frtools.formats.summary import (
     file_name,
     summarize,
 )
-from frtools.recovery import Policy
+from frtools.recovery import Policy, local
 from frtools.recovery.agreement import Agreement
 from frtools.recovery.decision import DROP, NONE, Decision, decide, verdict_from_summaries
-from frtools.recovery.local import Era, Eras, local_summary
+from frtools.recovery.local import Era, Eras, consistent_snapshot, local_summary, summary_bytes
 from frtools.synth import synthesize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -348,6 +348,106 @@ def test_local_summary_speaks_for_the_current_group(tmp_path):
     assert all(e.state != "completed" and e.error == "Timed out waiting 5000ms" for e in failed)
     seqs = [e.collective_seq_id for e in s.entries if e.group == 0 and e.collective_seq_id]
     assert seqs and min(seqs) >= 1
+
+
+# -- a summary is a consistent read of a box being written ---------------------------------
+
+TIMEOUT_TEXT = "Timed out waiting 5000ms for recv operation to complete"
+
+
+def _hung_job_boxes(tmp: Path, world: int = 8, hung: int = 3, seq: int = 17) -> list:
+    """Live black boxes as examples/recover_hang.py leaves them when its survivors' op times
+    out: every rank completed all_reduce 1..seq-1, all but ``hung`` issued #seq, and the
+    recorder marked it failed on them. Returns (box, path, record id of #seq or None)."""
+    from frtools.recorder.native import load_native
+
+    native = load_native()
+    boxes = []
+    for r in range(world):
+        path = tmp / f"rank_{r}.frt"
+        ident = {"job_id": "j", "rank": r, "world_size": world, "host": "h", "device": "cpu",
+                 "backend": "gloo"}  # fmt: skip
+        box = native.BlackBox(str(path), 1024, 1 << 16, json.dumps(ident))
+        pg = box.add_process_group("0", "default_pg", list(range(world)))
+        op, sizes, dtype = box.intern("all_reduce"), box.intern("[[2]]"), box.intern("Float")
+        for i in range(1, seq):
+            box.mark_completed(box.record(pg, op, i, 0, -1, False, sizes, sizes, dtype, dtype, 0))
+        rid = None
+        if r != hung:
+            rid = box.record(pg, op, seq, 0, -1, False, sizes, sizes, dtype, dtype, 0)
+            box.mark_failed(rid, TIMEOUT_TEXT)
+        boxes.append((box, path, rid))
+    return boxes
+
+
+def _hold_slot(path: Path, rid: int) -> tuple:
+    """Make ``rid``'s slot look as while a writer holds it (its sequence counter odd, as
+    ``mark_failed`` leaves it mid-write); returns (offset, the counter before)."""
+    header = read_header(path)
+    offset = header["slots_offset"] + (rid % header["capacity"]) * SLOT_DTYPE.itemsize
+    with open(path, "r+b") as f:
+        before = int.from_bytes(os.pread(f.fileno(), 8, offset), "little")
+        os.pwrite(f.fileno(), (before + 1).to_bytes(8, "little"), offset)
+    return offset, before
+
+
+def _release_slot(path: Path, held: tuple) -> None:
+    offset, before = held  # the writer's unlock: the counter two past where it was
+    with open(path, "r+b") as f:
+        os.pwrite(f.fileno(), (before + 2).to_bytes(8, "little"), offset)
+
+
+def test_summary_taken_while_the_failed_op_is_marked_keeps_it(tmp_path, monkeypatch):
+    """The CI flake of the 8-rank example: rank 5's summary was read while its recorder's
+    poller marked the op that had just timed out failed; the reader dropped that slot as torn,
+    the summary said rank 5 never issued all_reduce #17, and the job dropped ranks 3 and 5.
+    A summary must wait out the writer: the agreement drops rank 3 only."""
+    boxes = _hung_job_boxes(tmp_path)
+    members, eras = list(range(8)), Eras(list(range(8)))
+    box5, path5, rid5 = boxes[5]
+    held = _hold_slot(path5, rid5)
+    assert rid5 not in read_snapshot(path5).slots["record_id"].tolist()  # what went wrong
+    reads = []
+
+    def read_then_release(path):  # the writer lets go once rank 5's first read tore its slot
+        snap = read_snapshot(path)
+        if path == str(path5):
+            reads.append(snap.torn)
+            if len(reads) == 1:
+                _release_slot(path5, held)
+        return snap
+
+    monkeypatch.setattr(local, "read_snapshot", read_then_release)
+    store = dist.HashStore()
+    base = "frtools/recovery/0/fail/1"
+    for r, (_, path, rid) in enumerate(boxes):  # the survivors from recover(), 3 from its watcher
+        failure = TIMEOUT_TEXT if rid is not None else None
+        ag = Agreement(store, base, r, members, poll_s=0.01)
+        ag.start()
+        ag.publish(summary_bytes(str(path), eras, r, window=256, failure=failure, stacks=False))
+    assert reads[0] == 1  # rank 5's first read did tear the slot
+    leader = Agreement(store, base, 0, members, poll_s=0.01)
+    assert leader.claim_lead()
+    got = leader.collect(time.time_ns() + 2_000_000_000)
+    (tmp_path / "sums").mkdir()
+    verdict, used, notes = verdict_from_summaries(got, members, tmp_path / "sums")
+    decision = leader.settle(decide(verdict, key="fail/1", trigger="failure", leader=0,
+                                    members=members, published=used, policy=Policy()))  # fmt: skip
+    assert not notes and used == members
+    assert decision.kind == "missing" and decision.drop == [3], decision.headline
+    assert decision.members_after == [0, 1, 2, 4, 5, 6, 7]
+    for box, _, _ in boxes:
+        box.close()
+
+
+def test_a_slot_held_for_ever_costs_the_summary_a_bounded_wait(tmp_path):
+    box, path, rid = _hung_job_boxes(tmp_path, world=2, hung=1)[0]
+    _hold_slot(path, rid)
+    t = time.monotonic()
+    snap = consistent_snapshot(str(path), patience_s=0.2)
+    assert 0.2 <= time.monotonic() - t < 5
+    assert snap.torn == 1 and any("torn" in n for n in snap.notes)  # the summary says so
+    box.close()
 
 
 def test_recovery_says_it_needs_torch_215_on_older_torch(tmp_path):

@@ -8,21 +8,28 @@ remembers, for each membership, where it started in the box (record id, group-ta
 each group's last sequence ids); ``summary_bytes`` keeps the current era's ops only, maps
 every member list and P2P peer into the current numbering, and counts sequence ids from the
 era's start, so that the next diagnosis sees the job as it is now.
+
+The box is read while this process writes it: ``consistent_snapshot`` never lets a slot
+being written at that moment fall out of a summary (see there).
 """
 
 from __future__ import annotations
 
 import faulthandler
+import os
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from frtools.formats.blackbox import read_header, read_snapshot
+from frtools.formats.blackbox import Snapshot, copy_consistent, read_header, read_snapshot
 from frtools.formats.summary import RankSummary, encode, summarize
 
 # the error text kept for an op that failed (the first line of the exception)
 MAX_ERROR_CHARS = 512
+# how long a summary waits for slots that were being written while the box was read (a
+# writer holds a slot for well under a microsecond; one preempted mid-write, a time slice)
+CONSISTENT_READ_S = 1.0
 
 
 @dataclass
@@ -84,10 +91,40 @@ def stacks_text() -> str | None:
         return None
 
 
+def consistent_snapshot(box_path: str, patience_s: float = CONSISTENT_READ_S) -> Snapshot:
+    """This rank's live black box with no slot dropped as torn.
+
+    ``read_snapshot`` drops each slot whose sequence counter moved while it copied the ring
+    (milliseconds for a big ring). In a recovery that is the rule, not the exception: the
+    recorder's poller marks the op that just failed here (``mark_failed`` writes its slot)
+    in the very moment this rank takes its summary, and a summary without that op says the
+    rank never issued it: the diagnosis then names a healthy survivor "missing" and the job
+    drops it. So a read that tore a slot is taken again, slot by slot (``copy_consistent``
+    re-reads a slot being written on its own), until nothing is torn or ``patience_s`` has
+    passed (the snapshot's notes then say what it dropped)."""
+    snap = read_snapshot(box_path)
+    if not snap.torn:
+        return snap
+    deadline = time.monotonic() + patience_s
+    pause = 0.001
+    try:
+        with tempfile.TemporaryDirectory(prefix="frtools-box-") as tmp:
+            copy = os.path.join(tmp, os.path.basename(box_path))
+            while True:
+                copy_consistent(box_path, copy)
+                snap = read_snapshot(copy)
+                if not snap.torn or time.monotonic() >= deadline:
+                    return snap
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+    except OSError:  # no room for the copy: the first read, whose notes say what it dropped
+        return snap
+
+
 def oldest_pending_ns(box_path: str, since_record_id: int) -> int | None:
     """When this rank's oldest op of the era that did not complete was issued (the onset of
     what it waits for), None when all completed."""
-    snap = read_snapshot(box_path)
+    snap = consistent_snapshot(box_path)
     s = snap.slots
     s = s[(s["record_id"] >= since_record_id) & (s["state"] != 3)]
     return int(s["time_created_ns"].min()) if len(s) else None
@@ -118,7 +155,7 @@ def local_summary(
     blocked); ``stalled``: the rank knows it waits (its watchdog flagged it); ``stacks``:
     add every thread's Python stack as it is now."""
     era = eras.current
-    snap = read_snapshot(box_path)
+    snap = consistent_snapshot(box_path)
     summary = summarize(
         snap,
         window=window,
