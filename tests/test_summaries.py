@@ -6,7 +6,9 @@ verdict of the full records over simulated jobs of every fault kind."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import struct
 import subprocess
 import sys
 import zlib
@@ -18,7 +20,12 @@ from frtools.analyze.diagnose import diagnose
 from frtools.analyze.readers import load_trace
 from frtools.analyze.summarize import summarize_path
 from frtools.formats.summary import SummaryError
-from frtools.formats.summary_packed import MAGIC, decode_packed, to_summaries
+from frtools.formats.summary_packed import (
+    MAGIC,
+    decode_packed,
+    decode_packed_many,
+    to_summaries,
+)
 from frtools.synth import FAULTS, synthesize
 
 pytestmark = pytest.mark.timeout(240)
@@ -82,6 +89,42 @@ def test_hostile_packed_summary_is_refused_with_one_line(tmp_path, mutate, reaso
     with pytest.raises(SummaryError, match=reason) as e:
         decode_packed(mutate(data))
     assert "\n" not in str(e.value)
+
+
+def _with_header(data: bytes, change) -> bytes:
+    """A packed summary whose JSON header ``change`` edited (columns left as they were)."""
+    raw = zlib.decompress(data[len(MAGIC) :])
+    (n,) = struct.unpack_from("<I", raw)
+    header = json.loads(raw[4 : 4 + n])
+    change(header)
+    head = json.dumps(header).encode()
+    return MAGIC + zlib.compress(struct.pack("<I", len(head)) + head + raw[4 + n :])
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda h: h["strings"].pop(), "names a string beyond the table"),
+        (lambda h: h["columns"].pop(), "bytes after its last column"),
+        (lambda h: h["ranks"][0].update(entries=h["ranks"][0]["entries"] + 1), "is cut"),
+        (lambda h: h["ranks"][1]["groups"][0].__setitem__(0, 99), "beyond the host's table"),
+    ],
+)
+def test_a_bad_host_in_a_batch_is_refused_alone(tmp_path, change, reason):
+    """Hosts are decoded together (one numpy call per column for all of them): a host whose
+    columns do not fit its header is refused with its reason, the others read as alone."""
+    boxes = _boxes(tmp_path, "missing", world_size=24, tp=2, pp=2)
+    hosts = sorted(_by_host(boxes, tmp_path / "summaries").glob("*.summary"))
+    good = [p.read_bytes() for p in hosts]
+    bad = _with_header(good[1], change)
+    with pytest.raises(SummaryError, match=reason):
+        decode_packed(bad)
+    out = decode_packed_many([good[0], bad, good[2]])
+    assert isinstance(out[1], SummaryError) and reason in str(out[1])
+    for got, data in ((out[0], good[0]), (out[2], good[2])):
+        assert not isinstance(got, SummaryError)
+        assert to_summaries(got) == to_summaries(decode_packed(data))
+        assert len(to_summaries(got)) == 8
 
 
 def test_a_bomb_is_refused_before_it_is_inflated():

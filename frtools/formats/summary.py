@@ -354,15 +354,14 @@ def _int_or_none(value: Any) -> int | None:
 
 def _clean_identity(ident: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    lo, hi = _INT64
     for key in _IDENTITY_KEYS:
         value = ident.get(key)
-        if value is None or isinstance(value, bool):
-            continue
-        if isinstance(value, int):
-            if _INT64[0] <= value <= _INT64[1]:
-                out[key] = value
-        elif isinstance(value, str):
+        kind = type(value)  # not isinstance: a bool is not an int here
+        if kind is str:
             out[key] = value[:MAX_IDENTITY_CHARS]
+        elif kind is int and lo <= value <= hi:
+            out[key] = value
     return out
 
 
@@ -536,39 +535,57 @@ def _opt_str(value: Any, what: str, limit: int) -> str | None:
     return value
 
 
+# rank_fields' integer fields: (key, default when absent, lower bound, nullable)
+_RANK_INTS = (
+    ("taken_ns", None, 0, False),
+    ("heartbeat_ns", None, 0, True),
+    ("dump_time_ns", None, 0, True),
+    ("records_written", 0, 0, False),
+    ("omitted", 0, 0, False),
+)
+
+
 def rank_fields(doc: dict[str, Any]) -> dict[str, Any]:
     """A rank's identity, failure facts and scalars, checked: the fields the JSON rank
-    summary and the packed host summary's rank header share (each adds its groups and ops)."""
-    rank = _int(doc.get("rank"), "rank", 0, MAX_WORLD_SIZE - 1)
-    world = _opt_int(doc.get("world_size"), "world_size", 1, MAX_WORLD_SIZE)
-    _want(world is None or rank < world, f"rank {rank} is not below world_size {world}")
-    ident_raw = doc.get("identity") or {}
-    _want(isinstance(ident_raw, dict), "identity is not an object")
-    exit_raw = doc.get("exit") or {}
-    _want(isinstance(exit_raw, dict), "exit is not an object")
-    exit_kind = _opt_str(exit_raw.get("kind"), "exit.kind", 32)
+    summary and the packed host summary's rank header share (each adds its groups and ops).
+
+    Written out rather than field by field through helpers: a fleet's central step checks
+    131,072 of these."""
     from frtools.model.trace import EXIT_KINDS  # pyarrow: not in a training process's path
 
+    get = doc.get
+    rank = _int(get("rank"), "rank", 0, MAX_WORLD_SIZE - 1)
+    world = _opt_int(get("world_size"), "world_size", 1, MAX_WORLD_SIZE)
+    _want(world is None or rank < world, f"rank {rank} is not below world_size {world}")
+    ident_raw = get("identity") or {}
+    _want(type(ident_raw) is dict, "identity is not an object")
+    exit_raw = get("exit") or {}
+    _want(type(exit_raw) is dict, "exit is not an object")
+    exit_kind = _opt_str(exit_raw.get("kind"), "exit.kind", 32)
     _want(exit_kind is None or exit_kind in EXIT_KINDS, f"unknown exit kind {exit_kind!r}")
-    notes = doc.get("notes") or []
-    _want(isinstance(notes, list) and len(notes) <= MAX_NOTES, "notes is not a short list")
-    return {
+    notes = get("notes") or []
+    _want(type(notes) is list and len(notes) <= MAX_NOTES, "notes is not a short list")
+    out: dict[str, Any] = {
         "rank": rank,
         "world_size": world,
         "identity": _clean_identity(ident_raw),
-        "taken_ns": _int(doc.get("taken_ns"), "taken_ns", 0),
-        "heartbeat_ns": _opt_int(doc.get("heartbeat_ns"), "heartbeat_ns", 0),
-        "dump_time_ns": _opt_int(doc.get("dump_time_ns"), "dump_time_ns", 0),
-        "stalled": _opt_bool(doc.get("stalled"), "stalled"),
-        "alive": _opt_bool(doc.get("alive"), "alive"),
-        "wrapped": bool(_opt_bool(doc.get("wrapped"), "wrapped")),
-        "records_written": _int(doc.get("records_written", 0), "records_written", 0),
-        "omitted": _int(doc.get("omitted", 0), "omitted", 0),
-        "exit_kind": exit_kind,
-        "exit_detail": _opt_str(exit_raw.get("detail"), "exit.detail", MAX_STRING_CHARS),
-        "stacks": _opt_str(doc.get("stacks"), "stacks", MAX_STACKS_CHARS),
-        "notes": [_opt_str(n, "a note", 1024) or "" for n in notes],
     }
+    hi = _INT64[1]
+    for key, default, lo, nullable in _RANK_INTS:
+        value = get(key, default)
+        if type(value) is not int or not lo <= value <= hi:
+            value = (_opt_int if nullable else _int)(value, key, lo)
+        out[key] = value
+    for key in ("stalled", "alive", "wrapped"):
+        value = get(key)
+        _want(value is None or type(value) is bool, f"{key} is not true, false or null")
+        out[key] = value
+    out["wrapped"] = bool(out["wrapped"])
+    out["exit_kind"] = exit_kind
+    out["exit_detail"] = _opt_str(exit_raw.get("detail"), "exit.detail", MAX_STRING_CHARS)
+    out["stacks"] = _opt_str(get("stacks"), "stacks", MAX_STACKS_CHARS)
+    out["notes"] = [_opt_str(n, "a note", 1024) or "" for n in notes] if notes else []
+    return out
 
 
 def _rank(doc: dict[str, Any]) -> RankSummary:

@@ -16,6 +16,7 @@ analysis reads 16,384 of them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +33,7 @@ from frtools.formats.summary_packed import (
     PackedHost,
     PackedRank,
     decode_packed,
+    decode_packed_many,
     looks_packed,
     to_summaries,
 )
@@ -244,50 +246,25 @@ def packed_to_arrow(
     ``rows[h][k]`` of the table, in order), mapped as ``summary_to_rank_dump`` maps each
     rank. One table per batch: building Arrow arrays costs per call, not per row."""
     strings = _Interner()
-    n_total = sum(h.n_entries for h in hosts)
+    n_host = np.array([h.n_entries for h in hosts], dtype=np.int64)
+    n_total = int(n_host.sum())
     string_cols = ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes",
                    "thread_id", "thread_name", "stack", "error", "op", "call_site")  # fmt: skip
-    parts: dict[str, list[np.ndarray]] = {}
-    masks: dict[str, list[np.ndarray]] = {}
-    rank_col: list[np.ndarray] = []
-    group_col: list[np.ndarray] = []  # batch group index (-1: none)
-    backend_col: list[np.ndarray] = []  # batch string index of the rank's backend
     group_index: dict[tuple[str, str], int] = {}
     group_names: list[str] = []
     group_descs: list[str] = []
     all_dumps: list[list[RankDump]] = []
     all_rows: list[list[int]] = []
-
-    def put(name: str, values: np.ndarray, ok: np.ndarray | None = None) -> None:
-        parts.setdefault(name, []).append(values)
-        if name in _NULLABLE:
-            masks.setdefault(name, []).append(np.ones(len(values), bool) if ok is None else ok)
-
+    # per host and per rank, small tables; the rows are mapped through them in one pass
+    code_parts: list[np.ndarray] = []  # host string -> batch string
+    gmap_parts: list[list[int]] = []  # host group -> batch group
+    rank_groups: list[int] = []  # per rank: its groups' host group indices, then -1
+    rank_base: list[int] = []  # where each rank's list starts in rank_groups
+    rank_ids: list[int] = []
+    rank_rows: list[int] = []
+    backends: list[str] = []
     for packed, source in zip(hosts, sources, strict=True):
-        n = packed.n_entries
-        cols = packed.columns
-        counts = np.diff(packed.offsets)
-        which = np.repeat(np.arange(len(packed.ranks)), counts)
-        code = strings.codes(packed.strings)
-        for name in string_cols:
-            a = cols.get(name)
-            put(name, code[a] if a is not None else np.zeros(n, dtype=np.int64))
-        for name in ("record_id", "collective_seq_id", "p2p_seq_id", "is_p2p", "state",
-                     "time_created_ns"):  # fmt: skip
-            a = cols.get(name)
-            put(name, a.astype(np.int64) if a is not None else np.zeros(n, dtype=np.int64))
-        for name in ("peer", "time_started_ns", "time_completed_ns", "timeout_ms", "retired"):
-            a = cols.get(name)
-            if a is None:
-                put(name, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool))
-            else:
-                put(name, a.astype(np.int64), packed.valid.get(name))
-        d = cols.get("duration_ms")
-        if d is None:
-            put("duration_ms", np.full(n, np.nan))
-        else:
-            ok = packed.valid.get("duration_ms")
-            put("duration_ms", np.where(ok, d, np.nan) if ok is not None else d)
+        code_parts.append(strings.codes(packed.strings))
         found = []
         for g in packed.groups:
             i = group_index.get((g[0], g[1]))
@@ -296,37 +273,88 @@ def packed_to_arrow(
                 group_names.append(g[0])
                 group_descs.append(g[1])
             found.append(i)
-        gmap = np.array(found + [-1], dtype=np.int64)
-        # rank-local group index -> host group -> batch group
-        tables = [np.array([hg for hg, _ in r.groups] + [-1], dtype=np.int64) for r in packed.ranks]
-        base = np.concatenate([[0], np.cumsum([len(t) for t in tables])]).astype(np.int64)
-        flat = np.concatenate(tables) if tables else np.zeros(1, dtype=np.int64)
-        local = cols.get("group")
-        local = np.full(n, -1, dtype=np.int64) if local is None else local.astype(np.int64)
-        host_group = np.where(local >= 0, flat[base[which] + np.maximum(local, 0)], -1)
-        group_col.append(gmap[host_group])
-        rank_col.append(np.array([r.rank for r in packed.ranks], dtype=np.int32)[which])
-        bk = strings.codes([r.identity.get("backend") or "" for r in packed.ranks])
-        backend_col.append(bk[which] if len(bk) else np.zeros(0, dtype=np.int64))
-        dumps, rows = _rank_dumps(packed, source, cols.get("time_created_ns"))
+        gmap_parts.append(found + [-1])
+        for r in packed.ranks:
+            rank_base.append(len(rank_groups))
+            rank_groups.extend(hg for hg, _ in r.groups)
+            rank_groups.append(-1)
+            rank_ids.append(r.rank)
+            backends.append(r.identity.get("backend") or "")
+        rank_rows.extend(np.diff(packed.offsets).tolist())
+        dumps, rows = _rank_dumps(packed, source, packed.columns.get("time_created_ns"))
         all_dumps.append(dumps)
         all_rows.append(rows)
 
-    def joined(name: str) -> np.ndarray:
-        chunks = parts.get(name) or []
-        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+    host_of_row = np.repeat(np.arange(len(hosts)), n_host)
+    rank_of_row = np.repeat(np.arange(len(rank_ids)), np.array(rank_rows, dtype=np.int64))
+
+    def batch(name: str, dtype: Any, fill: int = 0) -> np.ndarray:
+        """A column over every host (a host without it: ``fill``)."""
+        arrays = [h.columns.get(name) for h in hosts]
+        if not arrays:
+            return np.zeros(0, dtype=dtype)
+        return np.concatenate(
+            [
+                a if a is not None else np.full(h.n_entries, fill, dtype=dtype)
+                for a, h in zip(arrays, hosts, strict=True)
+            ]
+        )
 
     def nulls(name: str) -> np.ndarray | None:
-        if name not in masks:
+        """Where a nullable column has no value (a host without the column: everywhere)."""
+        if all(name in h.columns and name not in h.valid for h in hosts):
             return None
-        ok = np.concatenate(masks[name]) if masks[name] else np.ones(0, dtype=bool)
+        ok = np.concatenate(
+            [
+                h.valid.get(name, np.ones(h.n_entries, bool))
+                if name in h.columns
+                else np.zeros(h.n_entries, bool)
+                for h in hosts
+            ]
+        )
         return None if ok.all() else ~ok
+
+    str_base = np.concatenate([[0], np.cumsum([len(c) for c in code_parts])]).astype(np.int64)
+    code_all = np.concatenate(code_parts) if code_parts else np.zeros(1, dtype=np.int64)
+    row_str_base = str_base[:-1][host_of_row]
+    text_codes = {
+        name: code_all[row_str_base + batch(name, np.uint32).astype(np.int64)]
+        for name in string_cols
+    }
+    ints = {
+        name: batch(name, np.int64).astype(np.int64, copy=False)
+        for name in (
+            "record_id",
+            "collective_seq_id",
+            "p2p_seq_id",
+            "is_p2p",
+            "state",
+            "time_created_ns",
+            "peer",
+            "time_started_ns",
+            "time_completed_ns",
+            "timeout_ms",
+            "retired",
+        )
+    }
+    d = batch("duration_ms", np.float64, fill=0)
+    duration_null = nulls("duration_ms")
+    duration = np.where(duration_null, np.nan, d) if duration_null is not None else d
+    # rank-local group index -> host group -> batch group
+    local = batch("group", np.int16, fill=-1).astype(np.int64)
+    table = np.array(rank_groups or [-1], dtype=np.int64)
+    starts = np.array(rank_base or [0], dtype=np.int64)
+    host_group = np.where(local >= 0, table[starts[rank_of_row] + np.maximum(local, 0)], -1)
+    gmap = np.array([i for part in gmap_parts for i in part] or [-1], dtype=np.int64)
+    gbase = np.concatenate([[0], np.cumsum([len(p) for p in gmap_parts])]).astype(np.int64)
+    group = np.where(host_group >= 0, gmap[gbase[:-1][host_of_row] + np.maximum(host_group, 0)], -1)
+    rank = np.array(rank_ids, dtype=np.int32)[rank_of_row]
+    backend = strings.codes(backends)[rank_of_row] if backends else np.zeros(0, np.int64)
 
     texts = strings.texts
     text_dict = pa.array(texts, type=pa.string())
     ops = pa.array([_OPS.get(t) or _OPS.setdefault(t, op_name(t)) for t in texts])
-    op = joined("op")
-    backend = np.concatenate(backend_col) if backend_col else np.zeros(0, dtype=np.int64)
+    op = text_codes["op"]
     if not backend.any():
         profiling = _dict_column(op, text_dict, None)
     else:  # an op without a prefix takes its rank's backend's, as the JSON path does
@@ -337,8 +365,8 @@ def packed_to_arrow(
             t, b = texts[key // len(texts)], texts[key % len(texts)]
             values.append(t if (":" in t or not b or not t) else f"{b}:{t}")
         profiling = _dict_column(inverse, pa.array(values, type=pa.string()), None)
-    stack = joined("stack")
-    site = joined("call_site")
+    stack = text_codes["stack"]
+    site = text_codes["call_site"]
     # a call site as recorded, else derived from the stack (one derivation per text)
     key = np.where(site != 0, site, len(texts) + stack)
     uniq, inverse = np.unique(key, return_inverse=True)
@@ -353,17 +381,16 @@ def packed_to_arrow(
             site_texts.append(_SITES[t])
     site_values = pa.array(site_texts, type=pa.string())
     site_null = np.asarray(site_values.is_null())[inverse] if site_values.null_count else None
-    state = joined("state")
+    state = ints["state"]
     state_of = np.array([STATES.index(x) for x in STATE_CODES], dtype=np.int32)
-    retired = joined("retired")
+    retired = ints["retired"]
     retired_null = nulls("retired")
     done = state == STATE_CODES.index("completed")
     retired_b = (
         np.where(retired_null, done, retired != 0) if retired_null is not None else retired != 0
     )
-    if "retired" not in parts:
+    if not any("retired" in h.columns for h in hosts):
         retired_b = done
-    group = np.concatenate(group_col) if group_col else np.zeros(0, dtype=np.int64)
     no_group = group < 0
     group = np.maximum(group, 0)
     # one dictionary entry per distinct name (and desc): categories must be unique
@@ -371,33 +398,30 @@ def packed_to_arrow(
     desc_values, desc_of = np.unique(np.array(group_descs or [""], object), return_inverse=True)
     names = pa.array(name_values.tolist(), type=pa.string())
     descs = pa.array(desc_values.tolist(), type=pa.string())
-    duration = joined("duration_ms").astype(np.float64)
     arrays = {
-        "rank": pa.array(
-            np.concatenate(rank_col) if rank_col else np.zeros(0, np.int32), type=pa.int32()
-        ),
-        "record_id": pa.array(joined("record_id")),
+        "rank": pa.array(rank, type=pa.int32()),
+        "record_id": pa.array(ints["record_id"]),
         "pg_name": _dict_column(name_of[group], names, no_group if no_group.any() else None),
         "pg_desc": _dict_column(desc_of[group], descs, no_group if no_group.any() else None),
-        "collective_seq_id": pa.array(joined("collective_seq_id")),
-        "p2p_seq_id": pa.array(joined("p2p_seq_id")),
-        "is_p2p": pa.array(joined("is_p2p") != 0),
+        "collective_seq_id": pa.array(ints["collective_seq_id"]),
+        "p2p_seq_id": pa.array(ints["p2p_seq_id"]),
+        "is_p2p": pa.array(ints["is_p2p"] != 0),
         "op": _dict_column(op, ops, None),
         "profiling_name": profiling,
-        "peer": pa.array(joined("peer").astype(np.int32), mask=nulls("peer")),
+        "peer": pa.array(ints["peer"].astype(np.int32), mask=nulls("peer")),
         "state": _dict_column(state_of[state], pa.array(list(STATES), type=pa.string()), None),
-        "time_created_ns": pa.array(joined("time_created_ns")),
-        "time_started_ns": pa.array(joined("time_started_ns"), mask=nulls("time_started_ns")),
-        "time_completed_ns": pa.array(joined("time_completed_ns"), mask=nulls("time_completed_ns")),
+        "time_created_ns": pa.array(ints["time_created_ns"]),
+        "time_started_ns": pa.array(ints["time_started_ns"], mask=nulls("time_started_ns")),
+        "time_completed_ns": pa.array(ints["time_completed_ns"], mask=nulls("time_completed_ns")),
         "duration_ms": pa.array(duration, mask=np.isnan(duration)),
         "retired": pa.array(retired_b),
-        "timeout_ms": pa.array(joined("timeout_ms"), mask=nulls("timeout_ms")),
+        "timeout_ms": pa.array(ints["timeout_ms"], mask=nulls("timeout_ms")),
         "call_site": _dict_column(inverse, site_values, site_null),
     }
     for name in ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes", "thread_id"):
-        arrays[name] = _dict_column(joined(name), text_dict, None)
+        arrays[name] = _dict_column(text_codes[name], text_dict, None)
     for name in ("thread_name", "stack", "error"):
-        codes = joined(name)
+        codes = text_codes[name]
         empty = codes == 0
         arrays[name] = _dict_column(codes, text_dict, empty if empty.any() else None)
     columns = []
@@ -475,16 +499,14 @@ def read_many(
     those dumps' ``entries`` are None); other summaries come with their own tables
     (``rows`` empty for them)."""
     out: list[list[RankDump] | DumpError] = []
-    hosts: list[PackedHost] = []
-    host_paths: list[str] = []
-    where: list[int] = []
+    packed: list[bytes] = []
+    packed_at: list[int] = []
     for path in paths:
         try:
             data, stored = read_content(path)
-            if looks_packed(data):  # bounded by its own reader
-                hosts.append(decode_packed(data))
-                host_paths.append(str(path))
-                where.append(len(out))
+            if looks_packed(data):  # bounded by its own reader, decoded below with the rest
+                packed.append(data)
+                packed_at.append(len(out))
                 out.append([])
             else:
                 limits.check_json(data, stored=stored)  # as for a JSON dump
@@ -493,6 +515,16 @@ def read_many(
             out.append(DumpError(str(e)))
         except DumpError as e:
             out.append(e)
+    hosts: list[PackedHost] = []
+    host_paths: list[str] = []
+    where: list[int] = []
+    for i, host in zip(packed_at, decode_packed_many(packed), strict=True):
+        if isinstance(host, SummaryError):
+            out[i] = DumpError(str(host))
+        else:
+            hosts.append(host)
+            host_paths.append(str(paths[i]))
+            where.append(i)
     rows: list[list[int]] = [[] for _ in out]
     if not hosts:
         return out, None, rows
