@@ -123,7 +123,7 @@ def load_and_diagnose(
 ) -> tuple[Any, Any, Any]:
     """Read the dumps under ``path``, align them once and diagnose: ``(trace, alignment,
     verdict)``. Unusable input is a one-line error, exit 2."""
-    from frtools.analyze.memory import keep_freed_memory
+    from frtools.analyze.memory import keep_freed_memory, spare_the_collector
     from frtools.analyze.readers import UnusableInput, load_trace
 
     def import_diagnosis() -> None:  # pandas & co: 0.5 s, while the readers work
@@ -140,6 +140,7 @@ def load_and_diagnose(
         )
     except UnusableInput as e:
         fail(prefix, f"error: {first_line(e, 'unusable input')}")
+    spare_the_collector()
     from frtools.analyze.align import align
     from frtools.analyze.diagnose import diagnose
 

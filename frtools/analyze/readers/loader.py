@@ -732,8 +732,20 @@ def load_trace(
     costs no wall time). Raises ``UnusableInput`` when nothing
     usable was found, or a dump's rank does not fit ``world_size``.
     """
+    # reading builds millions of small objects in no cycle; the cyclic GC would rescan the
+    # growing heap over and over (at 131,072 ranks: 9 s of the 19 s this process spent)
+    with _no_cyclic_gc():
+        return _load_trace(Path(path), workers, progress, world_size, meanwhile)
+
+
+def _load_trace(
+    root: Path,
+    workers: int | None,
+    progress: bool,
+    world_size: int | None,
+    meanwhile: Callable[[], None] | None,
+) -> Trace:
     limits.current()  # a bad FRTOOLS_LIMITS stops here (ConfigError), not file by file
-    root = Path(path)
     if world_size is not None and not valid_world_size(world_size):
         raise UnusableInput(
             f"world size {world_size} is beyond the limit of {MAX_WORLD_SIZE} ranks"
