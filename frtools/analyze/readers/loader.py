@@ -261,8 +261,7 @@ def _read_all(
     spool = _spool_dir() if workers > 1 else None
     try:
         if workers > 1:
-            size = max(1, min(CHUNK_FILES, len(files) // (workers * 8) or 1))
-            chunks = [files[i : i + size] for i in range(0, len(files), size)]
+            chunks = _chunks(files, workers)
             try:
                 with ProcessPoolExecutor(max_workers=workers) as pool:
                     # fork every worker now, before the progress bar starts its thread
@@ -344,8 +343,33 @@ def _remove_stale_spools(base: str) -> None:
                 pass  # alive (another user's): leave it
 
 
-# files a worker reads into one spooled table
+# what a worker reads into one spooled table: at most this many files and bytes. Small
+# files (host summaries, ~10 KB) go in big chunks: each chunk costs a spool file, a pickle
+# of its results, a set of dictionaries to unify and its member lists to hash again (at
+# 16,384 summaries, 32-file chunks cost 6 s of the parent's time); big dumps in few.
 CHUNK_FILES = 32
+CHUNK_MAX_FILES = 512
+CHUNK_BYTES = 128 << 20
+
+
+def _chunks(files: Sequence[Path], workers: int) -> list[Sequence[Path]]:
+    """Files in chunks for ``workers`` processes: each worker gets several (the last ones
+    finish together), none holds more than CHUNK_MAX_FILES files or CHUNK_BYTES bytes."""
+    most = max(1, min(CHUNK_MAX_FILES, len(files) // (workers * 8) or 1))
+    chunks: list[Sequence[Path]] = []
+    start, size = 0, 0
+    for i, f in enumerate(files):
+        try:
+            n = f.stat().st_size
+        except OSError:
+            n = 0  # its reader says what is wrong with it
+        if i > start and (i - start >= most or size + n > CHUNK_BYTES):
+            chunks.append(files[start:i])
+            start, size = i, 0
+        size += n
+    if start < len(files):
+        chunks.append(files[start:])
+    return chunks
 
 # id(RankDump) -> (table, offset, rows), for one load: a dump whose entries are rows of a
 # table it shares with other dumps (a batch of host summaries, a worker's chunk). Its
