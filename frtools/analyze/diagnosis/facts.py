@@ -57,6 +57,8 @@ def is_collective_error(text: str | None) -> bool:
 class CompletionSource(enum.Enum):
     """Where a rank's "completed" marks come from, which says what they prove."""
 
+    __hash__ = object.__hash__  # members are singletons: a C hash, not enum's by name
+
     STATES = "states"  # real per-op states (NCCL, frtools): completed means succeeded
     RETIRED = "retired"  # Gloo's FR: retired on success *and* on failure
     PG_STATUS = "pg_status"  # only the group counters
@@ -168,10 +170,19 @@ def gather_facts(trace: Trace, al: Alignment) -> JobFacts:
         for r, info in trace.ranks.items()
         if (info.device or "").startswith("cpu") and completion.get(r) is CompletionSource.STATES
     )
-    status = {
-        key: (row.first_seq, row.last_issued, row.last_completed)
-        for key, row in zip(al.status.index, al.status.itertuples(index=False), strict=True)
-    }
+    st = al.status  # one (rank, group) row per member: columns as lists, not row objects
+    status = dict(
+        zip(
+            st.index.tolist(),
+            zip(
+                st["first_seq"].tolist(),
+                st["last_issued"].tolist(),
+                st["last_completed"].tolist(),
+                strict=True,
+            ),
+            strict=True,
+        )
+    )
     times = [coll[["rank", "time_created_ns"]]]
     if len(p2p):
         times.append(p2p[["rank", "time_created_ns"]])
