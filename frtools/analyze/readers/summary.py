@@ -15,6 +15,7 @@ analysis reads 16,384 of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +239,37 @@ def _dict_column(codes: np.ndarray, dictionary: pa.Array, null: np.ndarray | Non
     return pa.DictionaryArray.from_arrays(idx, dictionary)
 
 
+def _text_column(
+    codes: np.ndarray,
+    texts: list[str],
+    null: np.ndarray | None = None,
+    derive: Callable[[str], str] | None = None,
+) -> pa.Array:
+    """Rows naming strings of a batch's table, as a dictionary column of only the distinct
+    values they use (``derive``: of each string, e.g. its op name). The table holds every
+    string of every column, so sharing it made each column's categories the whole table:
+    131,072 op "categories" at fleet scale, and a rule looked up per category."""
+    used = np.flatnonzero(np.bincount(codes, minlength=len(texts))) if len(codes) else []
+    target = np.zeros(len(texts), dtype=np.int64)
+    index: dict[str, int] = {}
+    values: list[str] = []
+    for u in used.tolist() if len(used) else ():
+        v = texts[u] if derive is None else derive(texts[u])
+        i = index.get(v)
+        if i is None:
+            i = index[v] = len(values)
+            values.append(v)
+        target[u] = i
+    return _dict_column(target[codes], pa.array(values, type=pa.string()), null)
+
+
+def _op_name(text: str) -> str:
+    name = _OPS.get(text)
+    if name is None:
+        name = _OPS[text] = op_name(text)
+    return name
+
+
 def packed_to_arrow(
     hosts: list[PackedHost], sources: list[str]
 ) -> tuple[pa.Table, list[list[RankDump]], list[list[int]]]:
@@ -352,11 +384,9 @@ def packed_to_arrow(
     backend = strings.codes(backends)[rank_of_row] if backends else np.zeros(0, np.int64)
 
     texts = strings.texts
-    text_dict = pa.array(texts, type=pa.string())
-    ops = pa.array([_OPS.get(t) or _OPS.setdefault(t, op_name(t)) for t in texts])
     op = text_codes["op"]
     if not backend.any():
-        profiling = _dict_column(op, text_dict, None)
+        profiling = _text_column(op, texts)
     else:  # an op without a prefix takes its rank's backend's, as the JSON path does
         pairs = op * len(texts) + backend
         uniq, inverse = np.unique(pairs, return_inverse=True)
@@ -406,7 +436,7 @@ def packed_to_arrow(
         "collective_seq_id": pa.array(ints["collective_seq_id"]),
         "p2p_seq_id": pa.array(ints["p2p_seq_id"]),
         "is_p2p": pa.array(ints["is_p2p"] != 0),
-        "op": _dict_column(op, ops, None),
+        "op": _text_column(op, texts, derive=_op_name),
         "profiling_name": profiling,
         "peer": pa.array(ints["peer"].astype(np.int32), mask=nulls("peer")),
         "state": _dict_column(state_of[state], pa.array(list(STATES), type=pa.string()), None),
@@ -419,11 +449,11 @@ def packed_to_arrow(
         "call_site": _dict_column(inverse, site_values, site_null),
     }
     for name in ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes", "thread_id"):
-        arrays[name] = _dict_column(text_codes[name], text_dict, None)
+        arrays[name] = _text_column(text_codes[name], texts)
     for name in ("thread_name", "stack", "error"):
         codes = text_codes[name]
         empty = codes == 0
-        arrays[name] = _dict_column(codes, text_dict, empty if empty.any() else None)
+        arrays[name] = _text_column(codes, texts, empty if empty.any() else None)
     columns = []
     for f in ENTRY_SCHEMA:
         array = arrays[f.name]
