@@ -359,7 +359,7 @@ class _Head:
     """One file's checked header and where each of its columns lies in its body."""
 
     host: PackedHost
-    body: memoryview
+    bytes: np.ndarray  # the body as uint8
     n_strings: int
     # name -> (codec, base column, validity bitmap offset or -1, values offset)
     layout: dict[str, tuple[str, str | None, int, int]]
@@ -400,7 +400,7 @@ def _head(data: bytes) -> _Head:
     host = _opt_str(header.get("host"), "host", MAX_IDENTITY_CHARS)
     window = _opt_int(header.get("window"), "window", 1, MAX_ENTRIES)
     packed = PackedHost(host, window, strings, groups, ranks, offsets, {}, {})
-    return _Head(packed, body, len(strings), layout)
+    return _Head(packed, np.frombuffer(body, dtype=np.uint8), len(strings), layout)
 
 
 def _no_constant(name: str) -> Any:
@@ -509,25 +509,21 @@ def _decode_columns(heads: list[_Head]) -> dict[int, SummaryError]:
         return {}
     rows = np.array([h.host.n_entries for h in heads], dtype=np.int64)
     # the hosts that have a column under one codec are decoded together (normally all)
-    together: dict[tuple[str, str], list[int]] = {}
+    together: dict[tuple[str, str, bool], list[int]] = {}
     for k, h in enumerate(heads):
-        for name, (codec, _base, _bits, _start) in h.layout.items():
-            together.setdefault((name, codec), []).append(k)
-    for (name, codec), hosts in together.items():
+        for name, (codec, _base, bits, _start) in h.layout.items():
+            together.setdefault((name, codec, bits >= 0), []).append(k)
+    for (name, codec, nullable), hosts in together.items():
         dtype = np.dtype(_NUMPY[codec])
         w = dtype.itemsize
         n = rows[hosts]
-        parts = []
-        for k in hosts:
-            h = heads[k]
-            start = h.layout[name][3]
-            plane = np.frombuffer(h.body, dtype=np.uint8, count=int(rows[k]) * w, offset=start)
-            parts.append(plane.reshape(w, int(rows[k])) if w > 1 else plane)
-        if w > 1:
+        spans = [(heads[k].bytes, heads[k].layout[name], int(rows[k])) for k in hosts]
+        if w > 1:  # each host's bytes are w planes of n bytes: side by side, then transposed
+            parts = [b[lay[3] : lay[3] + c * w].reshape(w, c) for b, lay, c in spans]
             values = np.ascontiguousarray(np.concatenate(parts, axis=1).T).view(dtype)
             values = values.reshape(len(values))
         else:
-            values = np.concatenate(parts).view(dtype)
+            values = np.concatenate([b[lay[3] : lay[3] + c] for b, lay, c in spans]).view(dtype)
         bounds = np.concatenate([[0], np.cumsum(n)])
         if codec == "d8":  # differences to the previous row, from 0 at each host's first
             first = bounds[:-1][n > 0]
@@ -535,15 +531,20 @@ def _decode_columns(heads: list[_Head]) -> dict[int, SummaryError]:
             values[first] = 0
             np.cumsum(values, out=values)
             values += np.repeat(head_values - values[first], n[n > 0])
+        valid = None
+        if nullable:  # each host's validity bitmap is padded to whole bytes
+            padded = (n + 7) // 8
+            bits = np.unpackbits(
+                np.concatenate([b[lay[2] : lay[2] + (c + 7) // 8] for b, lay, c in spans])
+            )
+            at = np.arange(len(bits)) - np.repeat(np.cumsum(padded * 8) - padded * 8, padded * 8)
+            valid = bits[at < np.repeat(n, padded * 8)].astype(bool)
         for i, k in enumerate(hosts):
-            h = heads[k]
-            a = values[bounds[i] : bounds[i + 1]]
-            bits = h.layout[name][2]
-            if bits >= 0:
-                count = int(rows[k])
-                packed = np.frombuffer(h.body, dtype=np.uint8, count=(count + 7) // 8, offset=bits)
-                h.host.valid[name] = np.unpackbits(packed, count=count).astype(bool)
-            h.host.columns[name] = a
+            host = heads[k].host
+            lo, hi = bounds[i], bounds[i + 1]
+            host.columns[name] = values[lo:hi]
+            if valid is not None:
+                host.valid[name] = valid[lo:hi]
     for h in heads:  # relative columns, once their bases are decoded (listed before them)
         for name, (codec, base, _bits, _start) in h.layout.items():
             if codec == "r8":
