@@ -151,9 +151,9 @@ def gather_facts(trace: Trace, al: Alignment) -> JobFacts:
     coll, p2p = al.collectives, al.p2p
     present = set(int(r) for r in trace.ranks)
     if len(coll):
-        present |= set(int(r) for r in coll["rank"].unique())
+        present.update(coll["rank"].unique().tolist())
     if len(p2p):
-        present |= set(int(r) for r in p2p["rank"].unique())
+        present.update(p2p["rank"].unique().tolist())
     listed = frozenset(
         name for name, pg in trace.process_groups.items() if pg.ranks and not pg.inferred
     )
@@ -173,7 +173,11 @@ def gather_facts(trace: Trace, al: Alignment) -> JobFacts:
     st = al.status  # one (rank, group) row per member: columns as lists, not row objects
     status = dict(
         zip(
-            st.index.tolist(),
+            zip(
+                st.index.get_level_values(0).tolist(),
+                st.index.get_level_values(1).tolist(),
+                strict=True,
+            ),
             zip(
                 st["first_seq"].tolist(),
                 st["last_issued"].tolist(),

@@ -14,6 +14,8 @@ from collections import Counter
 
 import pandas as pd
 
+from frtools.analyze.align import _codes
+
 from .facts import JobFacts
 from .graph import WaitForGraph
 
@@ -37,11 +39,21 @@ def skipped(facts: JobFacts, graph: WaitForGraph) -> dict[int, tuple[str, int]]:
     near = coll[coll["seq"].isin(seqs).to_numpy() & coll["call_site"].notna().to_numpy()]
     if not len(near):
         return {}
+    # columns as codes and plain ints (131,072 ranks: ~10^6 rows, not one string each)
+    group_codes, group_names = _codes(near["pg_name"])
+    site_codes, site_texts = _codes(near["call_site"])
+    names = [str(g) for g in group_names]
+    texts = [str(t) for t in site_texts]
     sites: dict[tuple[str, int], dict[int, str]] = {}
-    for pg_name, seq, rank, site in zip(
-        near["pg_name"].astype(str), near["seq"], near["rank"], near["call_site"], strict=True
+    for g, seq, rank, site in zip(
+        group_codes.tolist(),
+        near["seq"].to_numpy().tolist(),
+        near["rank"].to_numpy().tolist(),
+        site_codes.tolist(),
+        strict=True,
     ):
-        sites.setdefault((pg_name, int(seq)), {})[int(rank)] = str(site)
+        if g >= 0:
+            sites.setdefault((names[g], seq), {})[rank] = texts[site]
     # groups by kind, once: a tie is broken by the siblings (16,384 groups of a kind at
     # 131,072 ranks: not a scan of every group per seq)
     by_kind: dict[str, list[str]] = {}
