@@ -785,10 +785,12 @@ def _summarize(
     draft = WaitForGraph(
         points, blocked_at, blocked_known, frozenset(), frozenset(), frozenset(), frozenset()
     )
-    waiting = {r for r in blocked_at if draft.targets_of(r)}
+    # each blocked rank's targets, once (131,072 ranks: the fixpoint below asks again)
+    targets = {r: draft.targets_of(r) for r in blocked_at}
+    waiting = {r for r, t in targets.items() if t}
     targeted: set[int] = set()
     for r in waiting:
-        targeted |= draft.targets_of(r)
+        targeted |= targets[r]
     # a rank blocked in an op it issued against what the op requires is a root too, even
     # when the member it disagrees with left no record to wait for it
     targeted |= {r for r, key in blocked_at.items() if r in points[key].of(MemberState.MINORITY)}
@@ -811,7 +813,7 @@ def _summarize(
         for r in waiting:
             if reaches[r]:
                 continue
-            if any(t in roots or reaches.get(t, False) for t in draft.targets_of(r)):
+            if any(t in roots or reaches.get(t, False) for t in targets[r]):
                 reaches[r] = True
                 changed = True
     cyclic = {r for r, ok in reaches.items() if not ok}
