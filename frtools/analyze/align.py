@@ -186,14 +186,15 @@ def group_members(trace: Trace, seen: pd.DataFrame | None = None) -> dict[str, t
     """Global member ranks of every group: the readers' membership, else who recorded on it."""
     members: dict[str, set[int]] = {}
     if seen is not None and len(seen):
-        codes, names = _codes(seen["pg_name"])
+        codes, index = _codes(seen["pg_name"])
+        names = [str(n) for n in index]  # not Index lookups one by one (~10^5 groups)
         used = np.unique(codes)
         listed = {n for n, pg in trace.process_groups.items() if pg.ranks}
         # who recorded on a group matters only where no file lists its members
-        unknown = {c for c in used.tolist() if c >= 0 and str(names[c]) not in listed}
+        unknown = {c for c in used.tolist() if c >= 0 and names[c] not in listed}
         for c in used.tolist():
             if c >= 0 and c not in unknown:
-                members[str(names[c])] = set()
+                members[names[c]] = set()
         if unknown:
             sub = seen[np.isin(codes, sorted(unknown))]
             for pg_name, ranks in (
