@@ -63,10 +63,16 @@ class WaitForGraph:
         return None if key is None else self.points[key]
 
     def targets_of(self, rank: int) -> frozenset[int]:
-        point = self.point_of(rank)
-        if point is None or rank in point.of(MemberState.MINORITY):
-            return frozenset()
-        return point.targets - {rank}
+        return _targets_at(self.point_of(rank), rank)
+
+
+def _targets_at(point: Point | None, rank: int) -> frozenset[int]:
+    """Whom ``rank``, blocked at ``point``, waits for (nobody if it is the one that
+    disagrees there)."""
+    if point is None or rank in point.of(MemberState.MINORITY):
+        return frozenset()
+    targets = point.targets
+    return targets - {rank} if rank in targets else targets
 
 
 def is_stuck(point: Point, trust_gloo: bool = False) -> bool:
@@ -782,11 +788,15 @@ def _summarize(
 ) -> WaitForGraph:
     """Roots, waiting ranks and cycles of the graph (a fixpoint over the functional
     rank -> point map)."""
-    draft = WaitForGraph(
-        points, blocked_at, blocked_known, frozenset(), frozenset(), frozenset(), frozenset()
-    )
-    # each blocked rank's targets, once (131,072 ranks: the fixpoint below asks again)
-    targets = {r: draft.targets_of(r) for r in blocked_at}
+    # each blocked rank's targets, once (131,072 ranks: the fixpoint below asks again);
+    # ranks blocked at one point share its key object: its point is looked up once
+    targets: dict[int, frozenset[int]] = {}
+    point_by_key: dict[int, Point] = {}
+    for r, key in blocked_at.items():
+        point = point_by_key.get(id(key))
+        if point is None:
+            point = point_by_key[id(key)] = points[key]
+        targets[r] = _targets_at(point, r)
     waiting = {r for r, t in targets.items() if t}
     targeted: set[int] = set()
     for r in waiting:
