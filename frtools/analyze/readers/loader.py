@@ -371,6 +371,7 @@ def _chunks(files: Sequence[Path], workers: int) -> list[Sequence[Path]]:
         chunks.append(files[start:])
     return chunks
 
+
 # id(RankDump) -> (table, offset, rows), for one load: a dump whose entries are rows of a
 # table it shares with other dumps (a batch of host summaries, a worker's chunk). Its
 # ``entries`` stay None until needed (``_entries``): slicing 131,072 tables costs seconds,
