@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pandas as pd
+import numpy as np
 
 from frtools.analyze.align import _codes
 
@@ -44,27 +44,26 @@ def skipped(facts: JobFacts, graph: WaitForGraph) -> dict[int, tuple[str, int]]:
     site_codes, site_texts = _codes(near["call_site"])
     names = [str(g) for g in group_names]
     texts = [str(t) for t in site_texts]
+    seq_of = near["seq"].to_numpy()
+    code_of = {n: c for c, n in enumerate(names)}
+    # the wanted groups' rows as dicts; their siblings' only counted, and only for a tie
+    mine = np.isin(group_codes, [code_of[g] for g in wanted if g in code_of])
     sites: dict[tuple[str, int], dict[int, str]] = {}
     for g, seq, rank, site in zip(
-        group_codes.tolist(),
-        near["seq"].to_numpy().tolist(),
-        near["rank"].to_numpy().tolist(),
-        site_codes.tolist(),
+        group_codes[mine].tolist(),
+        seq_of[mine].tolist(),
+        near["rank"].to_numpy()[mine].tolist(),
+        site_codes[mine].tolist(),
         strict=True,
     ):
-        if g >= 0:
-            sites.setdefault((names[g], seq), {})[rank] = texts[site]
-    # groups by kind, once: a tie is broken by the siblings (16,384 groups of a kind at
-    # 131,072 ranks: not a scan of every group per seq)
-    by_kind: dict[str, list[str]] = {}
-    for g in facts.membership.members:
-        by_kind.setdefault(facts.kind_of_group(g), []).append(g)
+        sites.setdefault((names[g], seq), {})[rank] = texts[site]
+    siblings = _Siblings(facts, group_codes, code_of, seq_of, site_codes, texts)
     found: dict[int, tuple[str, int]] = {}
     for pg_name, window in wanted.items():
         for seq in sorted(window):
             here = sites.get((pg_name, seq), {})
-            ref = _reference(facts, sites, pg_name, seq, by_kind)
-            after = _reference(facts, sites, pg_name, seq + 1, by_kind)
+            ref = _reference(sites, siblings, pg_name, seq)
+            after = _reference(sites, siblings, pg_name, seq + 1)
             if ref is None or after is None or ref == after:
                 continue
             for rank, site in here.items():
@@ -74,26 +73,53 @@ def skipped(facts: JobFacts, graph: WaitForGraph) -> dict[int, tuple[str, int]]:
 
 
 def _reference(
-    facts: JobFacts,
-    sites: dict[tuple[str, int], dict[int, str]],
-    pg_name: str,
-    seq: int,
-    by_kind: dict[str, list[str]],
+    sites: dict[tuple[str, int], dict[int, str]], siblings: _Siblings, pg_name: str, seq: int
 ) -> str | None:
     """The call site most members reach at this seq: the group's strict majority, else its
-    siblings' (``by_kind``: the groups of each kind, in membership order)."""
+    siblings'."""
     own = _majority(sites.get((pg_name, seq), {}).values())
-    if own is not None:
-        return own
-    others: list[str] = []
-    for g in by_kind.get(facts.kind_of_group(pg_name), ()):
-        if g != pg_name:
-            others += list(sites.get((g, seq), {}).values())
-    return _majority(others)
+    return own if own is not None else siblings.majority(pg_name, seq)
+
+
+class _Siblings:
+    """The call site most members of a group's siblings (its other groups of one kind) reach
+    at a seq: what breaks a tie inside the group. Counted over code arrays, a kind's groups
+    found once (16,384 groups of a kind at 131,072 ranks)."""
+
+    def __init__(
+        self,
+        facts: JobFacts,
+        group_codes: np.ndarray,
+        code_of: dict[str, int],
+        seq_of: np.ndarray,
+        site_codes: np.ndarray,
+        texts: list[str],
+    ) -> None:
+        self.facts = facts
+        self.group_codes, self.code_of = group_codes, code_of
+        self.seq_of, self.site_codes, self.texts = seq_of, site_codes, texts
+        self.kinds: dict[str, list[str]] | None = None
+
+    def majority(self, pg_name: str, seq: int) -> str | None:
+        if self.kinds is None:
+            self.kinds = {}
+            for g in self.facts.membership.members:
+                self.kinds.setdefault(self.facts.kind_of_group(g), []).append(g)
+        kind = self.facts.kind_of_group(pg_name)
+        others = [
+            self.code_of[g] for g in self.kinds.get(kind, ()) if g != pg_name and g in self.code_of
+        ]
+        rows = np.isin(self.group_codes, others) & (self.seq_of == seq)
+        counts = np.bincount(self.site_codes[rows], minlength=len(self.texts))
+        total = int(counts.sum())
+        if total < 2:
+            return None
+        top = int(counts.argmax())
+        return self.texts[top] if counts[top] * 2 > total else None
 
 
 def _majority(values) -> str | None:  # noqa: ANN001
-    counts = Counter(v for v in values if isinstance(v, str) and not pd.isna(v))
+    counts = Counter(v for v in values if isinstance(v, str))
     if not counts:
         return None
     (top, n), *rest = counts.most_common()
