@@ -38,6 +38,7 @@ from frtools.recorder.capture.hot_path import (
     HookShape,
     WindowState,
     make_hooks,
+    make_native_group,
     window_call,
 )
 from frtools.recorder.capture.process_group import OP_NAMES
@@ -126,11 +127,16 @@ def attach(pg: Any, recorder: Any, backend: str) -> GroupState:
         st.bind(str(pg_now.group_name), str(pg_now.group_desc), ranks)
         return True
 
-    pre, post = make_hooks(st, _specs(), bind)
     if not _hooked:
         before_finalization(detach_all)
-    pg.register_pre_hook(HOOK_ID, pre)
-    pg.register_post_hook(HOOK_ID, post)
+    native = recorder.native_body()
+    if native is not None:
+        module, body = native
+        make_native_group(st, _specs(), bind, module, body).attach(pg, HOOK_ID)
+    else:
+        pre, post = make_hooks(st, _specs(), bind)
+        pg.register_pre_hook(HOOK_ID, pre)
+        pg.register_post_hook(HOOK_ID, post)
     _hooked[pg] = st
     return st
 
