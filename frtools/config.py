@@ -346,6 +346,14 @@ NATIVE_HOOKS: Setting[str] = Setting(
     parse_native_hooks,
 )
 
+CACHE_DIR: Setting[str | None] = Setting(
+    "FRTOOLS_CACHE_DIR",
+    None,
+    "`$XDG_CACHE_HOME/frtools`, else `~/.cache/frtools`",
+    "where the C++ hook body is built (one private 0700 folder per torch and source)",
+    _text,
+)
+
 SETTINGS: tuple[Setting[Any], ...] = (
     RECORD,
     DIR,
@@ -368,6 +376,7 @@ SETTINGS: tuple[Setting[Any], ...] = (
     HISTORY,
     CAPTURE,
     NATIVE_HOOKS,
+    CACHE_DIR,
 )
 ENV_VARS = tuple(s.name for s in SETTINGS)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from frtools.config import NATIVE_HOOKS
+from frtools.config import CACHE_DIR, NATIVE_HOOKS
 
 __all__ = ["build", "cache_dir", "load", "status"]
 
@@ -66,7 +66,7 @@ def module_name() -> str:
 def cache_dir() -> Path:
     """``$FRTOOLS_CACHE_DIR``, else ``$XDG_CACHE_HOME/frtools``, else ``~/.cache/frtools``;
     the build lives in ``native_hooks/<module name>`` below it."""
-    base = os.environ.get("FRTOOLS_CACHE_DIR", "").strip()
+    base = CACHE_DIR.read()
     if not base:
         xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
         base = os.path.join(xdg, "frtools") if xdg else os.path.expanduser("~/.cache/frtools")

@@ -56,6 +56,12 @@
 
 namespace py = pybind11;
 
+#if PY_VERSION_HEX >= 0x030D0000
+#define FRT_FINALIZING() Py_IsFinalizing()
+#else
+#define FRT_FINALIZING() _Py_IsFinalizing()
+#endif
+
 namespace {
 
 constexpr int kMaxDepth = 64;
@@ -141,7 +147,7 @@ struct Recorder : std::enable_shared_from_this<Recorder> {
     stop_poller();
     if (api && box) api->release(box);
     // Python references: dropped only while the interpreter can take them back
-    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+    if (Py_IsInitialized() && !FRT_FINALIZING()) {
       PyGILState_STATE g = PyGILState_Ensure();
       Py_XDECREF(skip_file);
       Py_XDECREF(stack_miss);
@@ -155,7 +161,7 @@ struct Recorder : std::enable_shared_from_this<Recorder> {
   // Recording off for good, said once by the Python Recorder.
   void fail(const std::string& why) {
     bool was = enabled.exchange(false);
-    if (!was || !Py_IsInitialized() || _Py_IsFinalizing()) return;
+    if (!was || !Py_IsInitialized() || FRT_FINALIZING()) return;
     PyGILState_STATE g = PyGILState_Ensure();
     PyObject* r = PyObject_CallFunction(fail_fn, "s#", why.data(), Py_ssize_t(why.size()));
     if (!r) PyErr_Clear();
@@ -270,7 +276,11 @@ struct Recorder : std::enable_shared_from_this<Recorder> {
       if (!(skip && skipped(code))) {
         skip = false;
         uintptr_t c = reinterpret_cast<uintptr_t>(code);
+#if PY_VERSION_HEX >= 0x030B0000
         uintptr_t l = static_cast<uintptr_t>(PyFrame_GetLasti(frame));
+#else
+        uintptr_t l = static_cast<uintptr_t>(frame->f_lasti);
+#endif
         v[2 * *n] = c;
         v[2 * *n + 1] = l;
         ++*n;
@@ -477,7 +487,7 @@ struct Group {
   std::vector<InFlight> inflight;
 
   ~Group() {
-    if (bind_fn && Py_IsInitialized() && !_Py_IsFinalizing()) {
+    if (bind_fn && Py_IsInitialized() && !FRT_FINALIZING()) {
       PyGILState_STATE g = PyGILState_Ensure();
       Py_DECREF(bind_fn);
       PyGILState_Release(g);
@@ -721,4 +731,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             g->post(a);
           },
           "test seam: run the post hook as a process group would (GIL released)");
+  m.def(
+      "_work",
+      [](bool done, std::optional<std::string> error) {
+        auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+        if (done && error) {
+          fut->setError(std::make_exception_ptr(std::runtime_error(*error)));
+        } else if (done) {
+          fut->markCompleted(c10::IValue(c10::List<at::Tensor>()));
+        }
+        return c10d::Work::create_from_future(fut);
+      },
+      py::arg("done") = true, py::arg("error") = py::none(),
+      "test seam: a c10d Work over a future: pending, completed, or failed with error (as a "
+      "backend fails it)");
 }
