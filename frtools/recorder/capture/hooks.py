@@ -110,8 +110,9 @@ def hooked(pg: Any) -> GroupState | None:
     return _hooked.get(pg)
 
 
-def attach(pg: Any, recorder: Any, backend: str) -> GroupState:
-    """Record every op of ``pg`` through a pre/post hook pair (once per group)."""
+def attach(pg: Any, recorder: Any, backend: str, native: bool = True) -> GroupState:
+    """Record every op of ``pg`` through a pre/post hook pair (once per group): the C++ body
+    where it is built (``native_hooks``), else the Python one (``native=False``: always)."""
     st = _hooked.get(pg)
     if st is not None:
         return st
@@ -129,9 +130,9 @@ def attach(pg: Any, recorder: Any, backend: str) -> GroupState:
 
     if not _hooked:
         before_finalization(detach_all)
-    native = recorder.native_body()
-    if native is not None:
-        module, body = native
+    body_of = recorder.native_body() if native else None
+    if body_of is not None:
+        module, body = body_of
         make_native_group(st, _specs(), bind, module, body).attach(pg, HOOK_ID)
     else:
         pre, post = make_hooks(st, _specs(), bind)
