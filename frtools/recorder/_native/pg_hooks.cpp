@@ -38,6 +38,7 @@
 #undef Py_BUILD_CORE
 #endif
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -66,6 +67,11 @@ namespace {
 
 constexpr int kMaxDepth = 64;
 constexpr uint32_t kStrFull = 0xFFFFFFFFu;
+
+// Set in a forked child (a DataLoader worker): the hooks do nothing there — the parent's box
+// is not its to write, and a lock a parent thread held at the fork would never be released.
+std::atomic<bool> g_forked{false};
+void on_fork_child() { g_forked.store(true, std::memory_order_relaxed); }
 
 // HookShape (hot_path.py), as integers
 enum Shape : int { kInPlace = 0, kOutIn = 1, kNoTensors = 2, kPeer = 3 };
@@ -523,7 +529,9 @@ struct Group {
 
   void pre(const c10d::PreHookArgs& a) {
     Recorder& r = *rec;
-    if (!r.enabled.load(std::memory_order_relaxed)) return;
+    if (!r.enabled.load(std::memory_order_relaxed) || g_forked.load(std::memory_order_relaxed)) {
+      return;
+    }
     try {
       size_t name = size_t(a.name);
       if (name >= specs.size() || specs[name].first < 0) return;
@@ -583,6 +591,7 @@ struct Group {
 
   void post(const c10d::PostHookArgs& a) {
     Recorder& r = *rec;
+    if (g_forked.load(std::memory_order_relaxed)) return;
     try {
       InFlight item;
       {
@@ -671,6 +680,7 @@ void attach(std::shared_ptr<Group> g, const c10::intrusive_ptr<c10d::ProcessGrou
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "frtools' process-group hooks in C++ (see pg_hooks.cpp)";
+  pthread_atfork(nullptr, nullptr, &on_fork_child);
   py::class_<Recorder, std::shared_ptr<Recorder>>(m, "Recorder")
       .def(py::init(&make_recorder), py::arg("box"), py::arg("stack_miss"), py::arg("fail"),
            py::arg("watch_cuda"), py::arg("skip_file"), py::arg("depth") = 32,
