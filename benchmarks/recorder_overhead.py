@@ -15,7 +15,8 @@ twice:
   ``all_reduce`` (the whole op, network round trip included), the issuing call alone of
   1-element async all-reduces (50 in flight, waited for outside the timed part: exactly what
   a recorder adds to the caller, without the round trip's noise), and a small DDP step
-  (forward + backward, the reducer's all-reduces). Medians over blocks.
+  (forward + backward, the reducer's all-reduces). Medians over blocks. On 2.15 a group with
+  PyTorch's hook recorder (``FlightRecorderHook``) is timed in the same job too.
 * **in-process, the recording path alone**: one process on torch's fake backend
   (``FakeProcessGroup``: an op costs only its dispatch), timing the issuing call of async
   all-reduces on a plain group, a group recorded by frtools (the path this torch takes by
@@ -74,6 +75,13 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str, burst: int = 50) -> 
     recorder = capture.current_recorder()
     if capture.capture_mode() == "hooks" and recorder.native_body() is not None:
         groups["recorded_py"] = _python_hooked(dist.new_group([0, 1]), recorder)
+    fr_hook = None
+    if capture.capture_mode() == "hooks":  # PyTorch's hook recorder, in this same job
+        from torch._C._distributed_c10d import FlightRecorderHook
+
+        groups["fr_hook"] = dist.new_group([0, 1])
+        _unhook(groups["fr_hook"])
+        fr_hook = FlightRecorderHook.attach(groups["fr_hook"], [0, 1])  # noqa: F841 - kept
 
     def stacks_for(name: str) -> None:
         # exactly what FRTOOLS_STACKS=0 does, switched per block
@@ -323,6 +331,11 @@ def job_rows(python: str, rounds: int, ops: int, steps: int, out_dir: str) -> li
                         if f"{kind}/{clock}/recorded_py" in med
                         else None
                     ),
+                    "torch_fr_hook_overhead": (
+                        med[f"{kind}/{clock}/fr_hook"] - base
+                        if f"{kind}/{clock}/fr_hook" in med
+                        else None
+                    ),
                     "torch_fr_overhead": torch_fr - base,
                     "frtools_overhead": ours - base,
                     "torch_fr_ratio": torch_fr / base,
@@ -347,6 +360,7 @@ def inprocess_rows(result: dict) -> list[dict]:
         "frtools_ratio": mins["frtools"] / base,
         "capture": result["mode"] + (" (C++ body)" if result.get("native") else ""),
         "frtools_py_overhead": mins["frtools_py"] - base if "frtools_py" in mins else None,
+        "torch_fr_hook_overhead": mins["torch_fr"] - base if "torch_fr" in mins else None,
     }
     rows = [row]
     if "frtools_wrap" in mins:
@@ -419,7 +433,7 @@ def main() -> None:
         from rich.table import Table
 
         table = Table(title="Recorder overhead (medians over blocks; in-process: minimum)")
-        cols = ("torch", "workload", "clock", "none", "PyTorch FR Δ", "frtools Δ")
+        cols = ("torch", "workload", "clock", "none", "PyTorch FR Δ", "FR hook Δ", "frtools Δ")
         for col in (*cols, "Python hooks Δ", "no-stacks Δ", "frtools/none"):
             left = col in ("torch", "workload", "clock")
             table.add_column(col, justify="left" if left else "right")
@@ -432,6 +446,7 @@ def main() -> None:
                 clock,
                 _fmt(r["none"]),
                 _fmt(r["torch_fr_overhead"], sign=True),
+                _fmt(r.get("torch_fr_hook_overhead"), sign=True),
                 _fmt(r["frtools_overhead"], sign=True),
                 _fmt(r.get("frtools_py_overhead"), sign=True),
                 _fmt(None if no_stacks is None else no_stacks - r["none"], sign=True),
@@ -447,7 +462,8 @@ def main() -> None:
         "CPU' = CPU time of the calling thread (robust to a loaded machine); 'wall' includes "
         "the network round trip. In the job, no recording and frtools share each job "
         "(alternating blocks); PyTorch FR (Gloo's own) is a second job. In-process, PyTorch FR "
-        "is its hook recorder (FlightRecorderHook, as for nccl2; torch 2.15 only). no-stacks: "
+        "is its hook recorder (FlightRecorderHook, as for nccl2; torch 2.15 only). FR hook: "
+        "PyTorch's hook recorder on a group of the same job (2.15). no-stacks: "
         "frtools with FRTOOLS_STACKS=0. Python hooks: on 2.15 with the C++ hook body built, "
         "a group recorded by the Python hook body, timed beside it."
     )
