@@ -16,7 +16,8 @@
 // first sight of a stack takes the GIL, to have Python intern its text (CallSites.miss), so
 // both bodies write the same text. On other Python versions the walk takes the GIL.
 //
-// Completion: the post hook queues the Work for a native poller thread (every poll_ms:
+// Completion: the post hook pushes the Work onto a lock-free stack for a native poller thread
+// (no lock the caller could wait on while the poller is preempted; every poll_ms:
 // isCompleted(), then the future's error if any: mark_failed with the backend's text, else
 // mark_completed; a completed collective also completes its group's older ones), as the
 // Python poller does. CUDA ops with CUDA events on are handed to the Recorder's watch_cuda
@@ -139,18 +140,25 @@ struct Recorder : std::enable_shared_from_this<Recorder> {
   std::unordered_multimap<uint64_t, Entry> stack_table;
   std::vector<PyObject*> kept_codes;  // referenced by stored keys, for good
 
-  // completion
-  std::mutex queue_mutex;
+  // completion: the post hook pushes onto a lock-free stack (no lock the poller could hold
+  // while preempted); the poller takes the whole stack per pass, keeps what is not done yet
+  struct Node {
+    Pending item;
+    Node* next;
+  };
+  std::atomic<Node*> incoming{nullptr};
+  std::vector<Pending> waiting;  // under poll_mutex, in issue order
+  std::mutex poll_mutex;         // one pass at a time
+  std::mutex queue_mutex;        // the poller's start and stop
   std::condition_variable queue_cv;
-  std::vector<Pending> queue;
-  std::mutex poll_mutex;  // one pass at a time
   std::thread poller;
-  bool poller_started = false;
+  std::atomic<bool> poller_started{false};
   bool stopping = false;
   std::chrono::milliseconds poll_every{10};
 
   ~Recorder() {
     stop_poller();
+    drop_pending();
     if (api && box) api->release(box);
     // Python references: dropped only while the interpreter can take them back
     if (Py_IsInitialized() && !FRT_FINALIZING()) {
@@ -363,12 +371,18 @@ struct Recorder : std::enable_shared_from_this<Recorder> {
   }
 
   void enqueue(Pending&& p) {
-    std::lock_guard<std::mutex> lock(queue_mutex);
-    queue.push_back(std::move(p));
-    if (!poller_started && !stopping && getpid() == pid) {
-      poller_started = true;
-      poller = std::thread([self = this] { self->poll_loop(); });
+    Node* n = new Node{std::move(p), incoming.load(std::memory_order_relaxed)};
+    while (!incoming.compare_exchange_weak(n->next, n, std::memory_order_release,
+                                           std::memory_order_relaxed)) {
     }
+    if (!poller_started.load(std::memory_order_relaxed)) start_poller();
+  }
+
+  void start_poller() {
+    std::lock_guard<std::mutex> lock(queue_mutex);
+    if (poller_started.load() || stopping || getpid() != pid) return;
+    poller = std::thread([self = this] { self->poll_loop(); });
+    poller_started.store(true);
   }
 
   void poll_loop() {
@@ -377,25 +391,38 @@ struct Recorder : std::enable_shared_from_this<Recorder> {
     while (!stopping) {
       queue_cv.wait_for(lock, poll_every, [this] { return stopping; });
       if (stopping) break;
-      if (queue.empty()) continue;
       lock.unlock();
       poll();
       lock.lock();
     }
   }
 
+  // Move what the post hooks pushed since the last pass behind `waiting` (issue order).
+  void take_incoming() {
+    Node* n = incoming.exchange(nullptr, std::memory_order_acquire);
+    Node* rev = nullptr;
+    while (n) {  // the stack is newest first
+      Node* next = n->next;
+      n->next = rev;
+      rev = n;
+      n = next;
+    }
+    while (rev) {
+      Node* next = rev->next;
+      waiting.push_back(std::move(rev->item));
+      delete rev;
+      rev = next;
+    }
+  }
+
   // One completion pass (the Python Recorder.poll's rules).
   void poll() {
     std::lock_guard<std::mutex> one(poll_mutex);
-    std::vector<Pending> items;
-    {
-      std::lock_guard<std::mutex> lock(queue_mutex);
-      items.swap(queue);
-    }
-    if (items.empty()) return;
+    take_incoming();
+    if (waiting.empty()) return;
     std::unordered_map<int64_t, int64_t> done_upto;
-    std::vector<Pending> waiting;
-    for (auto& it : items) {
+    std::vector<Pending> still;
+    for (auto& it : waiting) {
       bool completed = false;
       try {
         completed = it.work->isCompleted();
@@ -403,7 +430,7 @@ struct Recorder : std::enable_shared_from_this<Recorder> {
         completed = false;
       }
       if (!completed) {
-        waiting.push_back(std::move(it));
+        still.push_back(std::move(it));
         continue;
       }
       std::string error;
@@ -426,23 +453,22 @@ struct Recorder : std::enable_shared_from_this<Recorder> {
         }
       }
     }
-    std::vector<Pending> keep;
-    for (auto& it : waiting) {
+    waiting.clear();
+    for (auto& it : still) {
       auto d = it.order >= 0 ? done_upto.find(it.order) : done_upto.end();
       if (d != done_upto.end() && it.rid < d->second) {
         api->mark_completed(box, it.rid);
       } else {
-        keep.push_back(std::move(it));
+        waiting.push_back(std::move(it));
       }
     }
-    items.clear();
+  }
+
+  // Drop every queued work (after the last pass).
+  void drop_pending() {
+    std::lock_guard<std::mutex> one(poll_mutex);
+    take_incoming();
     waiting.clear();
-    if (!keep.empty()) {
-      std::lock_guard<std::mutex> lock(queue_mutex);
-      keep.insert(keep.end(), std::make_move_iterator(queue.begin()),
-                  std::make_move_iterator(queue.end()));
-      queue.swap(keep);
-    }
   }
 
   // Stop the poller, mark what finished since its last pass, drop the queued works.
@@ -451,7 +477,7 @@ struct Recorder : std::enable_shared_from_this<Recorder> {
     {
       std::lock_guard<std::mutex> lock(queue_mutex);
       stopping = true;
-      if (poller_started) t = std::move(poller);
+      if (poller_started.load()) t = std::move(poller);
     }
     queue_cv.notify_all();
     if (t.joinable()) {
@@ -463,9 +489,12 @@ struct Recorder : std::enable_shared_from_this<Recorder> {
     }
   }
 
+  // Works queued and not known to be done (under poll_mutex the pushed nodes are stable).
   size_t pending() {
-    std::lock_guard<std::mutex> lock(queue_mutex);
-    return queue.size();
+    std::lock_guard<std::mutex> one(poll_mutex);
+    size_t n = waiting.size();
+    for (Node* p = incoming.load(std::memory_order_acquire); p; p = p->next) ++n;
+    return n;
   }
 };
 
@@ -696,11 +725,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](Recorder& r) {
              r.stop_poller();
              r.poll();
-             std::vector<Pending> drop;
-             {
-               std::lock_guard<std::mutex> lock(r.queue_mutex);
-               drop.swap(r.queue);
-             }
+             r.drop_pending();
            },
            py::call_guard<py::gil_scoped_release>(),
            "stop the poller, mark what finished since its last pass, drop the queued works")
