@@ -16,6 +16,10 @@ hands its Work to the completion tracking (the poller, or CUDA events), which al
 failures. The Work's ``_get_sequence_number()`` is not used (Gloo's list reduce_scatter
 raises there).
 
+The pair's body is C++ where it is built for this torch (``native_hooks``: the same records,
+no GIL per op, its own completion poller), else Python (``make_hooks``); the choice is made
+once per process (``Recorder.native_body``).
+
 One-sided windows (``pg.new_window()``: nccl2; Gloo's raises): ``Window.put``, ``signal`` and
 ``wait_signal`` fire no hook and PyTorch's FR never sees them. ``wrap_windows`` wraps those
 methods and ``new_window`` (which registers each window as a row of the process-group table,
