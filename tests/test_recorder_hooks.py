@@ -215,6 +215,21 @@ def test_a_group_is_recorded_once_its_members_are_known(body: str, recorded) -> 
     assert recorded.box.records == 1
 
 
+def test_ops_after_the_box_is_closed_are_not_recorded_and_do_no_harm(
+    body: str, recorded, recwarn
+) -> None:
+    st, rec = recorded.st, recorded.recorder
+    pre_hook, post_hook = hook_pair(st, lambda: True, body)
+    pre_hook(pre("ALLREDUCE", 0, [torch.ones(1)]))
+    post_hook(post("ALLREDUCE", 0, FakeWork()))
+    recorded.box.close()  # the C++ body writes without the GIL: close() waits for it, then
+    for op_id in (1, 2):  # every write is a no-op
+        pre_hook(pre("ALLREDUCE", op_id, [torch.ones(1)]))
+        post_hook(post("ALLREDUCE", op_id, FakeWork()))
+    rec.poll()
+    assert recorded.box.records == 0  # closed: nothing counted, nothing raised
+
+
 @pytest.mark.skipif(not hooks.available(), reason="this torch has no process-group hooks")
 def test_every_hook_op_name_of_this_torch_is_mapped_or_deliberately_not_recorded() -> None:
     from torch._C._distributed_c10d import HookOpName
