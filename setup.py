@@ -24,6 +24,7 @@ setup(
             "frtools/recorder/_native/blackbox.cpp",
             extra_link_args=["-pthread"],
             libraries=["dl"],
+            depends=["frtools/recorder/_native/box_api.h"],
         ),
         # call-stack ids cached in C (without it the recorder walks stacks in Python)
         native("frtools.recorder._callsite", "frtools/recorder/_native/callsite.cpp"),

@@ -15,12 +15,17 @@ twice:
   ``all_reduce`` (the whole op, network round trip included), the issuing call alone of
   1-element async all-reduces (50 in flight, waited for outside the timed part: exactly what
   a recorder adds to the caller, without the round trip's noise), and a small DDP step
-  (forward + backward, the reducer's all-reduces). Medians over blocks.
+  (forward + backward, the reducer's all-reduces). Medians over blocks. On 2.15 a group with
+  PyTorch's hook recorder (``FlightRecorderHook``) is timed in the same job too.
 * **in-process, the recording path alone**: one process on torch's fake backend
   (``FakeProcessGroup``: an op costs only its dispatch), timing the issuing call of async
   all-reduces on a plain group, a group recorded by frtools (the path this torch takes by
   default: hooks on 2.15, wrapping before; on 2.15 the wrapping path too) and, on 2.15, a
   group with PyTorch's own hook recorder (``FlightRecorderHook``, what records nccl2).
+
+On 2.15 the hooks' body is the C++ one when it is built (``python -m
+frtools.recorder.native_hooks build``; ``--build-native`` does it first), and then a group with
+the Python hook body is timed beside it, in the job and in-process.
   Minimum thread time per call over many blocks: what the recording path costs when the
   machine leaves it alone — the robust figure on a loaded box.
 
@@ -68,6 +73,15 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str, burst: int = 50) -> 
     nostack = dist.new_group([0, 1])
     groups = {"plain": plain, "recorded": recorded, "nostack": nostack}
     recorder = capture.current_recorder()
+    if capture.capture_mode() == "hooks" and recorder.native_body() is not None:
+        groups["recorded_py"] = _python_hooked(dist.new_group([0, 1]), recorder)
+    fr_hook = None
+    if capture.capture_mode() == "hooks":  # PyTorch's hook recorder, in this same job
+        from torch._C._distributed_c10d import FlightRecorderHook
+
+        groups["fr_hook"] = dist.new_group([0, 1])
+        _unhook(groups["fr_hook"])
+        fr_hook = FlightRecorderHook.attach(groups["fr_hook"], [0, 1])  # noqa: F841 - kept
 
     def stacks_for(name: str) -> None:
         # exactly what FRTOOLS_STACKS=0 does, switched per block
@@ -160,6 +174,16 @@ def _unhook(*groups: object) -> None:
         g.unregister_post_hook(hooks.HOOK_ID)  # type: ignore[attr-defined]
 
 
+def _python_hooked(g: object, recorder: object) -> object:
+    """``g`` recorded by the Python hook body (the C++ one is attached by default)."""
+    from frtools.recorder.capture import hooks
+
+    _unhook(g)
+    hooks._hooked.pop(g, None)
+    hooks.attach(g, recorder, "gloo", native=False)
+    return g
+
+
 def inprocess(blocks: int, calls: int, out_dir: str) -> None:
     """The recording path alone, on torch's fake backend (one process): min thread time."""
     import torch
@@ -186,6 +210,8 @@ def inprocess(blocks: int, calls: int, out_dir: str) -> None:
     if mode == "hooks":
         _unhook(dist.group.WORLD, *groups.values())
         groups["frtools"] = dist.new_group([0, 1])
+        if recorder.native_body() is not None:
+            groups["frtools_py"] = _python_hooked(dist.new_group([0, 1]), recorder)
     # the wrapping path: a RecordingProcessGroup over the fake backend (it wraps only gloo and
     # nccl groups itself), the same overrides a wrapped group runs
     fake = dist.group.WORLD._get_backend(torch.device("cpu"))
@@ -208,7 +234,7 @@ def inprocess(blocks: int, calls: int, out_dir: str) -> None:
     for r in range(blocks):
         for name in groups if r % 2 == 0 else reversed(groups):
             samples[name].append(block(groups[name]))
-    info = {"torch": torch.__version__, "mode": mode}
+    info = {"torch": torch.__version__, "mode": mode, "native": "frtools_py" in groups}
     print("RESULT " + json.dumps({"min": {k: min(v) for k, v in samples.items()}, **info}))
 
 
@@ -300,6 +326,16 @@ def job_rows(python: str, rounds: int, ops: int, steps: int, out_dir: str) -> li
                     "frtools": ours,
                     "torch_fr_plus_frtools": med_fr[f"{kind}/{clock}/recorded"],
                     "frtools_no_stacks": med[f"{kind}/{clock}/nostack"],
+                    "frtools_py_overhead": (
+                        med[f"{kind}/{clock}/recorded_py"] - base
+                        if f"{kind}/{clock}/recorded_py" in med
+                        else None
+                    ),
+                    "torch_fr_hook_overhead": (
+                        med[f"{kind}/{clock}/fr_hook"] - base
+                        if f"{kind}/{clock}/fr_hook" in med
+                        else None
+                    ),
                     "torch_fr_overhead": torch_fr - base,
                     "frtools_overhead": ours - base,
                     "torch_fr_ratio": torch_fr / base,
@@ -322,7 +358,9 @@ def inprocess_rows(result: dict) -> list[dict]:
         "torch_fr_overhead": mins["torch_fr"] - base if "torch_fr" in mins else None,
         "frtools_overhead": mins["frtools"] - base,
         "frtools_ratio": mins["frtools"] / base,
-        "capture": result["mode"],
+        "capture": result["mode"] + (" (C++ body)" if result.get("native") else ""),
+        "frtools_py_overhead": mins["frtools_py"] - base if "frtools_py" in mins else None,
+        "torch_fr_hook_overhead": mins["torch_fr"] - base if "torch_fr" in mins else None,
     }
     rows = [row]
     if "frtools_wrap" in mins:
@@ -334,6 +372,7 @@ def inprocess_rows(result: dict) -> list[dict]:
                 "frtools_overhead": mins["frtools_wrap"] - base,
                 "frtools_ratio": mins["frtools_wrap"] / base,
                 "capture": "wrap",
+                "frtools_py_overhead": None,
             }
         )
     return rows
@@ -360,6 +399,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=200, help="in-process timed blocks")
     parser.add_argument("--calls", type=int, default=500, help="in-process calls per block")
     parser.add_argument("--json", default=None, help="also write the medians here")
+    parser.add_argument(
+        "--build-native",
+        action="store_true",
+        help="build the C++ hook body for every torch >= 2.15 given first (~1 min each, once)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--inprocess", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
@@ -372,6 +416,9 @@ def main() -> None:
         return
 
     rows = []
+    if args.build_native:
+        for python in [sys.executable, *args.python]:
+            subprocess.run([python, "-m", "frtools.recorder.native_hooks", "build"])
     with tempfile.TemporaryDirectory(prefix="frtools-bench-") as out_dir:
         for python in [sys.executable, *args.python]:
             version = torch_version(python)
@@ -386,8 +433,8 @@ def main() -> None:
         from rich.table import Table
 
         table = Table(title="Recorder overhead (medians over blocks; in-process: minimum)")
-        cols = ("torch", "workload", "clock", "none", "PyTorch FR Δ", "frtools Δ")
-        for col in (*cols, "no-stacks Δ", "frtools/none"):
+        cols = ("torch", "workload", "clock", "none", "PyTorch FR Δ", "FR hook Δ", "frtools Δ")
+        for col in (*cols, "Python hooks Δ", "no-stacks Δ", "frtools/none"):
             left = col in ("torch", "workload", "clock")
             table.add_column(col, justify="left" if left else "right")
         for r in rows:
@@ -399,7 +446,9 @@ def main() -> None:
                 clock,
                 _fmt(r["none"]),
                 _fmt(r["torch_fr_overhead"], sign=True),
+                _fmt(r.get("torch_fr_hook_overhead"), sign=True),
                 _fmt(r["frtools_overhead"], sign=True),
+                _fmt(r.get("frtools_py_overhead"), sign=True),
                 _fmt(None if no_stacks is None else no_stacks - r["none"], sign=True),
                 f"{r['frtools_ratio']:.2f}x",
             )
@@ -413,8 +462,10 @@ def main() -> None:
         "CPU' = CPU time of the calling thread (robust to a loaded machine); 'wall' includes "
         "the network round trip. In the job, no recording and frtools share each job "
         "(alternating blocks); PyTorch FR (Gloo's own) is a second job. In-process, PyTorch FR "
-        "is its hook recorder (FlightRecorderHook, as for nccl2; torch 2.15 only). no-stacks: "
-        "frtools with FRTOOLS_STACKS=0."
+        "is its hook recorder (FlightRecorderHook, as for nccl2; torch 2.15 only). FR hook: "
+        "PyTorch's hook recorder on a group of the same job (2.15). no-stacks: "
+        "frtools with FRTOOLS_STACKS=0. Python hooks: on 2.15 with the C++ hook body built, "
+        "a group recorded by the Python hook body, timed beside it."
     )
     if args.json:
         with open(args.json, "w") as f:

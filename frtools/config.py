@@ -325,6 +325,35 @@ CAPTURE: Setting[str | None] = Setting(
     parse_capture,
 )
 
+NATIVE_HOOKS_MODES = {"auto": "auto", "1": "on", "true": "on", "yes": "on", "on": "on"}
+NATIVE_HOOKS_MODES.update({"0": "off", "false": "off", "no": "off", "off": "off"})
+
+
+def parse_native_hooks(text: str) -> str:
+    mode = NATIVE_HOOKS_MODES.get(text.strip().lower())
+    if mode is None:
+        raise ValueError("is not one of auto, 1, 0")
+    return mode
+
+
+NATIVE_HOOKS: Setting[str] = Setting(
+    "FRTOOLS_NATIVE_HOOKS",
+    "auto",
+    "`auto`",
+    "the hooks path's per-op body in C++ (torch >= 2.15; no GIL per op): `auto` uses it when "
+    "built (`python -m frtools.recorder.native_hooks build`), `1` also builds it at the first "
+    "group (~1 min, once per machine and torch), `0` keeps the Python hooks",
+    parse_native_hooks,
+)
+
+CACHE_DIR: Setting[str | None] = Setting(
+    "FRTOOLS_CACHE_DIR",
+    None,
+    "`$XDG_CACHE_HOME/frtools`, else `~/.cache/frtools`",
+    "where the C++ hook body is built (one private 0700 folder per torch and source)",
+    _text,
+)
+
 SETTINGS: tuple[Setting[Any], ...] = (
     RECORD,
     DIR,
@@ -346,6 +375,8 @@ SETTINGS: tuple[Setting[Any], ...] = (
     LIMITS,
     HISTORY,
     CAPTURE,
+    NATIVE_HOOKS,
+    CACHE_DIR,
 )
 ENV_VARS = tuple(s.name for s in SETTINGS)
 

@@ -26,3 +26,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.name in TORCH_FILES:
             item.add_marker(pytest.mark.torch)
+
+
+@pytest.fixture(scope="session")
+def native_hooks_module():
+    """The C++ process-group hook body, built once (about a minute the first time on a
+    machine, then cached per user and torch); the test is skipped where it cannot be."""
+    from frtools.config import NATIVE_HOOKS
+    from frtools.recorder import native_hooks
+
+    if NATIVE_HOOKS.read() == "off":
+        pytest.skip("FRTOOLS_NATIVE_HOOKS=0")
+    try:
+        native_hooks.build()
+    except Exception as exc:
+        pytest.skip(f"the C++ hook body cannot be built here: {type(exc).__name__}: {exc}")
+    module = native_hooks.load(build_if_missing=False)
+    if module is None:
+        pytest.skip("the C++ hook body was built but does not load")
+    return module

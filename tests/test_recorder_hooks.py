@@ -1,9 +1,12 @@
 """The hooks path's per-op logic and the one-sided window recording, on CPU, in-process.
 
 Real torch 2.15 hooks on real Gloo jobs are exercised by test_recorder_capture.py (the hooks
-path is the default there on 2.15); here the same code is driven with stand-ins — hook
-arguments as PyTorch passes them, and a fake ``Window`` class, so that the window recording
-(nccl2 only on real hardware) is proven without a GPU and without caring which backend.
+path is the default there on 2.15) and test_native_hooks.py (the C++ body); here the same
+code is driven with stand-ins — hook arguments as PyTorch passes them, and a fake ``Window``
+class, so that the window recording (nccl2 only on real hardware) is proven without a GPU
+and without caring which backend. The hook tests run on both bodies: the Python one
+(``make_hooks``) and, where it builds (torch >= 2.15, a compiler), the C++ one
+(``native_hooks``), whose works are real c10d Works over futures.
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ import torch
 
 from frtools.analyze.readers import frtools_snapshot as reader
 from frtools.recorder.capture import Recorder, hooks
-from frtools.recorder.capture.hot_path import GroupState, make_hooks
+from frtools.recorder.capture.hot_path import (
+    GroupState,
+    make_hooks,
+    make_native_group,
+    native_hook_callables,
+)
 from frtools.recorder.capture.process_group import OP_NAMES
 from frtools.recorder.native import load_native
 
@@ -47,6 +55,42 @@ class FakeWork:
         return FakeFuture(self.error)
 
 
+@pytest.fixture(params=["python", "native"])
+def body(request) -> str:
+    """Which hook body records: the Python pair or the C++ one (built once a session)."""
+    if request.param == "native":
+        request.getfixturevalue("native_hooks_module")
+    return request.param
+
+
+def real_work(module, fake: FakeWork):
+    """A c10d Work over a C++ future in the state of ``fake`` (for the C++ body; a Python
+    future's exception is a value to C++)."""
+    return module._work(fake.done, fake.error)
+
+
+def hook_pair(st: GroupState, bind, body: str):
+    """(pre, post) hooks of ``body`` over one group's state, taking PyTorch-like arguments."""
+    if body == "python":
+        return make_hooks(st, SPECS, bind)
+    from frtools.recorder import native_hooks
+
+    fr = st.fr
+    if not fr._native:
+        module = native_hooks.load(build_if_missing=True)
+        fr._native = (module, native_hooks.recorder_body(fr, module))
+    module, native_body = fr._native
+    group = make_native_group(st, SPECS, bind, module, native_body)
+    pre_hook, post_native = native_hook_callables(group, fr)
+
+    def post_hook(args) -> None:
+        if isinstance(args.work, FakeWork):
+            args.work = real_work(module, args.work)
+        post_native(args)
+
+    return pre_hook, post_hook
+
+
 @pytest.fixture
 def recorded(tmp_path: Path):
     """A recorder on a real black box and one bound group: global ranks 4 and 6."""
@@ -58,6 +102,8 @@ def recorded(tmp_path: Path):
     st.bind("3", "pairs", [4, 6])
     yield types.SimpleNamespace(path=path, box=box, recorder=recorder, st=st)
     recorder._stop_poller()
+    if recorder._native:
+        recorder._native[1].final_poll()
 
 
 def entries(path: Path):
@@ -102,9 +148,9 @@ for _name, (_op, _shape) in hooks.HOOK_OPS.items():
     SPECS[HOOK_OP_VALUES[_name]] = (OP_NAMES.index(_op), _shape)
 
 
-def test_hooked_ops_get_their_own_seq_ids_names_and_global_peers(recorded) -> None:
+def test_hooked_ops_get_their_own_seq_ids_names_and_global_peers(body: str, recorded) -> None:
     st, rec = recorded.st, recorded.recorder
-    pre_hook, post_hook = make_hooks(st, SPECS, lambda: True)
+    pre_hook, post_hook = hook_pair(st, lambda: True, body)
     x = torch.ones(4)
     calls = [
         ("ALLREDUCE", [x], []),
@@ -133,9 +179,9 @@ def test_hooked_ops_get_their_own_seq_ids_names_and_global_peers(recorded) -> No
     assert e["call_site"].str.contains("test_recorder_hooks.py").all()  # not the hook frame
 
 
-def test_a_failed_hooked_op_is_failed_not_completed(recorded) -> None:
+def test_a_failed_hooked_op_is_failed_not_completed(body: str, recorded) -> None:
     st, rec = recorded.st, recorded.recorder
-    pre_hook, post_hook = make_hooks(st, SPECS, lambda: True)
+    pre_hook, post_hook = hook_pair(st, lambda: True, body)
     error = "[../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:4711"
     for op_id, work in enumerate([FakeWork(), FakeWork(error=error), FakeWork(done=False)]):
         pre_hook(pre("ALLREDUCE", op_id, [torch.ones(1)]))
@@ -146,9 +192,9 @@ def test_a_failed_hooked_op_is_failed_not_completed(recorded) -> None:
     assert e["error"].tolist()[1] == error and e["error"].isna().tolist() == [True, False, True]
 
 
-def test_a_failing_hook_body_never_raises_into_the_job(recorded, recwarn) -> None:
+def test_a_failing_hook_body_never_raises_into_the_job(body: str, recorded, recwarn) -> None:
     st = recorded.st
-    pre_hook, post_hook = make_hooks(st, SPECS, lambda: True)
+    pre_hook, post_hook = hook_pair(st, lambda: True, body)
     broken = types.SimpleNamespace(name="ALLREDUCE", op_id=0, root=-1)  # no tensors at all
     pre_hook(broken)  # must not raise
     post_hook(post("ALLREDUCE", 0, FakeWork()))
@@ -157,16 +203,31 @@ def test_a_failing_hook_body_never_raises_into_the_job(recorded, recwarn) -> Non
     assert recorded.box.records == 0
 
 
-def test_a_group_is_recorded_once_its_members_are_known(recorded) -> None:
+def test_a_group_is_recorded_once_its_members_are_known(body: str, recorded) -> None:
     st = GroupState(recorded.recorder, recorded.st.ops, [])
     known = []
-    pre_hook, post_hook = make_hooks(st, SPECS, lambda: bool(known))
+    pre_hook, post_hook = hook_pair(st, lambda: bool(known), body)
     pre_hook(pre("ALLREDUCE", 0, [torch.ones(1)]))  # members unknown yet: not recorded
     post_hook(post("ALLREDUCE", 0, FakeWork()))
     known.append(1)
     st.bind("5", "late", [4, 6])
     pre_hook(pre("ALLREDUCE", 1, [torch.ones(1)]))
     assert recorded.box.records == 1
+
+
+def test_ops_after_the_box_is_closed_are_not_recorded_and_do_no_harm(
+    body: str, recorded, recwarn
+) -> None:
+    st, rec = recorded.st, recorded.recorder
+    pre_hook, post_hook = hook_pair(st, lambda: True, body)
+    pre_hook(pre("ALLREDUCE", 0, [torch.ones(1)]))
+    post_hook(post("ALLREDUCE", 0, FakeWork()))
+    recorded.box.close()  # the C++ body writes without the GIL: close() waits for it, then
+    for op_id in (1, 2):  # every write is a no-op
+        pre_hook(pre("ALLREDUCE", op_id, [torch.ones(1)]))
+        post_hook(post("ALLREDUCE", op_id, FakeWork()))
+    rec.poll()
+    assert recorded.box.records == 0  # closed: nothing counted, nothing raised
 
 
 @pytest.mark.skipif(not hooks.available(), reason="this torch has no process-group hooks")

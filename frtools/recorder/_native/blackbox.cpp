@@ -23,6 +23,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <sched.h>
+
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstddef>
@@ -32,6 +35,8 @@
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+#include "box_api.h"
 
 namespace {
 
@@ -411,6 +416,13 @@ struct Box {
   uint32_t stalled_now = 0;          // header: stalled, atomic
   int64_t stall_rid = -1;            // header: stall_record_id
 
+  // Native writers through the C API (box_api.h) run without the GIL: close() waits until
+  // none is inside a call before it unmaps, and the Box itself lives on while a handle
+  // holds it (refs: the BlackBox object + one per handle).
+  std::atomic<int> users{0};
+  std::atomic<bool> closing{false};
+  std::atomic<int> refs{1};
+
   std::mutex intern_mutex;
   std::unordered_map<std::string, uint32_t> interned;
   std::unordered_map<std::string, int32_t> pg_by_name;
@@ -762,6 +774,10 @@ struct Box {
 
   void unmap(bool clean) {
     if (!mem) return;
+    closing.store(true, std::memory_order_seq_cst);
+    if (getpid() == owner_pid) {  // a forked child's count is a copy: nobody writes there
+      while (users.load(std::memory_order_seq_cst) != 0) sched_yield();
+    }
     if (clean && getpid() == owner_pid) astore(&hdr->closed, 1u);
     munmap(mem, bytes);
     mem = nullptr;
@@ -959,7 +975,7 @@ void BlackBox_dealloc(BlackBoxObject* self) {
     // the watched page stays mapped for the exit handlers; a Box allocated later at the same
     // address must not be taken for this one (it would share its claim)
     if (g_exit.box == b) g_exit.box = nullptr;
-    delete b;
+    if (b->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete b;
   }
   Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
@@ -1420,6 +1436,85 @@ PyGetSetDef Completer_getset[] = {
      nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
+// ---------------------------------------------------------------------------------------
+// The C interface for other native modules (box_api.h): no GIL, no Python objects.
+// ---------------------------------------------------------------------------------------
+
+// The box of a handle, entered (close() waits for it to leave); nullptr when it is closed
+// or this is a forked child.
+inline Box* api_enter(void* handle) {
+  Box* b = static_cast<Box*>(handle);
+  if (!b || b->fork_generation != g_fork_generation) return nullptr;
+  b->users.fetch_add(1, std::memory_order_seq_cst);
+  if (b->closing.load(std::memory_order_seq_cst) || !b->mem) {
+    b->users.fetch_sub(1, std::memory_order_release);
+    return nullptr;
+  }
+  return b;
+}
+
+inline void api_leave(Box* b) { b->users.fetch_sub(1, std::memory_order_release); }
+
+void* api_acquire(PyObject* obj) {
+  if (!PyObject_TypeCheck(obj, &BlackBoxType)) {
+    PyErr_SetString(PyExc_TypeError, "expected a frtools.recorder._blackbox.BlackBox");
+    return nullptr;
+  }
+  Box* b = open_box(reinterpret_cast<BlackBoxObject*>(obj));
+  if (!b) {
+    closed_error();
+    return nullptr;
+  }
+  b->refs.fetch_add(1, std::memory_order_relaxed);
+  return b;
+}
+
+void api_release(void* handle) {
+  Box* b = static_cast<Box*>(handle);
+  if (b && b->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete b;
+}
+
+int64_t api_record(void* handle, int32_t pg, uint32_t op, int64_t coll, int64_t p2p,
+                   int32_t peer, int is_p2p, uint32_t in_sizes, uint32_t out_sizes,
+                   uint32_t in_dtypes, uint32_t out_dtypes, uint32_t stack) {
+  Box* b = api_enter(handle);
+  if (!b) return -1;
+  int64_t rid = b->record(pg, op, coll, p2p, peer, is_p2p != 0, in_sizes, out_sizes, in_dtypes,
+                          out_dtypes, stack);
+  api_leave(b);
+  return rid;
+}
+
+void api_mark_completed(void* handle, int64_t rid) {
+  Box* b = api_enter(handle);
+  if (!b) return;
+  b->mark(rid, kCompleted, now_ns(), NAN, false);
+  api_leave(b);
+}
+
+int api_mark_failed(void* handle, int64_t rid, const char* text, size_t n) {
+  Box* b = api_enter(handle);
+  if (!b) return 0;
+  if (n > size_t(kMaxFactBytes)) {  // cut at a UTF-8 boundary, as intern_fact does
+    n = size_t(kMaxFactBytes);
+    while (n > 0 && (uint8_t(text[n]) & 0xC0) == 0x80) --n;
+  }
+  int ok = b->mark_failed(rid, b->intern(text, n), now_ns()) ? 1 : 0;
+  api_leave(b);
+  return ok;
+}
+
+uint32_t api_intern(void* handle, const char* s, size_t n) {
+  Box* b = api_enter(handle);
+  if (!b) return kStrFull;
+  uint32_t id = b->intern(s, n);
+  api_leave(b);
+  return id;
+}
+
+FrtBoxApi g_box_api = {FRT_BOX_API_VERSION, &api_acquire,        &api_release, &api_record,
+                       &api_mark_completed, &api_mark_failed, &api_intern};
+
 PyModuleDef blackbox_module = {PyModuleDef_HEAD_INIT, "frtools.recorder._blackbox",
                                "frtools black box: a crash-proof ring buffer of c10d ops.", -1,
                                nullptr};
@@ -1462,6 +1557,7 @@ PyMODINIT_FUNC PyInit__blackbox(void) {
   }
   Py_INCREF(&CompleterType);
   PyModule_AddObject(m, "Completer", reinterpret_cast<PyObject*>(&CompleterType));
+  PyModule_AddObject(m, "C_API", PyCapsule_New(&g_box_api, FRT_BOX_API_CAPSULE, nullptr));
   PyModule_AddIntConstant(m, "FORMAT_VERSION", kVersion);
   PyModule_AddIntConstant(m, "EXIT_CLEAN", kExitClean);
   PyModule_AddIntConstant(m, "EXIT_STATUS", kExitStatus);

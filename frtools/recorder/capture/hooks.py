@@ -16,6 +16,10 @@ hands its Work to the completion tracking (the poller, or CUDA events), which al
 failures. The Work's ``_get_sequence_number()`` is not used (Gloo's list reduce_scatter
 raises there).
 
+The pair's body is C++ where it is built for this torch (``native_hooks``: the same records,
+no GIL per op, its own completion poller), else Python (``make_hooks``); the choice is made
+once per process (``Recorder.native_body``).
+
 One-sided windows (``pg.new_window()``: nccl2; Gloo's raises): ``Window.put``, ``signal`` and
 ``wait_signal`` fire no hook and PyTorch's FR never sees them. ``wrap_windows`` wraps those
 methods and ``new_window`` (which registers each window as a row of the process-group table,
@@ -38,6 +42,7 @@ from frtools.recorder.capture.hot_path import (
     HookShape,
     WindowState,
     make_hooks,
+    make_native_group,
     window_call,
 )
 from frtools.recorder.capture.process_group import OP_NAMES
@@ -109,8 +114,9 @@ def hooked(pg: Any) -> GroupState | None:
     return _hooked.get(pg)
 
 
-def attach(pg: Any, recorder: Any, backend: str) -> GroupState:
-    """Record every op of ``pg`` through a pre/post hook pair (once per group)."""
+def attach(pg: Any, recorder: Any, backend: str, native: bool = True) -> GroupState:
+    """Record every op of ``pg`` through a pre/post hook pair (once per group): the C++ body
+    where it is built (``native_hooks``), else the Python one (``native=False``: always)."""
     st = _hooked.get(pg)
     if st is not None:
         return st
@@ -126,11 +132,16 @@ def attach(pg: Any, recorder: Any, backend: str) -> GroupState:
         st.bind(str(pg_now.group_name), str(pg_now.group_desc), ranks)
         return True
 
-    pre, post = make_hooks(st, _specs(), bind)
     if not _hooked:
         before_finalization(detach_all)
-    pg.register_pre_hook(HOOK_ID, pre)
-    pg.register_post_hook(HOOK_ID, post)
+    body_of = recorder.native_body() if native else None
+    if body_of is not None:
+        module, body = body_of
+        make_native_group(st, _specs(), bind, module, body).attach(pg, HOOK_ID)
+    else:
+        pre, post = make_hooks(st, _specs(), bind)
+        pg.register_pre_hook(HOOK_ID, pre)
+        pg.register_post_hook(HOOK_ID, post)
     _hooked[pg] = st
     return st
 

@@ -652,6 +652,49 @@ def make_hooks(
     return pre_hook, post_hook
 
 
+# HookShape -> the C++ body's shape codes (pg_hooks.cpp, enum Shape)
+NATIVE_SHAPES = {HookShape.IN_PLACE: 0, HookShape.OUT_IN: 1, HookShape.NO_TENSORS: 2}
+NATIVE_SHAPES[HookShape.PEER] = 3
+
+
+def make_native_group(
+    st: GroupState, specs: list[tuple[int, HookShape] | None], bind: Callable[[], bool],
+    module: Any, body: Any,
+) -> Any:  # fmt: skip
+    """make_hooks' pair as one C++ object (``module.Group`` of ``native_hooks``) to register
+    on a group with ``attach(pg, hook_id)``: the same records (``specs``, ``bind`` as for
+    make_hooks; ``body``: the Recorder's native side)."""
+
+    def bind_native() -> tuple[int, list[int]] | None:
+        return (st.pg, list(st.ranks)) if bind() else None
+
+    table = [(-1, -1) if s is None else (s[0], NATIVE_SHAPES[s[1]]) for s in specs]
+    return module.Group(body, list(st.ops), table, bind_native, st.maybe_cuda)
+
+
+def native_hook_callables(
+    group: Any, fr: Any
+) -> tuple[Callable[[Any], None], Callable[[Any], None]]:
+    """Test seam: a C++ group's hooks called with hook arguments as Python objects (torch's
+    ``PreHookArgs``/``PostHookArgs`` or stand-ins), the GIL released as a process group would.
+    Defined here so that its frame is skipped like the Python hooks' own."""
+
+    def pre_hook(args: Any) -> None:
+        try:
+            ins, outs = list(args.input_tensors), list(args.output_tensors)
+            group._fire_pre(args.name.value, args.op_id, ins, outs, args.root)
+        except Exception as exc:
+            fr.fail(exc)
+
+    def post_hook(args: Any) -> None:
+        try:
+            group._fire_post(args.name.value, args.op_id, args.work)
+        except Exception as exc:
+            fr.fail(exc)
+
+    return pre_hook, post_hook
+
+
 # --------------------------------------------------------------------------------------
 # One-sided windows (torch >= 2.15, nccl2): put / signal / wait_signal, which neither the
 # process-group hooks nor PyTorch's Flight Recorder see

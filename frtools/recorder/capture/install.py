@@ -139,7 +139,7 @@ def uninstall() -> None:
     """Stop recording: existing groups stop recording, new groups are plain ones."""
     recorder = _installed.recorder
     if recorder is not None:
-        recorder.enabled = False
+        recorder.pause()
     _installed.paused = True
 
 

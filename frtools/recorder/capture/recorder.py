@@ -93,10 +93,33 @@ class Recorder:
         self._poll_s = poll_ms / 1000.0
         self._stop = threading.Event()
         self._pid = os.getpid()
+        # the C++ hook body's side of this recorder: (module, body), False: not used
+        self._native: Any = None
+
+    def native_body(self) -> tuple[Any, Any] | None:
+        """(module, native Recorder) of the C++ hook body (``native_hooks``), made at the
+        first hooked group; None where it is not built or cannot be used (the Python hooks
+        record then; said once)."""
+        if self._native is None:
+            self._native = False
+            from frtools.recorder import native_hooks
+
+            module = native_hooks.load()
+            if module is not None:
+                try:
+                    body = native_hooks.recorder_body(self, module)
+                except Exception as exc:
+                    native_hooks.unusable(exc)
+                else:
+                    self._native = (module, body)
+                    before_finalization(body.final_poll)
+        return self._native or None
 
     def fail(self, exc: BaseException) -> None:
         """Turn recording off for the rest of the process, saying so once."""
         self.enabled = False
+        if self._native:
+            self._native[1].set_enabled(False)
         if not self._failed_once:
             self._failed_once = True
             recording_disabled(f"{type(exc).__name__}: {exc}")
@@ -104,6 +127,14 @@ class Recorder:
     def set_stacks(self, on: bool) -> None:
         """Record call stacks (``FRTOOLS_STACKS``) or not; switchable at any time."""
         self.stack_lookup = self.call_sites.lookup_for(on)
+        if self._native:
+            self._native[1].set_stacks(on)
+
+    def pause(self) -> None:
+        """Record nothing more (``uninstall``): the Python and the C++ hook bodies."""
+        self.enabled = False
+        if self._native:
+            self._native[1].set_enabled(False)
 
     # -- interning -------------------------------------------------------------------------
 
@@ -157,7 +188,10 @@ class Recorder:
     # -- completion ------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Mark the queued works that have finished (the poller thread calls this)."""
+        """Mark the queued works that have finished (the poller thread calls this; the C++
+        hook body's queue has its own poller, passed here too)."""
+        if self._native:
+            self._native[1].poll()
         if not self._poll_lock.acquire(blocking=False):
             return
         try:
