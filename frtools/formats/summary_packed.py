@@ -562,7 +562,8 @@ def _check_columns(heads: list[_Head], rows: np.ndarray) -> dict[int, SummaryErr
             errors.setdefault(k, SummaryError(reason))
 
     def per_host(name: str, bad: Any) -> np.ndarray:
-        """bad(column values, host of each row) -> per-row bool; per host: any."""
+        """bad(column values, host of each row, hosts with the column) -> per-row bool;
+        per host: any."""
         have = [k for k, h in enumerate(heads) if name in h.host.columns]
         out = np.zeros(len(heads), dtype=bool)
         if not have:
@@ -571,7 +572,7 @@ def _check_columns(heads: list[_Head], rows: np.ndarray) -> dict[int, SummaryErr
         if not len(values):
             return out
         owner = np.repeat(np.array(have, dtype=np.int64), rows[have])
-        hit = bad(values, owner)
+        hit = bad(values, owner, have)
         out[np.unique(owner[hit])] = True
         return out
 
@@ -582,30 +583,25 @@ def _check_columns(heads: list[_Head], rows: np.ndarray) -> dict[int, SummaryErr
     n_strings = np.array([h.n_strings for h in heads], dtype=np.int64)
     for name in _STRING_FIELDS:
         fail(
-            per_host(name, lambda v, o: v.astype(np.int64) >= n_strings[o]),
+            per_host(name, lambda v, o, _: v.astype(np.int64) >= n_strings[o]),
             f"column {name} names a string beyond the table",
         )
-    fail(per_host("state", lambda v, o: v >= len(STATE_CODES)), "unknown state code")
-    fail(per_host("retired", lambda v, o: (v < 0) | (v > 1)), "retired is not 0 or 1")
+    fail(per_host("state", lambda v, o, _: v >= len(STATE_CODES)), "unknown state code")
+    fail(per_host("retired", lambda v, o, _: (v < 0) | (v > 1)), "retired is not 0 or 1")
+    # a row's group index is within its rank's own group list
     n_groups = [
         np.repeat(np.array([len(r.groups) for r in h.host.ranks], dtype=np.int64),
                   np.diff(h.host.offsets))
         for h in heads
     ]  # fmt: skip
-    limit = np.concatenate(n_groups) if n_groups else np.zeros(0, dtype=np.int64)
-    if all("group" in h.host.columns for h in heads):
-        fail(
-            per_host("group", lambda v, o: (v < -1) | (v >= np.maximum(limit, 0))),
-            "group out of range",
-        )
-    else:
-        for k, h in enumerate(heads):
-            group = h.host.columns.get("group")
-            if group is not None and len(group):
-                bound = np.maximum(n_groups[k], 0)
-                if not bool(((group >= -1) & (group < bound)).all()):
-                    errors.setdefault(k, SummaryError("group out of range"))
-    fail(per_host("is_p2p", lambda v, o: v > 1), "is_p2p is not 0 or 1")
+    fail(
+        per_host(
+            "group",
+            lambda v, o, have: (v < -1) | (v >= np.concatenate([n_groups[k] for k in have])),
+        ),
+        "group out of range",
+    )
+    fail(per_host("is_p2p", lambda v, o, _: v > 1), "is_p2p is not 0 or 1")
     return errors
 
 
