@@ -212,9 +212,6 @@ _OPS: dict[str, str] = {}
 _SITES: dict[str, str | None] = {}
 
 
-_NULLABLE = frozenset({"peer", "time_started_ns", "time_completed_ns", "timeout_ms", "retired"})
-
-
 class _Interner:
     """One string table for a batch of hosts (each host's table maps into it)."""
 
@@ -249,11 +246,11 @@ def _text_column(
     values they use (``derive``: of each string, e.g. its op name). The table holds every
     string of every column, so sharing it made each column's categories the whole table:
     131,072 op "categories" at fleet scale, and a rule looked up per category."""
-    used = np.flatnonzero(np.bincount(codes, minlength=len(texts))) if len(codes) else []
+    used = np.flatnonzero(np.bincount(codes, minlength=len(texts)))
     target = np.zeros(len(texts), dtype=np.int64)
     index: dict[str, int] = {}
     values: list[str] = []
-    for u in used.tolist() if len(used) else ():
+    for u in used.tolist():
         v = texts[u] if derive is None else derive(texts[u])
         i = index.get(v)
         if i is None:
