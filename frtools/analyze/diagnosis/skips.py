@@ -111,11 +111,10 @@ class _Siblings:
         ]
         rows = np.isin(self.group_codes, others) & (self.seq_of == seq)
         counts = np.bincount(self.site_codes[rows], minlength=len(self.texts))
-        total = int(counts.sum())
-        if total < 2:
+        if not counts.any():
             return None
         top = int(counts.argmax())
-        return self.texts[top] if counts[top] * 2 > total else None
+        return _strict_majority(self.texts[top], int(counts[top]), int(counts.sum()))
 
 
 def _majority(values) -> str | None:  # noqa: ANN001
@@ -123,5 +122,9 @@ def _majority(values) -> str | None:  # noqa: ANN001
     if not counts:
         return None
     (top, n), *rest = counts.most_common()
-    total = sum(counts.values())
+    return _strict_majority(top, n, sum(counts.values()))
+
+
+def _strict_majority(top: str | None, n: int, total: int) -> str | None:
+    """The most common value, if more than half of at least two values are it."""
     return top if n * 2 > total and total >= 2 else None
