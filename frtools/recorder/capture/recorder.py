@@ -117,9 +117,7 @@ class Recorder:
 
     def fail(self, exc: BaseException) -> None:
         """Turn recording off for the rest of the process, saying so once."""
-        self.enabled = False
-        if self._native:
-            self._native[1].set_enabled(False)
+        self.pause()
         if not self._failed_once:
             self._failed_once = True
             recording_disabled(f"{type(exc).__name__}: {exc}")
