@@ -1,3 +1,3 @@
-from frtools.cli import main
+from frtools.cli import entry
 
-main()
+entry()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -184,13 +185,18 @@ def test_summarize_command_writes_a_host_file_that_analyze_reads_mixed_with_boxe
     for r in range(8, 16):  # the second host's boxes, the first host's summary
         os.link(boxes / f"rank_{r}.frt", out / f"rank_{r}.frt")
     res = subprocess.run(
-        [sys.executable, "-m", "frtools", "summarize", str(host0), "-o", str(out)],
+        [sys.executable, "-X", "importtime", "-m", "frtools", "summarize", str(host0)]
+        + ["-o", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert res.returncode == 0, res.stderr
     assert "node00000: 8 rank(s) 0-7 ->" in res.stderr
+    # the per-host step's process reads Arrow without importing pandas (a quarter of its time)
+    imported = set(re.findall(r"^import time:.*\|\s+(\S+)$", res.stderr, re.M))
+    assert "pyarrow.lib" in imported
+    assert not [m for m in imported if m.startswith("pandas.")]
     assert (out / "node00000.summary").exists()
     full = diagnose(load_trace(boxes, workers=1))
     trace = load_trace(out, workers=1)
