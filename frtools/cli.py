@@ -101,6 +101,9 @@ class _NoPandas:
 
 def entry() -> None:
     """The console script and ``python -m frtools``: :func:`main` in a process of its own."""
+    from frtools.commands import _common
+
+    _common.OWN_PROCESS = True
     if sys.argv[1:2] and sys.argv[1] in WITHOUT_PANDAS and "pandas" not in sys.modules:
         sys.meta_path.insert(0, _NoPandas())
     main()

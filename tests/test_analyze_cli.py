@@ -70,6 +70,24 @@ def test_hang_exits_1_and_names_the_guilty_rank_first(dumps):
     assert "MISSING" in first and "Rank 5" in first
 
 
+def test_a_reader_that_leaves_the_pipe_is_not_an_error(dumps):
+    """`frtools analyze DIR --format json | head -0`: exit 0 and no traceback, also now that
+    the command's own process ends at once after the verdict (exit_at_once)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "frtools", "analyze", str(dumps["hang"]), "--format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # before the verdict is written
+    try:
+        _, err = proc.communicate(timeout=200)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert b"Traceback" not in err and b"Exception ignored" not in err
+
+
 def test_json_output_is_valid_and_says_who(dumps):
     p = analyze(str(dumps["hang"]), "--format", "json")
     assert p.returncode == 1

@@ -185,11 +185,11 @@ def _categorical(col: pa.ChunkedArray, null_as: str | None) -> pd.Categorical:
 def group_members(trace: Trace, seen: pd.DataFrame | None = None) -> dict[str, tuple[int, ...]]:
     """Global member ranks of every group: the readers' membership, else who recorded on it."""
     members: dict[str, set[int]] = {}
+    listed = {n for n, pg in trace.process_groups.items() if pg.ranks}
     if seen is not None and len(seen):
         codes, index = _codes(seen["pg_name"])
         names = [str(n) for n in index]  # not Index lookups one by one (~10^5 groups)
-        used = np.unique(codes)
-        listed = {n for n, pg in trace.process_groups.items() if pg.ranks}
+        used = np.flatnonzero(np.bincount(codes + 1, minlength=len(names) + 1)[1:])
         # who recorded on a group matters only where no file lists its members
         unknown = {c for c in used.tolist() if c >= 0 and names[c] not in listed}
         for c in used.tolist():
@@ -201,9 +201,14 @@ def group_members(trace: Trace, seen: pd.DataFrame | None = None) -> dict[str, t
                 sub.groupby("pg_name", sort=False, observed=True)["rank"].unique().items()
             ):
                 members[str(pg_name)] = set(int(r) for r in ranks)
+    # the groups a rank's counters name: who names them counts only where no file lists them
     for info in trace.ranks.values():
         for pg_name in info.pg_status:
-            members.setdefault(pg_name, set()).add(info.rank)
+            got = members.get(pg_name)
+            if got is None:
+                got = members[pg_name] = set()
+            if pg_name not in listed:
+                got.add(info.rank)
     result: dict[str, tuple[int, ...]] = {}
     for pg_name, ranks in members.items():
         pg = trace.process_groups.get(pg_name)
@@ -497,12 +502,25 @@ def _status(coll: pd.DataFrame, ps: pd.DataFrame) -> pd.DataFrame:
         codes, cats = _codes(coll["pg_name"])
         rank = coll["rank"].to_numpy().astype(np.int64)
         key = rank * (len(cats) + 1) + codes + 1  # code -1 (no group) shifted to 0
-        seq = pd.Series(coll["seq"].to_numpy(), index=key)
-        grouped = seq.groupby(level=0, sort=False)
-        agg = pd.DataFrame({"first_seq": grouped.min(), "last_seq": grouped.max()})
+        # one factorization, then the three reductions by index (pandas' group-by hashes the
+        # 8 M keys once per group-by: 2.5x slower at 131,072 ranks)
+        unit, k = pd.factorize(key)
+        seq = coll["seq"].to_numpy().astype(np.int64, copy=False)
+        first = np.full(len(k), np.iinfo(np.int64).max)
+        np.minimum.at(first, unit, seq)
+        last = np.full(len(k), np.iinfo(np.int64).min)
+        np.maximum.at(last, unit, seq)
         done = coll["completed"].fillna(False).to_numpy(dtype=bool)
-        agg["done_seq"] = seq[done].groupby(level=0, sort=False).max()
-        k = agg.index.to_numpy()
+        done_seq = np.full(len(k), -1, dtype=np.int64)
+        np.maximum.at(done_seq, unit[done], seq[done])
+        none_done = np.bincount(unit[done], minlength=len(k)) == 0
+        agg = pd.DataFrame(
+            {
+                "first_seq": first,
+                "last_seq": last,
+                "done_seq": pd.arrays.IntegerArray(done_seq, none_done),
+            }
+        )
         names = np.asarray([None, *cats], dtype=object).take(k % (len(cats) + 1))
         per = agg.set_axis(
             pd.MultiIndex.from_arrays([k // (len(cats) + 1), names], names=["rank", "pg_name"])

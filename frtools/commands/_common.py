@@ -18,6 +18,10 @@ from frtools.config import DEBUG, ConfigError
 
 USAGE_ERROR = 2
 
+# True when this process runs one command and ends (set by the console script, cli.entry);
+# False where a command runs inside another program.
+OWN_PROCESS = False
+
 
 def fail(prefix: str, message: str) -> NoReturn:
     """``<prefix>: <message>`` on stderr, exit 2."""
@@ -58,6 +62,22 @@ def run_guarded(prefix: str, body: Callable[[], int]) -> NoReturn:
             traceback.print_exc()
         fail(prefix, f"internal error: {type(e).__name__}: {first_line(e)}")
     sys.exit(code)
+
+
+def exit_at_once(code: int) -> None:
+    """End a command's own process now, its output flushed, without freeing what it read
+    one object at a time (~0.5 s at 131,072 ranks). Inside another program: returns."""
+    if not OWN_PROCESS:
+        return
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader left: not an error (as in run_guarded)
+        code = 0
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def write_text(prefix: str, text: str, output: Path | None, **echo: Any) -> None:

@@ -15,6 +15,7 @@ import click
 
 from frtools.commands._common import (
     OneLineCommand,
+    exit_at_once,
     fail,
     first_line,
     load_and_diagnose,
@@ -185,6 +186,8 @@ def _run(
         write_text("frtools", text, output)
     if catalog is not None:  # after the verdict is out: a failing catalog only warns
         record_verdict(catalog, verdict, trace, path if path is not None else Path.cwd())
+    if fleet[0] is None:  # (Ray's own shutdown runs at exit)
+        exit_at_once(verdict.exit_code)
     return verdict.exit_code
 
 
