@@ -804,3 +804,22 @@ def test_rank_gloo_aborted_for_a_peers_dtype_is_a_casualty_not_the_cause():
     assert v.guilty_ranks == [3]
     assert v.collective_seq_id == 2
     assert 2 in v.waiting
+
+
+def test_status_table_answers_as_a_dict_of_every_status_row():
+    """facts.status looks (rank, group) up in al.status where asked; it must answer as the
+    dict of every row did, misses and NA counters included."""
+    from frtools.analyze.align import align
+    from frtools.analyze.diagnosis.facts import StatusTable
+
+    al = align(simulate(JOB, training(JOB, 3, stop_at(5, 0)), completion="states"))
+    st = al.status
+    assert st["last_completed"].isna().any()  # NA counters are among the rows
+    columns = [st[c].tolist() for c in ("first_seq", "last_issued", "last_completed")]
+    rows = {(int(r), str(g)): v for (r, g), *v in zip(st.index, *columns, strict=True)}
+    rows = {k: tuple(v) for k, v in rows.items()}
+    table = StatusTable(st)
+    assert len(rows) > 8 and len(table) == len(rows) and dict(table.items()).keys() == rows.keys()
+    for key, value in rows.items():
+        assert repr(table[key]) == repr(value)
+    assert table.get((5, "no such group")) is None and table.get((99, "0")) is None
