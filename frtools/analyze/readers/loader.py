@@ -558,9 +558,12 @@ def _merge_recorders(keep: RankDump, others: list[RankDump]) -> RankDump:
     return keep
 
 
-def _merge_groups(dumps: Sequence[RankDump], spans: Spans) -> dict[str, ProcessGroup]:
+def _merge_groups(
+    dumps: Sequence[RankDump], spans: Spans
+) -> tuple[dict[str, ProcessGroup], set[str]]:
     """Membership from the files that list it (the most common list where they disagree);
-    where none does, from which ranks recorded ops on the group (``inferred``).
+    where none does, from which ranks recorded ops on the group (``inferred``). Also the
+    groups whose files disagree (their dissenters get a note: none to look for when empty).
 
     Plain dicts and one pass: 131,072 ranks name ~400,000 distinct groups (one of each
     size-1 kind per rank); a Counter per group costs seconds there."""
@@ -610,6 +613,7 @@ def _merge_groups(dumps: Sequence[RankDump], spans: Spans) -> dict[str, ProcessG
                 recorded.setdefault(name, []).append(d.rank_info.rank)
 
     groups: dict[str, ProcessGroup] = {}
+    disputed: set[str] = set()
     for name in sorted(descs, key=_pg_sort_key):
         if not name:
             continue
@@ -622,12 +626,14 @@ def _merge_groups(dumps: Sequence[RankDump], spans: Spans) -> dict[str, ProcessG
             desc = min(dc.items(), key=lambda kv: (kv[0] == "undefined", -kv[1]))[0]
         lc = listed[name]
         if lc:
+            if len(lc) > 1:
+                disputed.add(name)
             ranks_id = next(iter(lc)) if len(lc) == 1 else max(lc.items(), key=lambda kv: kv[1])[0]
             groups[name] = ProcessGroup(name, desc, by_id[ranks_id], inferred=False)
         else:
             members = tuple(sorted(set(recorded.get(name, ()))))
             groups[name] = ProcessGroup(name, desc, members, inferred=True)
-    return groups
+    return groups, disputed
 
 
 def _records_unknown_groups(d: RankDump) -> bool:
@@ -779,10 +785,10 @@ def _load_trace(
     inputs, chosen, kept_inputs = _read_rank_dumps(root, workers, progress, meanwhile, spans)
     dumps = [chosen[r] for r in sorted(chosen)]
     entries = _concat_dumps(dumps, spans)
-    groups = _merge_groups(dumps, spans)
-    for d in dumps:
+    groups, disputed = _merge_groups(dumps, spans)
+    for d in dumps if disputed else ():
         for name, g in d.process_groups.items():
-            merged = groups.get(name)
+            merged = groups.get(name) if name in disputed else None
             if g.ranks and merged is not None and merged.ranks is not g.ranks:
                 _add_reason(
                     kept_inputs[d.rank_info.rank],
