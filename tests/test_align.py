@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pandas as pd
 import pytest
 
-from frtools.analyze.align import align
+from frtools.analyze.align import _duplicated_units, align
 from frtools.model.trace import ProcessGroup, RankInfo, Trace, entries_table
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,3 +132,23 @@ def test_kth_send_matches_kth_recv_of_the_pair_with_global_peers():
     ]
     recvs = p[p["rank"] == 6]
     assert list(zip(recvs["sender"], recvs["pair_index"], strict=True)) == [(4, 0), (4, 1)]
+
+
+@pytest.mark.parametrize("top_seq", [50, 2**26])  # packed into one int64; too big to pack
+def test_duplicated_units_are_the_rows_sharing_rank_group_and_seq(top_seq):
+    rng = np.random.default_rng(7)
+    n = 3000
+    frame = pd.DataFrame(
+        {
+            "rank": rng.integers(0, 40, n).astype(np.int32),
+            "pg_name": pd.Categorical(rng.choice(["0", "1", "tp", "dp"], n)),
+            "collective_seq_id": rng.integers(1, top_seq, n),
+        }
+    )
+    frame.loc[5, "pg_name"] = np.nan  # no group: code -1
+    expected = frame.duplicated(keep=False).to_numpy()
+    if top_seq == 50:  # the packed path sees real duplicates
+        assert 0 < expected.sum() < n
+    got = _duplicated_units(frame)
+    assert got.tolist() == expected.tolist()
+    assert not _duplicated_units(frame.drop_duplicates()).any()

@@ -264,20 +264,34 @@ def _counters(values: list) -> pd.arrays.IntegerArray:
 def _duplicated_units(coll: pd.DataFrame) -> np.ndarray:
     """Rows sharing (rank, group, seq) with another row: the parts of a coalesced unit.
 
-    The three are packed into one int64 and sorted (rows come rank by rank with seqs
-    rising, so the sort is nearly free; a hash-based ``duplicated`` costs 10x more on
-    millions of rows); a MultiIndex where the values do not fit."""
+    The three are packed into one int64 and sorted in place (a hash-based ``duplicated``
+    costs 10x more on millions of rows, and every temporary array here is 64 MB at 131,072
+    ranks: first-touched memory is slow on a VM); a MultiIndex where the values do not fit."""
     if not len(coll):
         return np.zeros(0, dtype=bool)
-    pg, _ = _codes(coll["pg_name"])
-    pg = pg + 1
-    rank = coll["rank"].to_numpy().astype(np.int64)
-    seq = coll["collective_seq_id"].to_numpy().astype(np.int64)
-    if not (rank.min() >= 0 and rank.max() < 2**22 and pg.max() < 2**16 and seq.max() < 2**25):
+    names = coll["pg_name"]
+    pg = names.cat.codes.to_numpy() if isinstance(names.dtype, pd.CategoricalDtype) else None
+    if pg is None:
+        pg = _codes(names)[0]
+    rank = coll["rank"].to_numpy()
+    seq = coll["collective_seq_id"].to_numpy()
+    if not (rank.min() >= 0 and rank.max() < 2**22 and pg.max() < 2**16 - 1 and seq.max() < 2**25):
         return pd.MultiIndex.from_arrays([rank, pg, seq]).duplicated(keep=False)
-    key = (rank << 41) | (pg << 25) | seq
-    if not (np.diff(np.sort(key)) == 0).any():
-        return np.zeros(len(key), dtype=bool)
+
+    def packed() -> np.ndarray:  # (rank << 41) | (group code + 1 << 25) | seq, in place
+        key = rank.astype(np.int64)
+        key <<= 16
+        key += pg
+        key += 1
+        key <<= 25
+        key |= seq
+        return key
+
+    key = packed()
+    key.sort()
+    if not (key[1:] == key[:-1]).any():
+        return np.zeros(len(coll), dtype=bool)
+    key = packed()
     order = np.argsort(key, kind="stable")
     ordered = key[order]
     same = ordered[1:] == ordered[:-1]
