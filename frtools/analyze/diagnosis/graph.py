@@ -360,7 +360,7 @@ class _Builder:
                 order = no_info.sort_values(["time_created_ns", "record_id"])
                 latest[f.index.get_indexer(order.drop_duplicates("rank", keep="last").index)] = True
             keep = (has_info & pending) | latest
-            small = f[keep].assign(completed=done[keep])
+            small = f[[c for c in cols if c in f.columns]][keep].assign(completed=done[keep])
             part = small.assign(kind=kind, rank_has_info=has_info[keep])
             if kind == "p2p":
                 part = part.assign(seq=small.index.to_numpy())  # seq := row in al.p2p
@@ -421,9 +421,10 @@ class _Builder:
         # the completed rows at those (group, seq): filter the big frame by seq first
         c = self.coll
         done = self.done.eq(True).fillna(False).to_numpy(dtype=bool)
-        near = c[c["seq"].isin(asked["seq"].unique()).to_numpy() & done]
+        at = c["seq"].isin(asked["seq"].unique()).to_numpy() & done
+        # the two columns of those rows, not every column (millions of rows at fleet scale)
         near = pd.DataFrame(
-            {"pg_name": near["pg_name"].astype(str).to_numpy(), "seq": near["seq"].to_numpy()}
+            {"pg_name": c["pg_name"][at].astype(str).to_numpy(), "seq": c["seq"].to_numpy()[at]}
         )
         done = near.merge(asked, on=["pg_name", "seq"]).drop_duplicates()
         if not len(done):
