@@ -7,16 +7,23 @@ on every torch given, in one table.
 Each interpreter (this one, then every ``--python``; each with its own torch) is measured
 twice:
 
-* **the job**: two Gloo ranks on this machine. Each worker process creates two identical
-  groups over the same ranks: one before ``frtools.recorder.enable()`` (plain) and one after
-  (recorded), and times them in alternating blocks, so machine noise hits both alike.
-  PyTorch's recorder is process-wide (``TORCH_FR_BUFFER_SIZE`` is read once), so the job runs
-  twice: without and with ``TORCH_FR_BUFFER_SIZE=2000``. Workloads: a 1-element
+* **the job**: two Gloo ranks on this machine. Each worker process creates identical groups
+  over the same ranks: one before ``frtools.recorder.enable()`` (plain) and others after
+  (recorded), and times them in alternating blocks, so machine noise hits all alike.
+  PyTorch's recorder on Gloo is Gloo's own Flight Recorder, **on by default** (a buffer of
+  2000 unless ``TORCH_FR_BUFFER_SIZE`` says otherwise), process-wide: "no recording" must
+  switch it off. On 2.15 with the C++ hook body built, its ``_flight_recorder`` seam switches
+  Gloo's recorder per block, so PyTorch's recorder is timed in the same job: off for the plain
+  and the frtools groups, on (as PyTorch runs it) for its own. Otherwise the job runs twice:
+  with ``TORCH_FR_BUFFER_SIZE=0`` (no recording, and frtools) and with Gloo's default (PyTorch's
+  recorder), and PyTorch's Δ is between jobs. Workloads: a 1-element
   ``all_reduce`` (the whole op, network round trip included), the issuing call alone of
   1-element async all-reduces (50 in flight, waited for outside the timed part: exactly what
   a recorder adds to the caller, without the round trip's noise), and a small DDP step
   (forward + backward, the reducer's all-reduces). Medians over blocks. On 2.15 a group with
-  PyTorch's hook recorder (``FlightRecorderHook``) is timed in the same job too.
+  PyTorch's hook recorder (``FlightRecorderHook``) is timed in the same job too, as it runs on
+  Gloo: it leaves the ops of a backend with its own recorder to that recorder, so it is the
+  hooks' dispatch plus Gloo's recorder, on for its blocks.
 * **in-process, the recording path alone**: one process on torch's fake backend
   (``FakeProcessGroup``: an op costs only its dispatch), timing the issuing call of async
   all-reduces on a plain group, a group recorded by frtools (the path this torch takes by
@@ -63,6 +70,7 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str, burst: int = 50) -> 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     plain = dist.new_group([0, 1])
+    gloo_fr = _gloo_fr_switch()
     if not frtools.recorder.enable(dir=out_dir, stall_seconds=0):
         raise SystemExit("frtools could not be enabled")
     from frtools.recorder import capture
@@ -82,10 +90,15 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str, burst: int = 50) -> 
         groups["fr_hook"] = dist.new_group([0, 1])
         _unhook(groups["fr_hook"])
         fr_hook = FlightRecorderHook.attach(groups["fr_hook"], [0, 1])  # noqa: F841 - kept
+    if gloo_fr is not None:  # PyTorch's Gloo recorder, on for this group's blocks only
+        groups["torch_fr"] = dist.new_group([0, 1])
+        _unhook(groups["torch_fr"])
 
     def stacks_for(name: str) -> None:
         # exactly what FRTOOLS_STACKS=0 does, switched per block
         recorder.set_stacks(name != "nostack")
+        if gloo_fr is not None:  # Gloo's own recorder as PyTorch runs it, or off
+            gloo_fr("gloo", name in ("torch_fr", "fr_hook"))
 
     torch.manual_seed(0)
 
@@ -166,6 +179,21 @@ def worker(rounds: int, ops: int, steps: int, out_dir: str, burst: int = 50) -> 
     dist.destroy_process_group()
 
 
+def _gloo_fr_switch() -> object | None:
+    """The C++ hook body's ``_flight_recorder(backend, on)`` seam where it is built and Gloo's
+    own recorder is on (its default), else None."""
+    try:
+        from frtools.recorder import native_hooks
+
+        module = native_hooks.load(build_if_missing=False)
+        switch = getattr(module, "_flight_recorder", None)
+        if switch is None or not switch("gloo"):
+            return None
+        return switch
+    except Exception:
+        return None
+
+
 def _unhook(*groups: object) -> None:
     from frtools.recorder.capture import hooks
 
@@ -238,7 +266,9 @@ def inprocess(blocks: int, calls: int, out_dir: str) -> None:
     print("RESULT " + json.dumps({"min": {k: min(v) for k, v in samples.items()}, **info}))
 
 
-def run_job(python: str, torch_fr: bool, rounds: int, ops: int, steps: int, out_dir: str) -> dict:
+def run_job(python: str, gloo_fr: bool, rounds: int, ops: int, steps: int, out_dir: str) -> dict:
+    """One 2-rank job; ``gloo_fr``: Gloo's own recorder as PyTorch sets it (on, and switched
+    per block where the seam is), else off for the whole job (``TORCH_FR_BUFFER_SIZE=0``)."""
     port = _free_port()
     procs = []
     for rank in range(2):
@@ -250,12 +280,13 @@ def run_job(python: str, torch_fr: bool, rounds: int, ops: int, steps: int, out_
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
-            FRTOOLS_JOB_ID=f"bench-{'fr' if torch_fr else 'nofr'}-{port}",
+            FRTOOLS_JOB_ID=f"bench-{'fr' if gloo_fr else 'nofr'}-{port}",
         )
         env.pop("FRTOOLS_RECORD", None)
-        env.pop("TORCH_FR_BUFFER_SIZE", None)
-        if torch_fr:
-            env["TORCH_FR_BUFFER_SIZE"] = "2000"
+        for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+            env.pop(name, None)
+        if not gloo_fr:
+            env["TORCH_FR_BUFFER_SIZE"] = "0"
         procs.append(
             subprocess.Popen(
                 [python, __file__, "--worker", "--rounds", str(rounds), "--ops", str(ops)]
@@ -303,10 +334,14 @@ def torch_version(python: str) -> str:
 
 
 def job_rows(python: str, rounds: int, ops: int, steps: int, out_dir: str) -> list[dict]:
-    no_fr = run_job(python, False, rounds, ops, steps, out_dir)
-    with_fr = run_job(python, True, rounds, ops, steps, out_dir)
-    med = {k: statistics.median(v) for k, v in no_fr.items()}
-    med_fr = {k: statistics.median(v) for k, v in with_fr.items()}
+    first = run_job(python, True, rounds, ops, steps, out_dir)
+    med = {k: statistics.median(v) for k, v in first.items()}
+    if any(k.endswith("/torch_fr") for k in first):  # PyTorch's recorder in the same job
+        med_fr, fr_key, same_job = med, "torch_fr", True
+    else:  # the first job recorded with Gloo's recorder throughout: a second one without
+        med_fr, fr_key, same_job = med, "plain", False
+        no_fr = run_job(python, False, rounds, ops, steps, out_dir)
+        med = {k: statistics.median(v) for k, v in no_fr.items()}
     rows = []
     for kind, label in (
         ("allreduce", "all_reduce, 1 float [µs/op]"),
@@ -315,7 +350,7 @@ def job_rows(python: str, rounds: int, ops: int, steps: int, out_dir: str) -> li
     ):
         for clock in ("wall", "cpu"):
             base = med[f"{kind}/{clock}/plain"]
-            torch_fr = med_fr[f"{kind}/{clock}/plain"]
+            torch_fr = med_fr[f"{kind}/{clock}/{fr_key}"]
             ours = med[f"{kind}/{clock}/recorded"]
             rows.append(
                 {
@@ -324,16 +359,16 @@ def job_rows(python: str, rounds: int, ops: int, steps: int, out_dir: str) -> li
                     "none": base,
                     "torch_fr": torch_fr,
                     "frtools": ours,
-                    "torch_fr_plus_frtools": med_fr[f"{kind}/{clock}/recorded"],
+                    "torch_fr_same_job": same_job,
                     "frtools_no_stacks": med[f"{kind}/{clock}/nostack"],
                     "frtools_py_overhead": (
                         med[f"{kind}/{clock}/recorded_py"] - base
                         if f"{kind}/{clock}/recorded_py" in med
                         else None
                     ),
-                    "torch_fr_hook_overhead": (
-                        med[f"{kind}/{clock}/fr_hook"] - base
-                        if f"{kind}/{clock}/fr_hook" in med
+                    "torch_fr_hook_overhead": (  # with Gloo's recorder on, as PyTorch runs it
+                        med_fr[f"{kind}/{clock}/fr_hook"] - base
+                        if f"{kind}/{clock}/fr_hook" in med_fr
                         else None
                     ),
                     "torch_fr_overhead": torch_fr - base,
@@ -460,10 +495,12 @@ def main() -> None:
         f"rounds={args.rounds} ops/block={args.ops} DDP steps/block={args.steps}; in-process "
         f"{args.blocks} blocks x {args.calls} calls. Δ = difference to no recording. 'caller "
         "CPU' = CPU time of the calling thread (robust to a loaded machine); 'wall' includes "
-        "the network round trip. In the job, no recording and frtools share each job "
-        "(alternating blocks); PyTorch FR (Gloo's own) is a second job. In-process, PyTorch FR "
-        "is its hook recorder (FlightRecorderHook, as for nccl2; torch 2.15 only). FR hook: "
-        "PyTorch's hook recorder on a group of the same job (2.15). no-stacks: "
+        "the network round trip. In the job, no recording (Gloo's own recorder off) and "
+        "frtools share each job (alternating blocks); PyTorch FR is Gloo's own recorder (on by "
+        "default), switched on for its blocks of the same job where the C++ hook body is "
+        "built, else a second job. In-process, PyTorch FR is its hook recorder "
+        "(FlightRecorderHook, as for nccl2; torch 2.15 only). FR hook: PyTorch's hook "
+        "recorder on a group of the job (2.15), with Gloo's recorder it defers to. no-stacks: "
         "frtools with FRTOOLS_STACKS=0. Python hooks: on 2.15 with the C++ hook body built, "
         "a group recorded by the Python hook body, timed beside it."
     )

@@ -192,6 +192,40 @@ def test_a_failed_hooked_op_is_failed_not_completed(body: str, recorded) -> None
     assert e["error"].tolist()[1] == error and e["error"].isna().tolist() == [True, False, True]
 
 
+def test_the_native_completion_queue_tracks_every_work_past_its_ring(
+    tmp_path: Path, native_hooks_module
+) -> None:
+    # the C++ body queues Works in a 1024-cell ring, and past it (the poller starved) on an
+    # overflow stack: with the poller stopped, 1100 ops fill both; one pass must still mark
+    # each done one completed and each failed one failed, in either, and keep the rest
+    path = tmp_path / "rank_4.frt"
+    identity = {"rank": 4, "world_size": 8, "backend": "nccl", "host": "elsewhere"}
+    box = native.BlackBox(str(path), 2048, 1 << 16, json.dumps(identity))
+    rec = Recorder(box, cuda_events=False)
+    st = GroupState(rec, rec.op_ids("nccl2", OP_NAMES), [])
+    st.bind("3", "pairs", [4, 6])
+    pre_hook, post_hook = hook_pair(st, lambda: True, "native")
+    body = rec._native[1]
+    body.stop()
+    n, error = 1100, "Connection closed by peer"
+    done = {17, 1050}  # P2P: no completion inferred for older ops
+    failed = {500, 1090}
+    for op_id in range(n):
+        pre_hook(pre("SEND", op_id, [torch.ones(1)], root=1))
+        work = FakeWork(done=op_id in done | failed, error=error if op_id in failed else None)
+        post_hook(post("SEND", op_id, work))
+    assert body.pending == n
+    body.poll()
+    assert body.pending == n - len(done) - len(failed)
+    e = entries(path)
+    assert len(e) == n
+    states, errors = e["state"].tolist(), e["error"].tolist()
+    assert {i for i, s in enumerate(states) if s == "completed"} == done
+    assert {i for i, x in enumerate(errors) if isinstance(x, str)} == failed
+    assert all(errors[i] == error for i in failed)
+    body.final_poll()
+
+
 def test_a_failing_hook_body_never_raises_into_the_job(body: str, recorded, recwarn) -> None:
     st = recorded.st
     pre_hook, post_hook = hook_pair(st, lambda: True, body)
