@@ -91,16 +91,23 @@ def hook_pair(st: GroupState, bind, body: str):
     return pre_hook, post_hook
 
 
-@pytest.fixture
-def recorded(tmp_path: Path):
-    """A recorder on a real black box and one bound group: global ranks 4 and 6."""
+def _bound(tmp_path: Path, capacity: int = 64) -> types.SimpleNamespace:
+    """A recorder on a real black box of ``capacity`` slots and one bound group: global
+    ranks 4 and 6."""
     path = tmp_path / "rank_4.frt"
     identity = {"rank": 4, "world_size": 8, "backend": "nccl", "host": "elsewhere"}
-    box = native.BlackBox(str(path), 64, 1 << 16, json.dumps(identity))
+    box = native.BlackBox(str(path), capacity, 1 << 16, json.dumps(identity))
     recorder = Recorder(box, cuda_events=False)
     st = GroupState(recorder, recorder.op_ids("nccl2", OP_NAMES), [])
     st.bind("3", "pairs", [4, 6])
-    yield types.SimpleNamespace(path=path, box=box, recorder=recorder, st=st)
+    return types.SimpleNamespace(path=path, box=box, recorder=recorder, st=st)
+
+
+@pytest.fixture
+def recorded(tmp_path: Path):
+    bound = _bound(tmp_path)
+    recorder = bound.recorder
+    yield bound
     recorder._stop_poller()
     if recorder._native:
         recorder._native[1].final_poll()
@@ -198,13 +205,9 @@ def test_the_native_completion_queue_tracks_every_work_past_its_ring(
     # the C++ body queues Works in a 1024-cell ring, and past it (the poller starved) on an
     # overflow stack: with the poller stopped, 1100 ops fill both; one pass must still mark
     # each done one completed and each failed one failed, in either, and keep the rest
-    path = tmp_path / "rank_4.frt"
-    identity = {"rank": 4, "world_size": 8, "backend": "nccl", "host": "elsewhere"}
-    box = native.BlackBox(str(path), 2048, 1 << 16, json.dumps(identity))
-    rec = Recorder(box, cuda_events=False)
-    st = GroupState(rec, rec.op_ids("nccl2", OP_NAMES), [])
-    st.bind("3", "pairs", [4, 6])
-    pre_hook, post_hook = hook_pair(st, lambda: True, "native")
+    bound = _bound(tmp_path, capacity=2048)
+    path, rec = bound.path, bound.recorder
+    pre_hook, post_hook = hook_pair(bound.st, lambda: True, "native")
     body = rec._native[1]
     body.stop()
     n, error = 1100, "Connection closed by peer"
