@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 
 import click
 
@@ -83,31 +82,5 @@ def main() -> None:
     """frtools: the flight recorder and crash investigator for distributed PyTorch."""
 
 
-# Commands whose process never handles a pandas object. pyarrow imports pandas (~0.25 s, a
-# quarter of a host's `frtools summarize`) on its first array conversion, only to recognize
-# pandas inputs; in these commands' own processes it is told at once that pandas is absent.
-WITHOUT_PANDAS = frozenset({"summarize"})
-
-
-class _NoPandas:
-    """A meta path finder that answers ``import pandas`` with ModuleNotFoundError (a None in
-    sys.modules is not enough: pyarrow's Cython import takes it for the module)."""
-
-    @staticmethod
-    def find_spec(name: str, path: object = None, target: object = None) -> None:
-        if name == "pandas" or name.startswith("pandas."):
-            raise ModuleNotFoundError(f"no pandas in this command: {name}", name=name)
-
-
-def entry() -> None:
-    """The console script and ``python -m frtools``: :func:`main` in a process of its own."""
-    from frtools.commands import _common
-
-    _common.OWN_PROCESS = True
-    if sys.argv[1:2] and sys.argv[1] in WITHOUT_PANDAS and "pandas" not in sys.modules:
-        sys.meta_path.insert(0, _NoPandas())
-    main()
-
-
 if __name__ == "__main__":
-    entry()
+    main()

@@ -18,7 +18,7 @@ from frtools.config import DEBUG, ConfigError
 
 USAGE_ERROR = 2
 
-# True when this process runs one command and ends (set by the console script, cli.entry);
+# True when this process runs one command and ends (set by the entry point, frtools.__main__);
 # False where a command runs inside another program.
 OWN_PROCESS = False
 
