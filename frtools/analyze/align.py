@@ -189,11 +189,12 @@ def group_members(trace: Trace, seen: pd.DataFrame | None = None) -> dict[str, t
     if seen is not None and len(seen):
         codes, index = _codes(seen["pg_name"])
         names = [str(n) for n in index]  # not Index lookups one by one (~10^5 groups)
-        used = np.flatnonzero(np.bincount(codes + 1, minlength=len(names) + 1)[1:])
+        # the codes of the groups some entry is on (-1, no group, left out)
+        used = np.flatnonzero(np.bincount(codes + 1, minlength=len(names) + 1)[1:]).tolist()
         # who recorded on a group matters only where no file lists its members
-        unknown = {c for c in used.tolist() if c >= 0 and names[c] not in listed}
-        for c in used.tolist():
-            if c >= 0 and c not in unknown:
+        unknown = {c for c in used if names[c] not in listed}
+        for c in used:
+            if c not in unknown:
                 members[names[c]] = set()
         if unknown:
             sub = seen[np.isin(codes, sorted(unknown))]
@@ -270,8 +271,9 @@ def _duplicated_units(coll: pd.DataFrame) -> np.ndarray:
     if not len(coll):
         return np.zeros(0, dtype=bool)
     names = coll["pg_name"]
-    pg = names.cat.codes.to_numpy() if isinstance(names.dtype, pd.CategoricalDtype) else None
-    if pg is None:
+    if isinstance(names.dtype, pd.CategoricalDtype):
+        pg = names.cat.codes.to_numpy()  # the codes themselves, not an int64 copy
+    else:
         pg = _codes(names)[0]
     rank = coll["rank"].to_numpy()
     seq = coll["collective_seq_id"].to_numpy()
