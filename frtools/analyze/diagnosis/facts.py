@@ -26,6 +26,8 @@ import pandas as pd
 from frtools.analyze.align import Alignment
 from frtools.model.trace import ABNORMAL_EXITS, ProcessGroup, Trace
 
+from .device import DeviceLag, HostCall, device_lags, host_calls
+
 # A rank whose record was written (or whose heartbeat stopped) this much earlier than the
 # others' is a stale record of a process that was already gone.
 STALE_DUMP_NS = 60 * 1_000_000_000
@@ -107,6 +109,9 @@ class JobFacts:
     oldest_ns: Mapping[int, int]
     dump_ns: Mapping[int, int]  # fresh dump times (in-flight judgement); empty if unusable
     has_completion_info: bool  # some entry says whether it completed
+    # NCCL counters: ranks whose GPU stopped, ranks inside an NCCL host call (device.py)
+    device_lags: Mapping[int, tuple[DeviceLag, ...]] = field(default_factory=dict)
+    host_calls: Mapping[int, HostCall] = field(default_factory=dict)
 
     def members(self, pg_name: str) -> tuple[int, ...]:
         return tuple(self.membership.members.get(pg_name, ()))
@@ -198,6 +203,8 @@ def gather_facts(trace: Trace, al: Alignment) -> JobFacts:
         oldest_ns={int(r): int(t) for r, t in oldest.items()},
         dump_ns=dump_ns,
         has_completion_info=completion_known,
+        device_lags=device_lags(trace, coll, p2p),
+        host_calls=host_calls(trace, coll),
     )
 
 

@@ -123,6 +123,8 @@ class Reason(enum.Enum):
     ORDER = "order"  # entered an op of another group first (a cross-group cycle)
     STUCK = "stuck"  # issued an op that completed on no member
     NEVER_STARTED = "never_started"  # issued the stuck op but never started it
+    DEVICE_STOPPED = "device_stopped"  # ops its peers completed never completed on it (GPU)
+    IN_HOST_CALL = "in_host_call"  # its entry is past last_enqueued: inside the NCCL call
     UNLISTED_MEMBER = "unlisted_member"  # no record; its group's members are not listed
     STRAGGLER = "straggler"
     ENDED = "ended"  # its process ended by a failure of its own; nobody recorded waiting
@@ -177,6 +179,8 @@ class NoteKind(enum.Enum):
     VICTIMS = "victims"  # ranks whose op failed because a peer went away
     CASUALTIES = "casualties"  # point, ranks: issued the mismatched op as agreed, then ended
     IN_FLIGHT = "in_flight"  # count: ops every member issued, still running
+    DEVICE_LAGS = "device_lags"  # ranks: completion counters behind a peer's, per group
+    HOST_CALL = "host_call"  # ranks: an entry past last_enqueued (inside the NCCL call)
 
 
 @dataclass(frozen=True)
@@ -211,6 +215,7 @@ class Confidence(float, enum.Enum):
     ORDER_DEVIANT = 0.75  # the reordered ranks stand out from their peers' history
     ORDER_WHOLE_CYCLE = 0.5
     STUCK_NEVER_STARTED = 0.7
+    STUCK_DEVICE = 0.8  # peers completed all-member ops the guilty ranks never saw end
     STUCK_ALL_MEMBERS = 0.6
     STUCK_WITHOUT_STATES = 0.5  # only Gloo's retired flags say it did not complete
     DEAD_UNLISTED_MEMBER = 0.6

@@ -46,6 +46,37 @@ Rule = Callable[[Evidence], "Finding | None"]
 # ----- hangs the graph explains ---------------------------------------------------------
 
 
+def stopped_device(ev: Evidence) -> Finding | None:
+    """Ranks whose GPU stopped: on a group they share with a peer, the peer completed an
+    all-member collective the rank never saw complete (device.py). Blocked ranks wait for
+    them directly or through others: victims, however many groups show them waiting."""
+    g, f = ev.graph, ev.facts
+    lags = f.device_lags
+    if not lags or not g.blocked_at:
+        return None
+    blames = []
+    points: dict[int, Point] = {}
+    c = f.al.collectives
+    names = c["pg_name"].astype(str).to_numpy()
+    for r in sorted(lags):
+        mine = []
+        for lag in lags[r]:
+            seq = lag.completed + 1
+            rows = c[(names == lag.pg_name) & (c["seq"] == seq).to_numpy()]
+            mine.append(collective_point(f, lag.pg_name, seq, rows))
+        # the op it stopped at: the earliest of its lagging groups' first unfinished ops
+        points[r] = min(mine, key=lambda p: (p.time_ns or float("inf"), p.pg_name))
+        blames.append(Blame(r, Reason.DEVICE_STOPPED, points[r]))
+    point = min(points.values(), key=lambda p: p.time_ns)
+    waiting = (set(g.blocked_at) | set(g.waiting) | set(g.roots)) - set(lags)
+    notes = [Note(NoteKind.DEVICE_LAGS, ranks=tuple(sorted(lags)))]
+    notes += [Note(NoteKind.BLOCKED, point=p) for p in g.points.values() if p.blockers][:4]
+    return Finding(
+        VerdictKind.STUCK, Confidence.STUCK_DEVICE, tuple(blames), frozenset(waiting), point,
+        tuple(notes),
+    )  # fmt: skip
+
+
 def skip(ev: Evidence) -> Finding | None:
     """A rank skipped a collective its peers issued: its entry at that seq comes from the
     call site its peers reach one collective later (its next call took the seq). Whatever
@@ -121,6 +152,9 @@ def roots(ev: Evidence) -> Finding | None:
             notes.append(Note(NoteKind.BLOCKED, point=p))
     if casualties:
         notes.append(Note(NoteKind.CASUALTIES, point=point, ranks=tuple(sorted(casualties))))
+    calling = tuple(r for r in sorted(blamed) if r in f.host_calls)
+    if calling:
+        notes.append(Note(NoteKind.HOST_CALL, ranks=calling))
     failure = _failure_notes(f, point)
     notes += failure
     for note in failure:
@@ -408,6 +442,7 @@ def healthy(ev: Evidence) -> Finding:
 
 
 PRIORITY: tuple[Rule, ...] = (
+    stopped_device,
     skip,
     roots,
     stuck_roots,
@@ -552,12 +587,26 @@ def _absent_member(ev: Evidence, point: Point, waiting: set[int]) -> Finding:
 def _stuck(ev: Evidence, points: list[Point], waiting: set[int]) -> Finding:
     """Blame, per stuck op, the members that never started it while others did (a wedged
     GPU); with no such rank anywhere, every member of the earliest stuck op."""
+    f = ev.facts
     blamed_at: dict[int, Point] = {}
+    in_call: set[int] = set()
     for p in sorted(points, key=lambda p: p.time_ns):
+        members = set(p.issued)
+        # inside the NCCL call of this very op (entry recorded, never enqueued)
+        calling = {
+            r
+            for r in members
+            if (hc := f.host_calls.get(r)) is not None
+            and (hc.pg_name, hc.seq) == (p.pg_name, p.seq)
+        }
+        if calling and calling != members:
+            in_call |= calling
+            for r in calling:
+                blamed_at.setdefault(r, p)
+            continue
         rows = p.rows
         assert rows is not None
         started = set(int(r) for r in rows.loc[rows["state"] == "started", "rank"])
-        members = set(p.issued)
         laggards = members - started if started else set()
         if laggards and laggards != members:
             for r in laggards:
@@ -569,18 +618,24 @@ def _stuck(ev: Evidence, points: list[Point], waiting: set[int]) -> Finding:
     if not blamed_at:
         blamed_at = {r: point for r in point.issued}
     reason = Reason.NEVER_STARTED if never_started else Reason.STUCK
-    blames = tuple(Blame(r, reason, blamed_at[r]) for r in sorted(blamed_at))
+    blames = tuple(
+        Blame(r, Reason.IN_HOST_CALL if r in in_call else reason, blamed_at[r])
+        for r in sorted(blamed_at)
+    )
     involved = set(point.issued)
     for p in points:
         involved |= set(p.issued)
     conf = Confidence.STUCK_NEVER_STARTED if never_started else Confidence.STUCK_ALL_MEMBERS
     if point.rows is not None and not point.rows["informative"].all():
         conf = Confidence.STUCK_WITHOUT_STATES
+    notes = [Note(NoteKind.STUCK_OPS, count=len(points))]
+    if in_call:
+        notes.append(Note(NoteKind.HOST_CALL, ranks=tuple(sorted(in_call))))
     return Finding(
         VerdictKind.STUCK,
         conf,
         blames,
         frozenset((involved | waiting) - set(blamed_at)),
         point,
-        (Note(NoteKind.STUCK_OPS, count=len(points)),),
+        tuple(notes),
     )

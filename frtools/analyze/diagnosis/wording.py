@@ -152,6 +152,20 @@ class _Wording:
             return text
         if r is Reason.NEVER_STARTED:
             return f"issued {where} but never started it while its peers did"
+        if r is Reason.DEVICE_STOPPED:
+            at = b.point.pg_name if b.point is not None else None
+            lag = next((x for x in self.f.device_lags.get(b.rank, ()) if x.pg_name == at), None)
+            peer = f"rank {lag.peer}" if lag is not None else "a peer"
+            return (
+                f"its GPU stopped: {where} completed on {peer} but never on it, although "
+                "every member's kernel must run it (a poisoned CUDA context: a device-side "
+                "error or an Xid)"
+            )
+        if r is Reason.IN_HOST_CALL:
+            return (
+                f"inside the NCCL call of {where}: the op is recorded but its group's "
+                "last_enqueued never reached it"
+            )
         if r is Reason.STUCK:
             return f"issued {where}; it never completed on any member"
         if r is Reason.UNLISTED_MEMBER:
@@ -211,6 +225,12 @@ class _Wording:
             return (
                 f"Cross-group deadlock: {'rank' if one else 'ranks'} {format_ranks(blamed)} "
                 f"issued collectives in a different order than {'its' if one else 'their'} peers"
+            )
+        if kind is VerdictKind.STUCK and Reason.DEVICE_STOPPED in reasons:
+            blamed = format_ranks([g.rank for g in guilty])
+            return (
+                f"GPU stopped on rank(s) {blamed}: ops their peers completed never completed "
+                f"there, from {where}; {len(finding.waiting)} rank(s) wait"
             )
         if kind is VerdictKind.STUCK:
             never = Reason.NEVER_STARTED in reasons
@@ -413,6 +433,30 @@ class _Wording:
             )
         if k is NoteKind.IN_FLIGHT:
             return f"{n.count} in-flight op(s) that every member issued."
+        if k is NoteKind.DEVICE_LAGS:
+            lines = []
+            for r in n.ranks:
+                for lag in self.f.device_lags.get(r, ())[:3]:
+                    lines.append(
+                        f"rank {r} completed group {self._group_label(lag.pg_name)} up to "
+                        f"#{lag.completed}, rank {lag.peer} up to #{lag.peer_completed} "
+                        f"(#{lag.completed + 1} is {lag.op})"
+                    )
+            return (
+                "Completion counters (pg_status) behind a peer's on the same group: "
+                + "; ".join(lines)
+                + ". A collective completes on no member before every member's kernel ran it."
+            )
+        if k is NoteKind.HOST_CALL:
+            calls = [self.f.host_calls[r] for r in n.ranks if r in self.f.host_calls]
+            return "Inside an NCCL host call (entry recorded, last_enqueued not reached): " + (
+                "; ".join(
+                    f"rank {c.rank} at {c.op} #{c.seq} on group {self._group_label(c.pg_name)} "
+                    f"(last_enqueued {c.enqueued})"
+                    for c in calls
+                )
+                + "."
+            )
         return ""
 
     def _group_label(self, pg_name: str) -> str:
@@ -507,6 +551,8 @@ _OWN_ENTRY_REASONS = (
     Reason.ORDER,
     Reason.NEVER_STARTED,
     Reason.STUCK,
+    Reason.DEVICE_STOPPED,
+    Reason.IN_HOST_CALL,
 )
 
 

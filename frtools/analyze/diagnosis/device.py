@@ -1,0 +1,253 @@
+"""What PyTorch's NCCL counters say about a rank's own GPU and its NCCL host calls
+(docs/op-semantics.md "PyTorch's NCCL records").
+
+**A stopped device.** A collective in which every member contributes data (all_reduce,
+all_gather, reduce_scatter, all_to_all, barrier) completes on no member before every
+member's kernel ran it. The watchdog of ProcessGroupNCCL counts a completion
+(``pg_status.last_completed_collective``) when it finds the op's end event done. So in a
+hung job, a member whose counter stays below a peer's on the same group ran those kernels
+and cannot see them end: its CUDA context is poisoned (a device-side assert, an Xid) or its
+device stopped. Its peers block on the next op it never runs: they are its victims, however
+many groups show them waiting.
+
+Worked example (a real 16-rank Megatron MoE job on H100s, a GPU error on ranks 12 and 14)::
+
+    group 41, tensor parallel [12, 13]: rank 12 completed 42805, rank 13 completed 42817
+    group 42, tensor parallel [14, 15]: rank 14 completed 42805, rank 15 completed 42818
+    op 42806 is an _all_gather_base: rank 13 finished it, so rank 12's kernel ran it, and
+    rank 12 never saw it end -> rank 12's device stopped; rank 14's on group 42 the same.
+
+The counters of a group that also carries send/recv count P2P work too (``seq_`` is the
+P2P counter for P2P work): such groups, and groups whose counters disagree with the
+entries, are not compared.
+
+**Inside the NCCL host call.** ``collective()`` records the entry before the NCCL call and
+sets ``last_enqueued`` after it returns: a rank whose entry for a group is past its
+``last_enqueued`` there is still inside the call (a thread spinning in
+``ncclLocalOpAppend``, a wedged communicator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from frtools.model.ops import OpFamily, family_of
+from frtools.model.trace import RankInfo, Trace
+
+# Ops whose completion on one member proves every member's kernel ran them.
+ALL_CONTRIBUTE = frozenset(
+    {
+        OpFamily.ALL_REDUCE,
+        OpFamily.ALL_GATHER,
+        OpFamily.REDUCE_SCATTER,
+        OpFamily.ALL_TO_ALL,
+        OpFamily.BARRIER,
+    }
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceLag:
+    """On ``pg_name``, ``rank`` completed only up to ``completed`` while ``peer`` completed
+    ``peer_completed``; ``op`` is the collective at ``completed + 1`` (an all-member op)."""
+
+    rank: int
+    pg_name: str
+    completed: int
+    peer: int
+    peer_completed: int
+    op: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostCall:
+    """``rank`` recorded collective ``seq`` of ``pg_name`` (``op``) but its
+    ``last_enqueued`` there is ``enqueued`` < ``seq``: the NCCL call never returned."""
+
+    rank: int
+    pg_name: str
+    seq: int
+    enqueued: int
+    op: str | None
+
+
+# Engines whose pg_status counters follow ProcessGroupNCCL's watchdog (or nccl2's hook).
+NCCL_ENGINES = ("nccl:", "nccl2:")
+
+
+def _on_nccl(entries: pa.Table, pairs: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    """Of (rank, group) ``pairs``, those whose entries were recorded by an NCCL engine: a
+    rank may hold records of several recorders (Gloo on one group, nccl2 on another)."""
+    if not pairs or "profiling_name" not in entries.column_names:
+        return set()
+    ranks = pa.array(sorted({r for r, _ in pairs}), type=entries.schema.field("rank").type)
+    mine = entries.filter(pc.is_in(entries["rank"], value_set=ranks))
+    names = mine["profiling_name"]
+    if pa.types.is_dictionary(names.type):
+        names = names.cast(names.type.value_type)
+    nccl = pc.starts_with(names, NCCL_ENGINES[0])
+    for prefix in NCCL_ENGINES[1:]:
+        nccl = pc.or_(nccl, pc.starts_with(names, prefix))
+    mine = mine.filter(pc.fill_null(nccl, False))
+    seen = {
+        (int(r), str(g))
+        for r, g in zip(mine["rank"].to_pylist(), mine["pg_name"].to_pylist(), strict=True)
+    }
+    return pairs & seen
+
+
+def _counter(value: object) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def _counters(ranks: Mapping[int, RankInfo]) -> pd.DataFrame:
+    """(rank, group, last enqueued, last completed) where pg_status gives both."""
+    rank, name, enq, comp = [], [], [], []
+    for r, info in ranks.items():
+        for pg_name, st in info.pg_status.items():
+            if not isinstance(st, dict):
+                continue
+            c = _counter(st.get("last_completed_collective"))
+            e = _counter(st.get("last_enqueued_collective"))
+            if c is None or e is None:
+                continue
+            rank.append(int(r))
+            name.append(str(pg_name))
+            enq.append(e)
+            comp.append(c)
+    return pd.DataFrame(
+        {
+            "rank": np.asarray(rank, dtype=np.int64),
+            "pg_name": pd.Series(name, dtype=object),
+            "enqueued": np.asarray(enq, dtype=np.int64),
+            "completed": np.asarray(comp, dtype=np.int64),
+        }
+    )
+
+
+def _comparable(coll: pd.DataFrame, p2p: pd.DataFrame, counters: pd.DataFrame) -> pd.DataFrame:
+    """The counters of groups that count collectives only: no send/recv recorded on the
+    group, and no rank's entries past its own counter by more than the one op a host call
+    may hold."""
+    if not len(counters):
+        return counters
+    groups = set(counters["pg_name"])
+    if len(p2p):
+        groups -= set(p2p["pg_name"].astype(str).unique().tolist())
+    keep = counters[counters["pg_name"].isin(groups).to_numpy()]
+    if not len(keep) or not len(coll):
+        return keep
+    mine = coll[coll["pg_name"].astype(str).isin(groups).to_numpy()]
+    top = (
+        mine.assign(pg_name=mine["pg_name"].astype(str))
+        .groupby(["rank", "pg_name"], observed=True)["seq"]
+        .max()
+        .rename("top_seq")
+    )
+    joined = keep.join(top, on=["rank", "pg_name"])
+    bad = joined["top_seq"].notna() & (joined["top_seq"] > joined["enqueued"] + 1)
+    bad_groups = set(joined.loc[bad, "pg_name"])
+    return keep[~keep["pg_name"].isin(bad_groups).to_numpy()]
+
+
+def _ops_at(coll: pd.DataFrame, keys: set[tuple[str, int]]) -> dict[tuple[str, int], str]:
+    if not keys or not len(coll):
+        return {}
+    seqs = {s for _, s in keys}
+    near = coll[coll["seq"].isin(seqs).to_numpy()]
+    out: dict[tuple[str, int], str] = {}
+    for name, seq, op in zip(
+        near["pg_name"].astype(str), near["seq"].tolist(), near["op"].tolist(), strict=True
+    ):
+        key = (name, int(seq))
+        if key in keys and key not in out:
+            out[key] = str(op)
+    return out
+
+
+def device_lags(
+    trace: Trace, coll: pd.DataFrame, p2p: pd.DataFrame
+) -> dict[int, tuple[DeviceLag, ...]]:
+    """Per rank, the groups where a peer completed an all-member collective that the rank
+    never saw complete (see the module docstring)."""
+    counters = _comparable(coll, p2p, _counters(trace.ranks))
+    if len(counters) < 2:
+        return {}
+    best = counters.groupby("pg_name")["completed"].transform("max")
+    behind = counters[(counters["completed"] < best).to_numpy()]
+    if not len(behind):
+        return {}
+    leader = counters.loc[
+        counters.groupby("pg_name")["completed"].idxmax(), ["pg_name", "rank", "completed"]
+    ].set_index("pg_name")
+    keys = {
+        (str(g), int(c) + 1) for g, c in zip(behind["pg_name"], behind["completed"], strict=True)
+    }
+    ops = _ops_at(coll, keys)
+    pairs = {(int(r), str(g)) for r, g in zip(behind["rank"], behind["pg_name"], strict=True)}
+    pairs |= {(int(leader.loc[g, "rank"]), str(g)) for _, g in pairs}
+    nccl = _on_nccl(trace.entries, pairs)
+    out: dict[int, list[DeviceLag]] = {}
+    for r, g, c in zip(behind["rank"], behind["pg_name"], behind["completed"], strict=True):
+        op = ops.get((str(g), int(c) + 1))
+        if op is None or family_of(op) not in ALL_CONTRIBUTE:
+            continue
+        peer, peer_done = leader.loc[g, "rank"], leader.loc[g, "completed"]
+        if (int(r), str(g)) not in nccl or (int(peer), str(g)) not in nccl:
+            continue
+        out.setdefault(int(r), []).append(
+            DeviceLag(
+                rank=int(r),
+                pg_name=str(g),
+                completed=int(c),
+                peer=int(peer),
+                peer_completed=int(peer_done),
+                op=op,
+            )
+        )
+    return {r: tuple(v) for r, v in out.items()}
+
+
+def host_calls(trace: Trace, coll: pd.DataFrame) -> dict[int, HostCall]:
+    """Per rank, a collective an NCCL engine recorded past the rank's ``last_enqueued``
+    on that group (the earliest, where several)."""
+    counters = _counters(trace.ranks)
+    if not len(counters) or not len(coll):
+        return {}
+    mine = coll[coll["rank"].isin(counters["rank"].unique()).to_numpy()]
+    if not len(mine):
+        return {}
+    keyed = pd.DataFrame(
+        {
+            "rank": mine["rank"].to_numpy(dtype=np.int64),
+            "pg_name": mine["pg_name"].astype(str).to_numpy(),
+            "seq": mine["seq"].to_numpy(dtype=np.int64),
+            "op": mine["op"].astype(str).to_numpy(),
+            "t": mine["time_created_ns"].to_numpy(dtype=np.int64),
+        }
+    ).merge(counters, on=["rank", "pg_name"])
+    # exactly one past: the entry of the call in progress (more means other counters)
+    past = keyed[(keyed["seq"] == keyed["enqueued"] + 1).to_numpy()]
+    past = past[past["seq"] > past["completed"]]
+    nccl = _on_nccl(trace.entries, set(zip(past["rank"].tolist(), past["pg_name"], strict=True)))
+    out: dict[int, HostCall] = {}
+    for row in past.sort_values("t").itertuples(index=False):
+        if (int(row.rank), str(row.pg_name)) not in nccl:
+            continue
+        out.setdefault(
+            int(row.rank),
+            HostCall(
+                rank=int(row.rank),
+                pg_name=str(row.pg_name),
+                seq=int(row.seq),
+                enqueued=int(row.enqueued),
+                op=str(row.op),
+            ),
+        )
+    return out
