@@ -181,6 +181,7 @@ class NoteKind(enum.Enum):
     IN_FLIGHT = "in_flight"  # count: ops every member issued, still running
     DEVICE_LAGS = "device_lags"  # ranks: completion counters behind a peer's, per group
     HOST_CALL = "host_call"  # ranks: an entry past last_enqueued (inside the NCCL call)
+    RERAISED = "reraised"  # ranks re-raised the error of ``others`` (the ranks it names)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from .model import (
     VerdictKind,
 )
 from .order import order_deviants
+from .origin import shared_errors
 from .skips import skipped
 from .straggler import stragglers
 
@@ -255,9 +256,21 @@ def ended(ev: Evidence) -> Finding | None:
     if not ended_ranks:
         return None
     victims = sorted(r for r, e in f.endings.items() if e.victim)
+    notes: list[Note] = []
+    # one error re-raised on several ranks: the rank it names is the root (origin.py)
+    shared = shared_errors({r: f.endings[r] for r in ended_ranks}, f.present | f.expected)
+    reraised: set[int] = set()
+    for err in shared:
+        if set(err.ranks) & reraised:
+            continue
+        reraised |= set(err.casualties)
+        notes.append(Note(NoteKind.RERAISED, ranks=err.casualties, others=err.roots))
+    if reraised:
+        ended_ranks = [r for r in ended_ranks if r not in reraised]
+        victims = sorted(set(victims) | reraised)
     blames = tuple(Blame(r, Reason.ENDED, ending=f.ending(r)) for r in ended_ranks)
-    notes = [Note(NoteKind.ENDINGS, ranks=tuple(ended_ranks))]
-    if victims:
+    notes.insert(0, Note(NoteKind.ENDINGS, ranks=tuple(ended_ranks)))
+    if victims and not reraised:
         notes.append(Note(NoteKind.VICTIMS, ranks=tuple(victims)))
     return Finding(
         VerdictKind.DEAD, Confidence.DEAD_ENDED, blames, frozenset(victims), None, tuple(notes)

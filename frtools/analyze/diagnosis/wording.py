@@ -190,7 +190,7 @@ class _Wording:
     def ended(ending: Ending | None, stale: bool) -> str:
         if ending is None or ending.kind in (None, "gone"):
             return "its record is stale" if stale and ending is None else "its process is gone"
-        detail = f": {ending.detail}" if ending.detail else ""
+        detail = f": {_error_summary(ending.detail)}" if ending.detail else ""
         return {
             "clean": "its process exited cleanly",
             "exit": f"its process exited{detail or ' with an error status'}",
@@ -447,6 +447,12 @@ class _Wording:
                 + "; ".join(lines)
                 + ". A collective completes on no member before every member's kernel ran it."
             )
+        if k is NoteKind.RERAISED:
+            return (
+                f"Rank(s) {format_ranks(list(n.ranks))} ended with the same error, which names "
+                f"rank(s) {format_ranks(list(n.others))} as where it failed: they re-raised it "
+                "(casualties, not causes)."
+            )
         if k is NoteKind.HOST_CALL:
             calls = [self.f.host_calls[r] for r in n.ranks if r in self.f.host_calls]
             return "Inside an NCCL host call (entry recorded, last_enqueued not reached): " + (
@@ -554,6 +560,16 @@ _OWN_ENTRY_REASONS = (
     Reason.DEVICE_STOPPED,
     Reason.IN_HOST_CALL,
 )
+
+
+def _error_summary(text: str, limit: int = 240) -> str:
+    """An error text in one line: its first line and, for a multi-line text (a re-raised
+    error with the original's traceback), its last."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    out = lines[0] if len(lines) == 1 else f"{lines[0]} … {lines[-1]}"
+    return out if len(out) <= limit else out[: limit - 1] + "…"
 
 
 def _who(g: GuiltyRank) -> str:
