@@ -151,3 +151,21 @@ def test_rank_inside_the_nccl_call_is_named_with_its_op(tmp_path: Path) -> None:
     kind, guilty, reasons = _answer(tmp_path)
     assert (kind, guilty) == ("stuck", [1])
     assert reasons[0].startswith("inside the NCCL call of all_reduce #6 on group 0")
+
+
+@pytest.mark.timeout(60)
+def test_hook_entries_retired_at_issue_do_not_pass_for_completed(tmp_path: Path) -> None:
+    # torch 2.15's c10d FlightRecorderHook retires at issue on a backend without a
+    # completion hook: "scheduled" + retired says nothing about completion. Ranks 0-2
+    # issued all_reduce #3, rank 3 never did: they wait for it.
+    for rank in range(4):
+        d = fr_dump("2.10", n=2 if rank == 3 else 3)
+        for e in d["entries"]:
+            e.update(profiling_name="c10d:all_reduce", state="scheduled", retired=True)
+        d["pg_status"]["0"].update(last_enqueued_collective=len(d["entries"]),
+                                   last_completed_collective=2)  # fmt: skip
+        write_pickle(tmp_path / f"rank_{rank}.pkl", d)
+    trace = load_trace(tmp_path)
+    assert set(trace.entries["retired"].to_pylist()) == {None}
+    v = diagnose(trace)
+    assert (v.kind, [g.rank for g in v.guilty]) == ("missing", [3]), v.headline

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from frtools.formats import limits
 from frtools.model.ops import P2P_OPS
@@ -356,6 +357,7 @@ def _torch_dump(
     pg_status, note = _pg_status(dump.get("pg_status"), pg_id_to_name)
     if note:
         notes.append(note)
+    table = _retired_at_issue(table)
     comm = dump.get("comm_lib_version", dump.get("nccl_version"))
     return TorchDump(
         rank=top.rank,
@@ -371,6 +373,30 @@ def _torch_dump(
         bad_entries=bad,
         notes=notes,
     )
+
+
+# torch >= 2.15: c10d's FlightRecorderHook retires an op in its post-hook, at issue, on a
+# backend without a completion hook (FlightRecorderHook.hpp): such an entry reads
+# "scheduled" and retired whether or not it finished. Its completion is unknown.
+HOOK_ENGINE = "c10d:"
+
+
+def _retired_at_issue(table: pa.Table) -> pa.Table:
+    if not table.num_rows:
+        return table
+    names = table["profiling_name"]
+    if pa.types.is_dictionary(names.type):
+        names = names.cast(names.type.value_type)
+    states = table["state"]
+    if pa.types.is_dictionary(states.type):
+        states = states.cast(states.type.value_type)
+    hooked = pc.and_(pc.starts_with(names, HOOK_ENGINE), pc.equal(states, "scheduled"))
+    hooked = pc.fill_null(hooked, False)
+    if not pc.any(hooked).as_py():
+        return table
+    i = table.schema.get_field_index("retired")
+    retired = pc.if_else(hooked, pa.scalar(None, type=pa.bool_()), table["retired"])
+    return table.set_column(i, table.schema.field(i), retired)
 
 
 def _table(cols: dict[str, list[Any]], notes: list[str]) -> pa.Table:
