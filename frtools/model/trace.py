@@ -179,6 +179,7 @@ class RankInfo:
     #             "last_completed_collective": n}; absent keys are unknown.
     pg_status: dict[str, dict[str, int]] = field(default_factory=dict)
     stacks: str | None = None  # all threads' Python stacks as text (faulthandler format)
+    native_stacks: str | None = None  # py-spy's JSON of its native stacks (``rank_<R>.native``)
     dump_time_ns: int | None = None
     stalled: bool | None = None  # the recorder's watchdog marked a stall
     alive: bool | None = None  # process still running when collected (None: unknown)
@@ -231,6 +232,8 @@ class Trace:
     process_groups: dict[str, ProcessGroup] = field(default_factory=dict)
     inputs: list[InputFile] = field(default_factory=list)
     world_size: int | None = None  # best knowledge: pg_config, manifest, or max rank + 1
+    # a file, a manifest or the caller (--world-size) stated world_size: not a guess
+    world_stated: bool = False
 
     @property
     def expected_ranks(self) -> range:

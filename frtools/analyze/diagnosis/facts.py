@@ -250,6 +250,8 @@ class StatusTable(Mapping[tuple[int, str], tuple[object, object, object]]):
 def _world_certain(trace: Trace, present: set[int]) -> bool:
     """Whether the world size comes from a statement (a listed default group, a file's
     header, a manifest, --world-size) rather than from the highest rank seen."""
+    if trace.world_stated:
+        return True
     listed = [pg for pg in trace.process_groups.values() if pg.ranks and not pg.inferred]
     if any(pg.desc == "default_pg" or pg.name == "0" for pg in listed):
         return True

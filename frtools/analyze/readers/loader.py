@@ -814,6 +814,7 @@ def _load_trace(
                 f"world size {world_size}, but {root} holds a dump of rank {max(beyond)}"
             )
         trace.world_size = world_size
+    trace.world_stated = trace.world_size is not None
     if trace.world_size is None:
         trace.world_size = world_size if world_size is not None else guessed_world_size
     world_size = trace.world_size

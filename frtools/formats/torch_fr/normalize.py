@@ -318,7 +318,12 @@ def _top_level(
             else:
                 continue
             if not name:
-                continue  # Gloo on 2.13 writes one {'': {..., 'ranks': '[]'}} placeholder
+                # Gloo writes one nameless entry: on 2.13 the world group's members ('[]'
+                # where it lists none), on 2.15 '[0, 1]' in any world (a placeholder)
+                if _nameless_is_world(ranks, rank) and "0" not in groups:
+                    name, desc = "0", "default_pg"
+                else:
+                    continue
             if ranks == "all":
                 default_pg_all = default_pg_all or desc == "default_pg" or name == "0"
                 ranks = ()
@@ -336,6 +341,14 @@ def _top_level(
                 )
             groups[name] = ProcessGroup(name=name, desc=desc, ranks=ranks or ())
     return _TopLevel(dump, rank, host, version, groups, default_pg_all, notes)
+
+
+def _nameless_is_world(ranks: Any, rank: int) -> bool:
+    """Whether Gloo's nameless pg_config entry lists the world group: 0..n-1 holding this
+    rank, and not torch 2.15's '[0, 1]' placeholder (ambiguous in a 2-rank world)."""
+    if not isinstance(ranks, tuple) or len(ranks) < 3:
+        return False
+    return ranks == tuple(range(len(ranks))) and 0 <= rank < len(ranks)
 
 
 def _torch_dump(
