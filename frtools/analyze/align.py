@@ -92,6 +92,9 @@ class Alignment:
     members: dict[str, tuple[int, ...]] = field(default_factory=dict)
     process_groups: dict[str, ProcessGroup] = field(default_factory=dict)
     state_informative: dict[int, bool] = field(default_factory=dict)
+    counters: pd.DataFrame | None = None
+    """pg_status as each rank stated it: rank, pg_name, ps_enqueued, ps_completed (NA where
+    a counter is unknown), one row per rank and group."""
 
     def group(self, pg_name: str) -> GroupTimeline:
         pg = self.process_groups.get(pg_name) or ProcessGroup(pg_name)
@@ -389,6 +392,7 @@ def align(trace: Trace) -> Alignment:
         members=members,
         process_groups=dict(trace.process_groups),
         state_informative=state_informative,
+        counters=ps,
     )
 
 

@@ -29,7 +29,6 @@ sets ``last_enqueued`` after it returns: a rank whose entry for a group is past 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,8 +36,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from frtools.analyze.align import Alignment
 from frtools.model.ops import OpFamily, family_of
-from frtools.model.trace import RankInfo, Trace
+from frtools.model.trace import Trace
 
 # Ops whose completion on one member proves every member's kernel ran them.
 ALL_CONTRIBUTE = frozenset(
@@ -102,31 +102,19 @@ def _on_nccl(entries: pa.Table, pairs: set[tuple[int, str]]) -> set[tuple[int, s
     return pairs & seen
 
 
-def _counter(value: object) -> int | None:
-    return value if type(value) is int and value >= 0 else None
-
-
-def _counters(ranks: Mapping[int, RankInfo]) -> pd.DataFrame:
+def _counters(al: Alignment) -> pd.DataFrame:
     """(rank, group, last enqueued, last completed) where pg_status gives both."""
-    rank, name, enq, comp = [], [], [], []
-    for r, info in ranks.items():
-        for pg_name, st in info.pg_status.items():
-            if not isinstance(st, dict):
-                continue
-            c = _counter(st.get("last_completed_collective"))
-            e = _counter(st.get("last_enqueued_collective"))
-            if c is None or e is None:
-                continue
-            rank.append(int(r))
-            name.append(str(pg_name))
-            enq.append(e)
-            comp.append(c)
+    ps = al.counters
+    if ps is None or not len(ps):
+        return pd.DataFrame({"rank": [], "pg_name": [], "enqueued": [], "completed": []})
+    known = (ps["ps_enqueued"].notna() & ps["ps_completed"].notna()).to_numpy(dtype=bool)
+    ps = ps[known]
     return pd.DataFrame(
         {
-            "rank": np.asarray(rank, dtype=np.int64),
-            "pg_name": pd.Series(name, dtype=object),
-            "enqueued": np.asarray(enq, dtype=np.int64),
-            "completed": np.asarray(comp, dtype=np.int64),
+            "rank": ps["rank"].to_numpy(dtype=np.int64),
+            "pg_name": ps["pg_name"].astype(str).to_numpy(),
+            "enqueued": ps["ps_enqueued"].to_numpy(dtype=np.int64),
+            "completed": ps["ps_completed"].to_numpy(dtype=np.int64),
         }
     )
 
@@ -171,12 +159,11 @@ def _ops_at(coll: pd.DataFrame, keys: set[tuple[str, int]]) -> dict[tuple[str, i
     return out
 
 
-def device_lags(
-    trace: Trace, coll: pd.DataFrame, p2p: pd.DataFrame
-) -> dict[int, tuple[DeviceLag, ...]]:
+def device_lags(trace: Trace, al: Alignment) -> dict[int, tuple[DeviceLag, ...]]:
     """Per rank, the groups where a peer completed an all-member collective that the rank
     never saw complete (see the module docstring)."""
-    counters = _comparable(coll, p2p, _counters(trace.ranks))
+    coll = al.collectives
+    counters = _comparable(coll, al.p2p, _counters(al))
     if len(counters) < 2:
         return {}
     best = counters.groupby("pg_name")["completed"].transform("max")
@@ -214,10 +201,11 @@ def device_lags(
     return {r: tuple(v) for r, v in out.items()}
 
 
-def host_calls(trace: Trace, coll: pd.DataFrame) -> dict[int, HostCall]:
+def host_calls(trace: Trace, al: Alignment) -> dict[int, HostCall]:
     """Per rank, a collective an NCCL engine recorded past the rank's ``last_enqueued``
     on that group (the earliest, where several)."""
-    counters = _counters(trace.ranks)
+    coll = al.collectives
+    counters = _counters(al)
     if not len(counters) or not len(coll):
         return {}
     mine = coll[coll["rank"].isin(counters["rank"].unique()).to_numpy()]

@@ -203,8 +203,8 @@ def gather_facts(trace: Trace, al: Alignment) -> JobFacts:
         oldest_ns={int(r): int(t) for r, t in oldest.items()},
         dump_ns=dump_ns,
         has_completion_info=completion_known,
-        device_lags=device_lags(trace, coll, p2p),
-        host_calls=host_calls(trace, coll),
+        device_lags=device_lags(trace, al),
+        host_calls=host_calls(trace, al),
     )
 
 
