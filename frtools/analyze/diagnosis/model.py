@@ -206,8 +206,9 @@ class Decide(enum.Enum):
     ANY_RECORD = "any_record"
 
 
-class Confidence(float, enum.Enum):
-    """Named confidence levels (docs/verdict.md "Confidence")."""
+class Confidence:
+    """Named confidence levels (docs/verdict.md "Confidence"): plain constants, so two
+    levels with one value stay two names (an Enum would make them aliases)."""
 
     DEAD = 0.9
     MISMATCH = 0.9
