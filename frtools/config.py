@@ -346,6 +346,16 @@ NATIVE_HOOKS: Setting[str] = Setting(
     parse_native_hooks,
 )
 
+JOB_SECRET: Setting[str | None] = Setting(
+    "FRTOOLS_JOB_SECRET",
+    None,
+    "unset (`frtools run` makes one per job)",
+    "a secret every rank of the job shares: each recovery key in the store is authenticated "
+    "with it (HMAC-SHA256) and unauthenticated ones are ignored with a warning. Unset: "
+    "recovery checks decisions against the evidence only (docs/security.md#recovery)",
+    _text,
+)
+
 CACHE_DIR: Setting[str | None] = Setting(
     "FRTOOLS_CACHE_DIR",
     None,
@@ -377,6 +387,7 @@ SETTINGS: tuple[Setting[Any], ...] = (
     CAPTURE,
     NATIVE_HOOKS,
     CACHE_DIR,
+    JOB_SECRET,
 )
 ENV_VARS = tuple(s.name for s in SETTINGS)
 

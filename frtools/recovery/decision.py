@@ -54,6 +54,9 @@ class Decision:
     published: list[int]  # whose summaries the verdict used
     verdict: dict[str, Any] | None = None  # Verdict.to_document(), ranks in current numbering
     streak: dict[str, int] = field(default_factory=dict)  # straggler checks: rank -> checks
+    # the summaries it was decided from: launch rank -> version (``Agreement.collect``), so
+    # that every rank can read them again and check that the decision follows from them
+    evidence: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({"format": DECISION_FORMAT, **asdict(self)}, separators=(",", ":"))
@@ -73,7 +76,57 @@ class Decision:
             raise ValueError("a recovery decision that keeps ranks it did not have")
         if not isinstance(d.key, str) or not KEY.fullmatch(d.key):
             raise ValueError("a recovery decision for no agreement of ours")
+        maps = (d.streak, d.evidence)
+        if not all(
+            isinstance(x, dict) and all(k.isdigit() and type(v) is int for k, v in x.items())
+            for x in maps
+        ):
+            raise ValueError("a recovery decision's streak or evidence is not rank -> int")
+        if type(d.leader) is not int or not isinstance(d.kind, str):
+            raise ValueError("a recovery decision's leader or kind is not of its type")
         return d
+
+    def outcome(self) -> tuple[Any, ...]:
+        """What a rank acts on: two decisions with the same outcome do the same thing."""
+        return (self.key, self.action, self.drop, self.members_after, self.kind, self.guilty,
+                self.published, self.streak)  # fmt: skip
+
+
+def disagreement(decision: Decision, *, members: Sequence[int], policy: Policy) -> str | None:
+    """Why ``decision`` cannot be one of this job's, as a rank with these ``members`` (launch
+    ranks, in rank order) and this ``policy`` sees it; None when it can. A store client
+    outside the job can write any decision: this is what a rank checks before it reads the
+    evidence again (``same_outcome``)."""
+    members = list(members)
+    if decision.members_before != members:
+        return f"its members {decision.members_before} are not this job's {members}"
+    if decision.leader not in members:
+        return f"its leader {decision.leader} is not a member"
+    named = set(decision.drop) | set(decision.published) | {int(r) for r in decision.evidence}
+    if not named <= set(members):
+        return f"it names ranks that are not members: {sorted(named - set(members))}"
+    if decision.members_after != [m for m in members if m not in decision.drop]:
+        return "its members after are not the members without the dropped ones"
+    if decision.action == NONE and decision.drop:
+        return "it drops ranks with no action"
+    if decision.drop and len(decision.drop) > policy.max_drop_fraction * len(members):
+        return f"it drops {len(decision.drop)} of {len(members)} ranks (max_drop_fraction)"
+    if decision.drop and len(decision.members_after) < policy.min_world_size:
+        return f"it leaves {len(decision.members_after)} ranks (min_world_size)"
+    if decision.action == DROP and not decision.drop:
+        return "it drops no rank"
+    return None
+
+
+def same_outcome(published: Decision, recomputed: Decision) -> str | None:
+    """None when the decision read from the store is the one this rank computes from its
+    evidence by the same rule, else what differs."""
+    if published.outcome() == recomputed.outcome():
+        return None
+    return (
+        f"it does not follow from the evidence (it drops {published.drop}, the evidence "
+        f"drops {recomputed.drop})"
+    )
 
 
 def verdict_from_summaries(
@@ -134,11 +187,12 @@ def decide(
     policy: Policy,
     streak: Mapping[str, int] | None = None,
     notes: Sequence[str] = (),
+    evidence: Mapping[int, int] | None = None,
 ) -> Decision:
     """The decision for this verdict under ``policy``: drop its guilty ranks when its kind
     allows it and the rest of the policy agrees, else nothing (``action`` "none", with the
     reason). ``streak``: for straggler checks, how many checks in a row named each rank
-    (this one included)."""
+    (this one included); ``evidence``: the summary versions it comes from."""
     members = list(members)
     base = dict(
         key=key,
@@ -148,6 +202,7 @@ def decide(
         members_before=members,
         published=sorted(published),
         streak=dict(streak or {}),
+        evidence={str(r): v for r, v in sorted((evidence or {}).items())},
     )
     if verdict is None:
         reason = "no usable summary: " + ("; ".join(notes) or "none arrived")

@@ -130,6 +130,15 @@ def oldest_pending_ns(box_path: str, since_record_id: int) -> int | None:
     return int(s["time_created_ns"].min()) if len(s) else None
 
 
+def last_completed_ns(box_path: str, since_record_id: int) -> int | None:
+    """When this rank's newest op of the era completed (its own proof that its collectives
+    complete), None when none did."""
+    snap = consistent_snapshot(box_path)
+    s = snap.slots
+    s = s[(s["record_id"] >= since_record_id) & (s["state"] == 3)]
+    return int(s["time_completed_ns"].max()) if len(s) else None
+
+
 def stall_since(box_path: str, since_record_id: int) -> bool:
     """The watchdog flags a stall on an op of the current era (an older op that failed stays
     incomplete in the box, and would keep the flag up for ever)."""

@@ -18,6 +18,7 @@ releases survivors blocked with a hung rank only through the group's timeout (``
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -30,6 +31,9 @@ from frtools.recovery.agreement import Agreement
 
 TORCH_REQUIRED = "2.15"
 SHRINK, RECONFIGURE = "shrink_group", "reconfigure"
+# Gloo's reconfigure handle starts with the backend and the rank in the current group
+# ("gloo:2:-1:2:", checked on torch 2.15); other backends' handles are opaque to us
+HANDLE_RANK = re.compile(r"[A-Za-z0-9_]+:(-?[0-9]{1,9}):")
 
 
 def _default_group() -> Any:
@@ -100,5 +104,22 @@ def rebuild(
         return
     handle = dist._get_reconfigure_handle()
     handles = agreement.exchange("handle", handle, list(after), deadline_ns)
+    check_handles(handles, before, after)
     work = dist._reconfigure(uuid=uuid, handles=handles, timeout=timedelta(seconds=timeout_s))
     work.wait()
+
+
+def check_handles(handles: Sequence[str], before: Sequence[int], after: Sequence[int]) -> None:
+    """The handles read from the store (one per survivor, in the order of ``after``) name
+    the survivors and nobody else: each once, and a handle that says its rank says the
+    survivor's rank in the current group (``before``'s numbering). ValueError otherwise: a
+    store client outside the job must not slip a process of its own into the group."""
+    if len(set(handles)) != len(handles):
+        raise ValueError("the same reconfigure handle is listed twice")
+    for launch, handle in zip(after, handles, strict=True):
+        m = HANDLE_RANK.match(handle)
+        if m is not None and int(m.group(1)) != list(before).index(launch):
+            raise ValueError(
+                f"the reconfigure handle of rank {launch} names rank {m.group(1)}, not "
+                f"{list(before).index(launch)}"
+            )

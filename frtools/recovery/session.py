@@ -22,10 +22,23 @@ from frtools.recorder import private
 from frtools.recorder.jobwide import default_dump_dir
 from frtools.recorder.shutdown import before_finalization
 from frtools.recovery import membership
-from frtools.recovery.agreement import Agreement
-from frtools.recovery.decision import DROP, Decision, decide, verdict_from_summaries
+from frtools.recovery.agreement import Agreement, Guard, job_secret
+from frtools.recovery.decision import (
+    DROP,
+    Decision,
+    decide,
+    disagreement,
+    same_outcome,
+    verdict_from_summaries,
+)
 from frtools.recovery.incident import Incident, access, incident_dir, write, write_file
-from frtools.recovery.local import Eras, oldest_pending_ns, stall_since, summary_bytes
+from frtools.recovery.local import (
+    Eras,
+    last_completed_ns,
+    oldest_pending_ns,
+    stall_since,
+    summary_bytes,
+)
 from frtools.recovery.policy import Policy
 
 # the group timeout when neither the policy nor the recorder's stall threshold gives one
@@ -108,11 +121,17 @@ class Recovery:
         self.excluded: Decision | None = None
         self.incidents: list[Incident] = []
         self._lock = threading.Lock()
-        self._published: set[str] = set()  # agreements this rank answered
+        # agreements this rank answered: key -> (the agreement's asks then, when)
+        self._published: dict[str, tuple[int, float]] = {}
         self._publishing = threading.Lock()  # the main thread's summary replaces the watcher's
         self._leading: set[str] = set()  # agreements this process leads
         self._told: set[str] = set()
         self._stop = threading.Event()
+        # what this process trusts in the store (FRTOOLS_JOB_SECRET), each refusal said once
+        self.guard = Guard(job_secret(), who=f"rank {self.launch_rank}: ")
+        self._recovering = False  # the main thread is in recover(): its collective failed
+        self._drop_seen: dict[str, int] = {}  # decisions dropping this rank: first seen (ns)
+        self._streak: dict[str, int] = {}  # the last straggler check's streak
         # start-up skew is absorbed under the init timeout; from now on a collective that
         # waits longer than the group timeout fails, and that is how a hang is noticed
         dist.barrier()
@@ -141,7 +160,70 @@ class Recovery:
 
     def _agreement(self, key: str, store: Any = None) -> Agreement:
         poll = min(0.05, self.policy.poll_s)
-        return Agreement(store or self.store, self.base + key, self.launch_rank, self.members, poll)
+        return Agreement(store or self.store, self.base + key, self.launch_rank, self.members,
+                         poll, guard=self.guard)  # fmt: skip
+
+    # -- checking a decision read from the store -------------------------------------------
+
+    def _rule(
+        self, ag: Agreement, key: str, trigger: str, leader: int, summaries: dict[int, bytes],
+        folder: str | os.PathLike[str], write: Any = None,
+    ) -> Decision:  # fmt: skip
+        """The one rule every rank runs: these summaries -> the decision (the leader to make
+        it, every other rank to check it)."""
+        verdict, used, notes = verdict_from_summaries(summaries, ag.members, folder, write)
+        streak = None
+        if trigger == "straggler check":
+            named = set()
+            if verdict is not None and verdict.kind == "straggler":
+                named = {str(ag.members[r]) for r in verdict.guilty_ranks if r < len(ag.members)}
+            streak = {r: self._streak.get(r, 0) + 1 for r in named}
+        return decide(
+            verdict, key=key, trigger=trigger, leader=leader, members=ag.members,
+            published=used, policy=self.policy, streak=streak, notes=notes,
+            evidence={r: ag.evidence.get(r, 0) for r in summaries} if ag.evidence else None,
+        )  # fmt: skip
+
+    def _checker(self, ag: Agreement, trigger: str) -> Any:
+        """``check(decision)`` for decisions of ``ag``: the reason this rank does not take
+        it (not this job's members, beyond the policy, or not what the evidence it names
+        gives by ``_rule``), None when it does."""
+
+        def check(decision: Decision) -> str | None:
+            reason = disagreement(decision, members=ag.members, policy=self.policy)
+            if reason is not None:
+                return reason
+            summaries = ag.evidence_of(decision)
+            if summaries is None or (decision.published and not decision.evidence):
+                return "the evidence it names is not in the store"
+            again = Agreement(ag.store, ag.base, ag.me, ag.members, ag.poll_s, ag.guard)
+            again.evidence = {int(r): v for r, v in decision.evidence.items()}
+            with tempfile.TemporaryDirectory(prefix="frtools-check-") as tmp:
+                mine = self._rule(again, decision.key, trigger, decision.leader, summaries, tmp)
+            return same_outcome(decision, mine)
+
+        return check
+
+    def _may_leave(self, decision: Decision) -> bool:
+        """A decision that drops this rank is acted on only where this rank itself is in
+        trouble: its collective failed (``recover``), or none completed for a group
+        timeout. A rank whose collectives complete stays, and says so once."""
+        if self._recovering:
+            return True
+        now = time.time_ns()
+        seen = self._drop_seen.setdefault(decision.key, now)
+        with self._lock:
+            era_start = self.eras.current.first_record_id
+        last = last_completed_ns(self.box_path, era_start)
+        if last is None or now - last >= self.group_timeout_s * 1e9:
+            return True
+        if last > seen:  # it completed a collective after it was told to leave
+            self.guard.warn(
+                "stay " + decision.key,
+                f"a decision in the store drops this rank ({decision.reason}) while its "
+                "collectives complete; ignored, not leaving",
+            )
+        return False
 
     def _summary(self, **kw: Any) -> bytes:
         # Python stacks only from frtools' own thread: there they show where the main thread
@@ -184,22 +266,30 @@ class Recovery:
         ag = self._agreement(key, self._watch_store)
         if ag.started():
             with self._publishing:
-                if key not in self._published:  # answer: this rank's record as it stands
-                    self._published.add(key)
+                asks = ag.asks()
+                answered, when = self._published.get(key, (-1, -1.0))
+                # answer: this rank's record as it stands; again when a rank asked again
+                # (at most once a second: the counter is anyone's to bump)
+                again = asks != answered and not self._recovering  # recover() said more
+                if (key not in self._published or again) and time.monotonic() - when >= 1.0:
+                    self._published[key] = (asks, time.monotonic())
                     ag.publish(self._summary(stalled=stall_since(self.box_path, era_start)))
             decision = ag.decision()
             if decision is not None and self.launch_rank in decision.drop:
-                self._on_excluded(decision)
+                decision = ag.decision(self._checker(ag, "failure"))
+                if decision is not None and self._may_leave(decision):
+                    self._on_excluded(decision)
             return
         if stall_since(self.box_path, era_start):
             # this rank's watchdog sees a hang: ask everybody, and decide if first to ask
-            t0 = ag.start()
+            joined = time.time_ns()
+            ag.start()
             with self._publishing:
-                self._published.add(key)
+                self._published[key] = (ag.ask(), time.monotonic())
                 ag.publish(self._summary(stalled=True))
             if key not in self._leading and ag.claim_lead():
                 self._leading.add(key)
-                self._lead(ag, key, "stall", t0)
+                self._lead(ag, key, "stall", joined)
 
     def _on_excluded(self, decision: Decision) -> None:
         if decision.key in self._told:
@@ -234,23 +324,22 @@ class Recovery:
 
     # -- deciding --------------------------------------------------------------------------
 
-    def _lead(self, ag: Agreement, key: str, trigger: str, t0: int) -> Decision:
-        """Collect the summaries, diagnose them, settle the decision (the first written
-        wins)."""
-        deadline = t0 + int(self.policy.summary_window_s * 1e9)
-        summaries = ag.collect(deadline)
+    def _lead(self, ag: Agreement, key: str, trigger: str, joined: int) -> Decision:
+        """Collect the summaries, diagnose them, settle the decision (the first valid one
+        written wins). The window counts from when this rank joined, not from ``t0``: a
+        ``t0`` another client planted must not cut it short."""
+        deadline = joined + int(self.policy.summary_window_s * 1e9)
+        summaries = ag.collect(deadline, since_ns=joined)
         try:  # the evidence stays in the incident folder ...
             folder = incident_dir(self.dump_dir, self.attempt, key) / "summaries"
             private.prepare_dump_dir(str(folder), access(), named=False)
         except OSError as exc:  # ... unless it cannot be written: the decision comes first
             _say(f"rank {self.launch_rank}: no incident folder ({exc}); summaries not kept")
             folder = Path(tempfile.mkdtemp(prefix="frtools-recovery-"))
-        verdict, used, notes = verdict_from_summaries(summaries, ag.members, folder, write_file)
-        decision = decide(
-            verdict, key=key, trigger=trigger, leader=self.launch_rank, members=ag.members,
-            published=used, policy=self.policy, notes=notes,
-        )  # fmt: skip
-        return ag.settle(decision)
+        decision = self._rule(ag, key, "failure", self.launch_rank, summaries, folder, write_file)
+        decision.trigger = trigger
+        self.guard.checked(decision.to_json().encode(), lambda: None)  # ours: no need to redo
+        return ag.settle(decision, self._checker(ag, "failure"))
 
     def recover(self, error: BaseException | str | None = None) -> Incident:
         """Call on every rank where a collective raised (a timeout, a peer gone): the ranks
@@ -266,22 +355,30 @@ class Recovery:
             key = f"fail/{self.generation + 1}"
             era_start = self.eras.current.first_record_id
         text = None if error is None else (str(error) or type(error).__name__)
+        self._recovering = True
+        try:
+            return self._recover(key, era_start, text, detected)
+        finally:
+            self._recovering = False
+
+    def _recover(self, key: str, era_start: int, text: str | None, detected: int) -> Incident:
         try:
             ag = self._agreement(key)
+            check = self._checker(ag, "failure")
             onset = oldest_pending_ns(self.box_path, era_start)
-            t0 = ag.start()
+            ag.start()
             with self._publishing:
-                self._published.add(key)
+                self._published[key] = (ag.ask(), time.monotonic())
                 ag.publish(self._summary(failure=text or "collective failed"))
-            decision = ag.decision()
+            decision = ag.decision(check)
             if decision is None and key not in self._leading and ag.claim_lead():
                 self._leading.add(key)
-                decision = self._lead(ag, key, "failure", t0)
+                decision = self._lead(ag, key, "failure", detected)
             if decision is None:
                 wait = self.policy.summary_window_s + self.policy.decision_timeout_s
-                decision = ag.wait_decision(t0 + int(wait * 1e9))
+                decision = ag.wait_decision(detected + int(wait * 1e9), check=check)
             if decision is None:  # the leader went silent: decide here (one decision wins)
-                decision = self._lead(ag, key, "failure", t0)
+                decision = self._lead(ag, key, "failure", detected)
         except (OSError, RuntimeError) as exc:  # the store is gone (its host died) ...
             raise RecoveryFailed(f"no agreement through the job's store: {exc}") from exc
         except Exception as exc:  # a bug of ours: say so, the job cannot go on
@@ -354,36 +451,28 @@ class Recovery:
         detected = time.time_ns()
         self.checks += 1
         key = f"check/{self.checks}"
+        if self.checks > 1:  # every rank is past the last check: its evidence may go
+            self._agreement(f"check/{self.checks - 1}").forget_summary()
         ag = self._agreement(key)
-        t0 = ag.start()
+        check = self._checker(ag, "straggler check")
+        ag.start()
         ag.publish(self._summary())
         if ag.claim_lead():
-            decision = self._check(ag, key, t0)
+            decision = self._check(ag, key, detected)
         else:
             wait = self.policy.summary_window_s + 2 * self.policy.decision_timeout_s
-            decision = ag.wait_decision(t0 + int(wait * 1e9))
+            decision = ag.wait_decision(detected + int(wait * 1e9), check=check)
             if decision is None:
-                decision = self._check(ag, key, t0)
-        ag.forget_summary()
+                decision = self._check(ag, key, detected)
+        self._streak = dict(decision.streak)
         if decision.action != DROP:
             return None
         return self._apply(decision, ag, "straggler check", None, None, detected)
 
-    def _check(self, ag: Agreement, key: str, t0: int) -> Decision:
-        summaries = ag.collect(t0 + int(self.policy.decision_timeout_s * 1e9))
+    def _check(self, ag: Agreement, key: str, joined: int) -> Decision:
+        summaries = ag.collect(joined + int(self.policy.decision_timeout_s * 1e9))
         with tempfile.TemporaryDirectory(prefix="frtools-check-") as tmp:
-            verdict, used, notes = verdict_from_summaries(summaries, ag.members, tmp)
-            previous = self._agreement(f"check/{self.checks - 1}").decision()
-            before = previous.streak if previous is not None else {}
-            named = set()
-            if verdict is not None and verdict.kind == "straggler":
-                named = {str(ag.members[r]) for r in verdict.guilty_ranks if r < len(ag.members)}
-            streak = {r: before.get(r, 0) + 1 for r in named}
-            decision = decide(
-                verdict, key=key, trigger="straggler check", leader=self.launch_rank,
-                members=ag.members, published=used, policy=self.policy, streak=streak,
-                notes=notes,
-            )  # fmt: skip
+            decision = self._rule(ag, key, "straggler check", self.launch_rank, summaries, tmp)
             if decision.action == DROP:  # the evidence stays, unless it cannot be written
                 try:
                     keep = incident_dir(self.dump_dir, self.attempt, key) / "summaries"
@@ -392,7 +481,8 @@ class Recovery:
                         write_file(keep / path.name, path.read_bytes())
                 except OSError as exc:
                     _say(f"rank {self.launch_rank}: summaries of {key} not kept: {exc}")
-        return ag.settle(decision)
+        self.guard.checked(decision.to_json().encode(), lambda: None)  # ours: no need to redo
+        return ag.settle(decision, self._checker(ag, "straggler check"))
 
 
 def incident_paths(directory: str | os.PathLike[str]) -> list[Path]:
