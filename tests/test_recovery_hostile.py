@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from jobs import free_port, start_ranks, wait_ranks
+from jobs import free_port, start_ranks, stop, wait_ranks
 
 from frtools.recovery import Policy
 from frtools.recovery.agreement import Agreement, Guard
@@ -118,8 +120,6 @@ def _job(tmp_path: Path, steps: int, attack, secret: str | None = None) -> tuple
         attack(client, procs)
         result = wait_ranks(procs, timeout=180)
     finally:
-        from jobs import stop
-
         stop(procs)
         del store
     out = result.output()
@@ -259,3 +259,20 @@ def test_forged_leader_outside_the_job_is_replaced():
     store.set(BASE + "leader", "77")
     ag = Agreement(store, BASE, 1, [0, 1, 2])
     assert ag.claim_lead() and ag.leader() == 1
+
+
+def test_frtools_run_hands_each_job_a_secret_and_keeps_one_given():
+    code = "import os; print(os.environ['FRTOOLS_JOB_SECRET'])"
+    env = {k: v for k, v in os.environ.items() if k != "FRTOOLS_JOB_SECRET"}
+
+    def secret(**extra: str) -> str:
+        res = subprocess.run(
+            [sys.executable, "-m", "frtools", "run", "--", sys.executable, "-c", code],
+            capture_output=True, text=True, timeout=60, env=dict(env, **extra),
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        return res.stdout.strip()
+
+    first, second = secret(), secret()
+    assert len(first) == 64 and int(first, 16) >= 0 and first != second
+    assert secret(FRTOOLS_JOB_SECRET="given by the launcher") == "given by the launcher"

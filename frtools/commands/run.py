@@ -10,12 +10,13 @@ reach CMD directly and the exit code is CMD's.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
 import click
 
-from frtools.config import DEFAULT_DIR, DIR, JOB_ID, RECORD, STALL_SECONDS
+from frtools.config import DEFAULT_DIR, DIR, JOB_ID, JOB_SECRET, RECORD, STALL_SECONDS
 
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent.parent / "recorder" / "_bootstrap")
 
@@ -66,7 +67,8 @@ def run(
 
     Files: DIR/<job id>/rank_<R>.frt and rank_<R>.stacks; the job id is FRTOOLS_JOB_ID, else
     TORCHELASTIC_RUN_ID, SLURM_JOB_ID, or <MASTER_ADDR>-<MASTER_PORT>. Exits with COMMAND's
-    exit code.
+    exit code. Unless FRTOOLS_JOB_SECRET is set, a new one is made for the job (recovery
+    seals its store keys with it).
     """
     argv = list(command)
     if argv and argv[0] == "--":
@@ -74,6 +76,8 @@ def run(
     if not argv:
         raise click.UsageError("no command given: frtools run [OPTIONS] -- CMD [ARGS]...")
     env = recording_env(dir=dir_, stall_seconds=stall_seconds, job_id=job_id)
+    if not JOB_SECRET.is_set(env):  # one per job: every rank inherits it, no one else knows it
+        env[JOB_SECRET.name] = secrets.token_hex(32)
     sys.stdout.flush()
     sys.stderr.flush()
     try:
