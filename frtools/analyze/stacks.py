@@ -9,15 +9,22 @@ another (one per dump request, one from a fatal signal); the analysis uses the l
 Grouping the main threads of all ranks by identical stack turns a thousand stacks into a
 handful of rows: the big group is the healthy majority waiting in a collective, the rare
 groups are the outliers worth reading.
+
+Native stacks (``rank_<R>.native``: py-spy's ``dump --native --json`` taken by ``frtools
+dump``) go on below the last Python frame: a rank stuck inside NCCL, Gloo, CUDA or c10d shows
+there. They are parsed as untrusted JSON (bounded), grouped the same way, and shown with the
+frames of those libraries first.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from frtools.formats import limits
 from frtools.model.trace import Trace, is_user_frame
 
 _THREAD_RE = re.compile(
@@ -27,6 +34,8 @@ _THREAD_RE = re.compile(
 _SINGLE_RE = re.compile(r"^Stack \(most recent call first\):\s*$")
 _FRAME_RE = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<name>.*?)\s*$')
 _FATAL_RE = re.compile(r"^Fatal Python error: (?P<reason>.*)$")
+
+_G = TypeVar("_G", "StackGroup", "NativeStackGroup")
 
 # Bottom frames of threads that the threading module started: never the main thread.
 _THREAD_BOOTSTRAP = ("_bootstrap", "_bootstrap_inner")
@@ -215,7 +224,13 @@ def group_stacks(stacks_by_rank: Mapping[int, str | None]) -> list[StackGroup]:
         if group is None:
             by_key[key] = group = StackGroup(frames=list(stack.frames), ranks=[])
         group.ranks.append(rank)
-    groups = sorted(by_key.values(), key=lambda g: (-g.count, g.ranks[0]))
+    return _ordered_marked(list(by_key.values()))
+
+
+def _ordered_marked(groups: list[_G]) -> list[_G]:
+    """Largest group first; a group is an outlier when it is smaller than the largest and
+    holds at most a quarter of the ranks (at least one)."""
+    groups = sorted(groups, key=lambda g: (-g.count, g.ranks[0]))
     if len(groups) > 1:
         total = sum(g.count for g in groups)
         largest = groups[0].count
@@ -266,23 +281,297 @@ def rank_stack(trace: Trace, rank: int) -> RankStack | None:
 
 @dataclass
 class StacksSummary:
-    """What a report shows about stacks: the blamed ranks' stacks and the group table."""
+    """What a report shows about stacks: the blamed ranks' stacks and the group table, for
+    the Python stacks (faulthandler) and, where py-spy took them, the native ones."""
 
     guilty: list[RankStack]
     groups: list[StackGroup]
     ranks_with_stacks: int
+    native_guilty: list[NativeRankStack] = field(default_factory=list)
+    native_groups: list[NativeStackGroup] = field(default_factory=list)
+    ranks_with_native: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "guilty": [s.to_dict() for s in self.guilty],
             "groups": [g.to_dict() for g in self.groups],
             "ranks_with_stacks": self.ranks_with_stacks,
         }
+        if self.ranks_with_native:
+            out["native"] = {
+                "guilty": [s.to_dict() for s in self.native_guilty],
+                "groups": [g.to_dict() for g in self.native_groups],
+                "ranks_with_stacks": self.ranks_with_native,
+            }
+        return out
 
 
 def stacks_summary(trace: Trace, guilty_ranks: Iterable[int] = ()) -> StacksSummary:
     """Stacks data for a report: each guilty rank's main-thread stack (frames innermost
-    first; ``user_frames`` for the lines to show first) and all ranks' stack groups."""
+    first; ``user_frames`` for the lines to show first) and all ranks' stack groups; the
+    same for native stacks where the dump holds them."""
     stacks = {r: info.stacks for r, info in trace.ranks.items() if info.stacks}
     guilty = [s for r in guilty_ranks if (s := rank_stack(trace, r)) is not None]
-    return StacksSummary(guilty=guilty, groups=group_stacks(stacks), ranks_with_stacks=len(stacks))
+    native = {
+        r: stack
+        for r, info in sorted(trace.ranks.items())
+        if info.native_stacks and (stack := native_rank_stack(r, info.native_stacks, info.pid))
+    }
+    return StacksSummary(
+        guilty=guilty,
+        groups=group_stacks(stacks),
+        ranks_with_stacks=len(stacks),
+        native_guilty=[native[r] for r in guilty_ranks if r in native],
+        native_groups=group_native_stacks(native.values()),
+        ranks_with_native=len(native),
+    )
+
+
+# --- native stacks (py-spy) -------------------------------------------------------------------
+
+# what a hang inside C++ is usually in: the communication library, the CUDA runtime/driver,
+# c10d's process groups; matched in a native frame's symbol or library name
+_MATTERS_RE = re.compile(r"nccl|gloo|cuda|c10d|processgroup", re.IGNORECASE)
+# libraries whose frames say little of where a rank is (a wait, the interpreter)
+_PLUMBING_RE = re.compile(r"^(libc|libpthread|libstdc\+\+|ld-linux|libpython|python)", re.I)
+_ADDRESS_RE = re.compile(r"^0x[0-9a-fA-F]+$")
+# bounds on what one rank's py-spy answer may cost (the file itself is capped at read time)
+MAX_NATIVE_THREADS = 1024
+MAX_NATIVE_FRAMES = 256
+MAX_NAME_CHARS = 2000
+SHORT_NAME_CHARS = 120
+
+
+@dataclass(frozen=True)
+class NativeFrame:
+    """One frame of py-spy's merged stack: a native one (``module`` its library) or a
+    Python one (``module`` None, ``filename:line``)."""
+
+    name: str
+    module: str | None
+    filename: str = ""
+    line: int | None = None
+
+    @property
+    def native(self) -> bool:
+        return self.module is not None
+
+    @property
+    def matters(self) -> bool:
+        """A native frame of NCCL, Gloo, CUDA or c10d: where a rank stuck in C++ stands."""
+        return self.module is not None and bool(
+            _MATTERS_RE.search(self.name) or _MATTERS_RE.search(self.module)
+        )
+
+    @property
+    def short_name(self) -> str:
+        """The symbol without template and argument lists, an address as ``??``."""
+        return "??" if _ADDRESS_RE.match(self.name) else _short_symbol(self.name)
+
+    def key(self) -> tuple[str, str | None, int | None]:
+        return (self.short_name, self.module, None if self.native else self.line)
+
+    def __str__(self) -> str:
+        if self.native:
+            return f"{self.short_name} ({self.module})"
+        return f"{self.short_name} ({self.filename}:{self.line if self.line is not None else '?'})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.short_name,
+            "module": self.module,
+            "filename": self.filename,
+            "line": self.line,
+            "matters": self.matters,
+        }
+
+
+def _short_symbol(name: str) -> str:
+    """``ns::f<T>(int) const`` -> ``ns::f``; lambdas keep their ``{lambda#1}``."""
+    out: list[str] = []
+    depth = 0
+    for ch in name[:MAX_NAME_CHARS]:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)" and depth:
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    text = "".join(out).replace(" const", "").strip() or name[:SHORT_NAME_CHARS]
+    return text if len(text) <= SHORT_NAME_CHARS else text[: SHORT_NAME_CHARS - 1] + "…"
+
+
+@dataclass
+class NativeThread:
+    """One Python thread of a py-spy dump, frames innermost first."""
+
+    thread_id: str
+    name: str | None
+    os_thread_id: int | None
+    active: bool  # on CPU when sampled (py-spy's "active"), not idle in a wait
+    owns_gil: bool
+    frames: list[NativeFrame] = field(default_factory=list)
+
+
+def _opt_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _opt_str(value: object, n: int = MAX_NAME_CHARS) -> str | None:
+    return value[:n] if isinstance(value, str) else None
+
+
+def parse_native(text: str | None) -> list[NativeThread]:
+    """The threads of py-spy's ``dump --native --json`` answer; ``[]`` for anything that is
+    not one (untrusted text: its parsing cost is bounded before it is parsed, and only so
+    many threads and frames, and so many characters of a name, are kept)."""
+    if not text:
+        return []
+    raw = text.encode("utf-8", errors="replace")
+    try:
+        limits.check_json(raw)
+        data = json.loads(raw)
+    except (limits.InputRefused, RecursionError, ValueError):
+        return []
+    if not isinstance(data, list):
+        return []
+    threads = []
+    for item in data[:MAX_NATIVE_THREADS]:
+        if not isinstance(item, dict) or not isinstance(item.get("frames"), list):
+            continue
+        frames = []
+        for f in item["frames"][:MAX_NATIVE_FRAMES]:
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                continue
+            module = _opt_str(f.get("module"))
+            frames.append(
+                NativeFrame(
+                    name=f["name"][:MAX_NAME_CHARS],
+                    module=module.rsplit("/", 1)[-1] if module is not None else None,
+                    filename=_opt_str(f.get("short_filename")) or _opt_str(f.get("filename")) or "",
+                    line=_opt_int(f.get("line")),
+                )
+            )
+        threads.append(
+            NativeThread(
+                thread_id=str(_opt_int(item.get("thread_id")) or "?"),
+                name=_opt_str(item.get("thread_name"), 200),
+                os_thread_id=_opt_int(item.get("os_thread_id")),
+                active=item.get("active") is True,
+                owns_gil=item.get("owns_gil") is True,
+                frames=frames,
+            )
+        )
+    return threads
+
+
+@dataclass
+class NativeRankStack:
+    """The native stack that tells where one rank stands: its main thread's, unless the main
+    thread is outside NCCL/Gloo/CUDA/c10d and another thread is on CPU inside them (an
+    autograd thread spinning in an NCCL enqueue)."""
+
+    rank: int
+    thread: str
+    frames: list[NativeFrame]
+    active: bool = False
+    owns_gil: bool = False
+
+    @property
+    def where(self) -> str:
+        return _where(self.frames)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "thread": self.thread,
+            "active": self.active,
+            "owns_gil": self.owns_gil,
+            "where": self.where,
+            "frames": [f.to_dict() for f in self.frames],
+        }
+
+
+def native_rank_stack(
+    rank: int, text: str | None, pid: int | None = None
+) -> NativeRankStack | None:
+    """The telling native stack of one rank from its ``rank_<R>.native`` text, or None."""
+    threads = [t for t in parse_native(text) if t.frames]
+    if not threads:
+        return None
+    main = next((t for t in threads if pid is not None and t.os_thread_id == pid), None)
+    main = main or next((t for t in threads if t.name == "MainThread"), threads[0])
+    chosen = main
+    if not any(f.matters for f in main.frames):
+        busy = [t for t in threads if t.active and any(f.matters for f in t.frames)]
+        chosen = busy[0] if busy else main
+    return NativeRankStack(
+        rank=rank,
+        thread=chosen.name or f"thread {chosen.thread_id}",
+        frames=chosen.frames,
+        active=chosen.active,
+        owns_gil=chosen.owns_gil,
+    )
+
+
+def frames_that_matter_first(frames: Sequence[NativeFrame]) -> list[NativeFrame]:
+    """NCCL/Gloo/CUDA/c10d frames (innermost first), then the others."""
+    return [f for f in frames if f.matters] + [f for f in frames if not f.matters]
+
+
+def _where(frames: Sequence[NativeFrame]) -> str:
+    """One line for a native stack: its innermost frame that matters, else its innermost
+    native frame outside libc/libstdc++/the interpreter, else its innermost frame."""
+    for pick in (
+        lambda f: f.matters,
+        lambda f: f.native and not _PLUMBING_RE.match(f.module or "") and f.short_name != "??",
+        lambda f: True,
+    ):
+        for f in frames:
+            if pick(f):
+                return str(f)
+    return "?"
+
+
+@dataclass
+class NativeStackGroup:
+    """Ranks whose telling native stacks are the same (symbols and libraries; addresses,
+    which differ per process, compare equal)."""
+
+    frames: list[NativeFrame]
+    ranks: list[int]
+    thread: str
+    outlier: bool = False
+
+    @property
+    def count(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def top(self) -> str:
+        return _where(self.frames)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ranks": self.ranks,
+            "count": self.count,
+            "outlier": self.outlier,
+            "thread": self.thread,
+            "top": self.top,
+            "frames": [f.to_dict() for f in frames_that_matter_first(self.frames)],
+        }
+
+
+def group_native_stacks(stacks: Iterable[NativeRankStack]) -> list[NativeStackGroup]:
+    """Group ranks by their telling native stack, largest group first, outliers marked as
+    for the Python stacks."""
+    by_key: dict[tuple, NativeStackGroup] = {}
+    for stack in sorted(stacks, key=lambda s: s.rank):
+        key = (stack.thread == "MainThread", tuple(f.key() for f in stack.frames))
+        group = by_key.get(key)
+        if group is None:
+            by_key[key] = group = NativeStackGroup(
+                frames=list(stack.frames), ranks=[], thread=stack.thread
+            )
+        group.ranks.append(stack.rank)
+    return _ordered_marked(list(by_key.values()))

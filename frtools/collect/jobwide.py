@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import stat
 import time
 from datetime import timedelta
@@ -27,6 +28,7 @@ from frtools.formats.manifest import (
     RankEntry,
     rank_file_name,
 )
+from frtools.formats.private_files import new_file, own_folder
 
 # a rank's copy bigger than this is not copied (a black box of 2**20 slots is ~140 MB)
 MAX_COPY_BYTES = 1 << 32
@@ -83,8 +85,7 @@ def dump_job_wide(
     shared file system that every host mounts at the same path.
     """
     prefix = prefix if prefix is not None else STORE_PREFIX.read()
-    out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = own_folder(Path(out_dir).resolve())
     store = connect_store(store_addr, timeout)
     started = time.monotonic()
     seq = protocol.issue_request(
@@ -102,6 +103,7 @@ def dump_job_wide(
     protocol.gather_answers(store, prefix, seq, manifest, timeout, answers)
     for rank, answer in sorted(answers.items()):
         _collect_rank(manifest.ranks[rank], answer, out, job_id)
+    _native_stacks_here(manifest, out, timeout)
     unread = [r for r in manifest.ranks_answered if not manifest.ranks[r].files]
     if unread:
         manifest.notes.append(
@@ -168,10 +170,8 @@ def _copy_file_of(owner: int, src: Path, dst: Path) -> bool:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or st.st_size > MAX_COPY_BYTES:
             return False
-        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as w:
+        with new_file(dst) as w:
             shutil.copyfileobj(f, w)
-    os.replace(tmp, dst)
     return True
 
 
@@ -194,3 +194,28 @@ def _collect_rank(entry: RankEntry, answer: dict[str, Any], out: Path, job_id: s
     entry.note = "; ".join(
         x for x in (entry.note, f"wrote into {where[:300]} on {entry.host}, not readable here") if x
     )
+
+
+def _native_stacks_here(manifest: Manifest, out: Path, timeout: float) -> None:
+    """py-spy's native stacks of the answered ranks that run on this host. The store is not
+    authenticated: a pid it names is sampled only when the rank's copied black box names the
+    same pid and that process is alive here."""
+    from frtools.collect import native_stacks
+    from frtools.collect.local import pid_alive
+    from frtools.formats.blackbox import SnapshotError, read_header
+
+    here, pids = socket.gethostname(), {}
+    for rank, entry in manifest.ranks.items():
+        box = rank_file_name(rank, BOX_SUFFIX)
+        if not entry.answered or entry.host != here or not entry.pid or box not in entry.files:
+            continue
+        try:
+            header = read_header(out / box)
+        except (OSError, SnapshotError):
+            continue
+        ident = header.get("identity") if isinstance(header.get("identity"), dict) else {}
+        if entry.pid in (ident.get("pid"), header.get("owner_pid")) and pid_alive(entry.pid):
+            pids[rank] = entry.pid
+    native = native_stacks.take_for(pids, manifest, timeout)
+    for rank, result in native.items():
+        native_stacks.keep(result, manifest.ranks[rank], out)

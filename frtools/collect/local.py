@@ -7,6 +7,8 @@ the GIL — and acknowledges). All ranks are asked at once and waited for togeth
 by one timeout. Then every file is copied consistently (``copy_consistent``), dead ranks'
 included: the kernel kept their mapping. Only the part of ``rank_<R>.stacks`` written for
 this request is kept when the rank answered (the file is appended to on every request).
+Ranks still alive also have their native stacks taken by py-spy, all at once and bounded
+(``frtools.collect.native_stacks``: ``rank_<R>.native``, or one line saying how to get them).
 
 The job folder may hold files someone else planted (docs/security.md): a link, a FIFO or a
 device named like a rank file or a stacks file is refused for that rank, never followed,
@@ -24,9 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from frtools.collect import native_stacks
 from frtools.config import DIR
 from frtools.formats import limits
 from frtools.formats.manifest import Manifest, RankEntry, rank_in_file_name, stacks_path
+from frtools.formats.private_files import new_file, own_folder, write_new
 from frtools.model.ranks import valid_world_size
 
 
@@ -86,8 +90,7 @@ def collect_job(
         request_dump,
     )
 
-    job_dir, out = Path(job_dir), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    job_dir, out = Path(job_dir), own_folder(out_dir)
     host = socket.gethostname()
     manifest = Manifest(job_id=job_dir.name, mode="local", host=host)
     started = time.monotonic()
@@ -156,6 +159,10 @@ def collect_job(
             "running?); black box copied as is, stacks may be old"
         )
 
+    # 2b. native stacks (py-spy) of every rank still alive on this host, all at once
+    alive = {rf.rank: rf.entry.pid for rf in files if rf.entry and rf.entry.alive and rf.entry.pid}
+    native = native_stacks.take_for(alive, manifest, timeout)
+
     # 3. copy every file, dead or alive
     for rf in files:
         entry = rf.entry
@@ -185,8 +192,9 @@ def collect_job(
             text = ""
             entry.note = _join(entry.note, f"{stacks.name} not collected: {exc}")
         if text.strip():
-            (out / stacks.name).write_text(text)
+            write_new(out / stacks.name, text)
             entry.files.append(stacks.name)
+        native_stacks.keep(native.get(rf.rank), entry, out)
     if not files:
         manifest.notes.append(f"no rank files in {job_dir}")
     manifest.elapsed_s = time.monotonic() - started
@@ -222,7 +230,7 @@ def _copy_bounded(src: Path, dst: Path, cap: int) -> None:
     """Copy a regular file (never a link, FIFO or device), at most ``cap`` bytes: the copy
     holds what was read, whatever size the file claims."""
     fd, _ = limits.open_regular(src, follow_symlinks=False)
-    with os.fdopen(fd, "rb") as f, open(dst, "wb") as out:
+    with os.fdopen(fd, "rb") as f, new_file(dst) as out:
         left = cap
         while left > 0:
             chunk = f.read(min(left, 1 << 20))

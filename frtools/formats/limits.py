@@ -83,8 +83,31 @@ class Limits:
     manifest_bytes: int = 64 * MIB
     # a ``rank_<R>.stacks`` file: only its last part is read (the newest dump)
     stacks_bytes: int = 4 * MIB
+    # a ``rank_<R>.native`` file (py-spy's JSON of one process's native stacks), read whole
+    native_stacks_bytes: int = 4 * MIB
     # one answer of a PyTorch worker server (``frtools dump --torch-socket/--torch-store``)
     response_bytes: int = 128 * MIB
+    # a world size (manifest.json, --world-size) or a group's member range (a host summary)
+    # may claim at most this many ranks per rank with a record, plus ``ranks_slack``: four
+    # small dumps cannot make the analysis expect a million absent ranks
+    ranks_per_record: int = 64
+    ranks_slack: int = 4096
+
+    def ranks_supported(self, records: int) -> int:
+        """The most ranks a world or a group may claim beside ``records`` ranks' records."""
+        return self.ranks_per_record * max(records, 1) + self.ranks_slack
+
+    def unsupported_ranks(self, what: str, claimed: int, records: int) -> str | None:
+        """None when ``claimed`` ranks are within ``ranks_supported(records)``; else the
+        one-line reason, naming the limits."""
+        cap = self.ranks_supported(records)
+        if claimed <= cap:
+            return None
+        return (
+            f"{what} {claimed:,} is more than {records:,} rank record(s) can support "
+            f"({cap:,}: limit ranks_per_record = {self.ranks_per_record} a record, plus "
+            f"ranks_slack = {self.ranks_slack})"
+        )
 
     def parsed_cap(self, stored: int) -> int:
         """``parsed_bytes`` for a file of ``stored`` bytes on disk."""

@@ -19,11 +19,14 @@ from typing import Any
 
 from frtools import __version__
 from frtools.formats import limits
+from frtools.formats.private_files import write_new
 from frtools.model.ranks import MAX_WORLD_SIZE
 
 MANIFEST_NAME = "manifest.json"
 BOX_SUFFIX = ".frt"  # a rank's black box: ``rank_<R>.frt``
 STACKS_SUFFIX = ".stacks"  # every thread's Python stacks beside it: ``rank_<R>.stacks``
+# py-spy's ``dump --native --json`` of the rank's process, taken by ``frtools dump``
+NATIVE_STACKS_SUFFIX = ".native"
 
 
 def rank_file_name(rank: int, suffix: str = BOX_SUFFIX) -> str:
@@ -42,6 +45,11 @@ def rank_in_file_name(name: str, suffix: str = BOX_SUFFIX) -> int | None:
 def stacks_path(box_path: str | os.PathLike[str]) -> Path:
     """The stacks file that belongs to a rank file (``rank_3.frt`` -> ``rank_3.stacks``)."""
     return Path(box_path).with_suffix(STACKS_SUFFIX)
+
+
+def native_stacks_path(box_path: str | os.PathLike[str]) -> Path:
+    """The native stacks file beside a rank file (``rank_3.frt`` -> ``rank_3.native``)."""
+    return Path(box_path).with_suffix(NATIVE_STACKS_SUFFIX)
 
 
 MANIFEST_KIND = "frtools-dump-manifest"
@@ -132,11 +140,8 @@ class Manifest:
 
     def write(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``manifest.json`` atomically (a reader never sees half a manifest)."""
-        path = Path(directory) / MANIFEST_NAME
-        tmp = path.with_name(f".{MANIFEST_NAME}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        return write_new(Path(directory) / MANIFEST_NAME, text)
 
 
 class ManifestError(ValueError):

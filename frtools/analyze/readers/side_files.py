@@ -1,4 +1,5 @@
-"""Side files of a dump directory: ``rank_<R>.stacks`` and ``manifest.json``.
+"""Side files of a dump directory: ``rank_<R>.stacks``, ``rank_<R>.native`` and
+``manifest.json``.
 
 They are not rank records, so no reader claims them; the loader calls these two functions
 on the finished Trace:
@@ -26,9 +27,11 @@ from pathlib import Path
 from frtools.formats import limits
 from frtools.formats.manifest import (
     MANIFEST_NAME,
+    NATIVE_STACKS_SUFFIX,
     STACKS_SUFFIX,
     ManifestError,
     NotAManifest,
+    rank_in_file_name,
     read_manifest,
 )
 from frtools.model.ranks import MAX_WORLD_SIZE, format_ranks, valid_rank, valid_world_size
@@ -122,6 +125,37 @@ def attach_stacks(trace: Trace, root: str | os.PathLike[str]) -> None:
             _set_input(trace, p, "duplicate", f"older stacks of rank {rank}; using {chosen}", rank)
 
 
+def attach_native_stacks(trace: Trace, root: str | os.PathLike[str]) -> None:
+    """Attach ``rank_<R>.native`` files (py-spy's JSON, read whole up to
+    ``native_stacks_bytes``) to their ranks' ``RankInfo.native_stacks``; the one next to the
+    rank's record wins. The text is parsed later, as untrusted, by ``analyze.stacks``."""
+    lim = limits.current()
+    for path in _walk(Path(root), lambda n: n.endswith(NATIVE_STACKS_SUFFIX)):
+        rank = rank_in_file_name(path.name, NATIVE_STACKS_SUFFIX)
+        info = trace.ranks.get(rank) if rank is not None else None
+        if info is None:
+            _set_input(trace, path, "skipped", "native stacks of no rank with a record", rank)
+            continue
+        if info.native_stacks is not None and path.parent != Path(info.source).parent:
+            _set_input(trace, path, "duplicate", f"native stacks of rank {rank} again", rank)
+            continue
+        try:
+            data = limits.read_regular(
+                path,
+                lim.native_stacks_bytes,
+                limit_name="native_stacks_bytes",
+                follow_symlinks=False,
+            )
+        except limits.InputRefused as exc:
+            _set_input(trace, path, "error", str(exc), rank)
+            continue
+        except OSError as exc:
+            _set_input(trace, path, "error", f"cannot read: {exc.strerror or exc}", rank)
+            continue
+        info.native_stacks = data.decode("utf-8", errors="replace")
+        _set_input(trace, path, "ok", f"native stacks of rank {rank} (py-spy)", rank)
+
+
 def apply_manifest(trace: Trace, root: str | os.PathLike[str]) -> None:
     """Apply every ``manifest.json`` under ``root``: which ranks' processes were gone at
     collection time, their hosts, the world size."""
@@ -156,6 +190,10 @@ def apply_manifest(trace: Trace, root: str | os.PathLike[str]) -> None:
                 notes.append(
                     f"world_size {world} is beyond the limit of {MAX_WORLD_SIZE} ranks; ignored"
                 )
+            elif unsupported := limits.current().unsupported_ranks(
+                "world_size", world, len(trace.ranks)
+            ):
+                notes.append(f"{unsupported}; ignored")
             elif trace.world_size is None:
                 trace.world_size = world
         gone = _rank_list(data.get("ranks_gone"))
@@ -187,3 +225,4 @@ def apply_side_files(trace: Trace, root: str | os.PathLike[str]) -> None:
     """Both of the above, in the order the loader should run them."""
     apply_manifest(trace, root)
     attach_stacks(trace, root)
+    attach_native_stacks(trace, root)

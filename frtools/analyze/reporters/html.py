@@ -19,8 +19,11 @@ that matter (guilty, and the members of the verdict's group) get more.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import json
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import PurePath
 from typing import Any
@@ -28,13 +31,15 @@ from typing import Any
 from frtools import __version__
 from frtools.analyze.align import Alignment
 from frtools.analyze.reporters import views
-from frtools.analyze.stacks import user_frames_first
+from frtools.analyze.stacks import StacksSummary, frames_that_matter_first, user_frames_first
 from frtools.analyze.verdict import Verdict
 from frtools.model.ranks import format_ranks
 from frtools.model.trace import Trace
 
+# the page's one script runs by its hash (computed at render time), never 'unsafe-inline':
+# a script element some text managed to put into the page would not run
 CSP = (
-    "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
+    "default-src 'none'; style-src 'unsafe-inline'; script-src {script_hash}; "
     "img-src data:; base-uri 'none'; form-action 'none'"
 )
 # time slices embedded for all ranks together, and the most per rank
@@ -89,15 +94,17 @@ def render(
     if verdict.stacks is not None:
         body.append(_stacks_section(verdict))
     body.append(_inputs_section(verdict))
+    script = f"\n{_asset('report.js')}\n"  # the <script> element's text, as hashed
+    digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode()
     return _PAGE.format(
-        csp=html.escape(CSP),
+        csp=html.escape(CSP.format(script_hash=f"'sha256-{digest}'")),
         title=html.escape(heading),
         css=_asset("report.css"),
         kind=html.escape(verdict.kind),
         body="\n".join(body),
         version=html.escape(__version__),
         data=_json_for_script(data),
-        js=_asset("report.js"),
+        script=script,
     )
 
 
@@ -120,9 +127,7 @@ _PAGE = """<!DOCTYPE html>
 </main>
 <div id="tip" hidden></div>
 <script type="application/json" id="frtools-data">{data}</script>
-<script>
-{js}
-</script>
+<script>{script}</script>
 </body>
 </html>
 """
@@ -547,22 +552,48 @@ def _stacks_section(verdict: Verdict) -> str:
             lines.append(f"{_e(f)}" if f.user else f'<span class="dim">{_e(f)}</span>')
         out.append(f'<h3 class="guilty-title">{_e(title)}</h3><pre>{chr(10).join(lines)}</pre>')
     if summary.groups:
-        out.append(
-            '<table class="stacks"><thead><tr><th>ranks</th><th>count</th><th>where</th>'
-            "<th></th></tr></thead><tbody>"
-        )
-        for g in summary.groups[:MAX_LISTED_GROUPS]:
-            mark = '<span class="outlier">outlier</span>' if g.outlier else ""
-            frames = "\n".join(_e(f) for f in user_frames_first(g.frames)[:30])
-            out.append(
-                f"<tr{' class=outlier-row' if g.outlier else ''}>"
-                f"<td>{_e(format_ranks(g.ranks, 40))}</td><td>{g.count}</td>"
-                f"<td><details><summary><code>{_e(g.top)}</code></summary><pre>{frames}</pre>"
-                f"</details></td><td>{mark}</td></tr>"
-            )
-        out.append("</tbody></table>")
+        out.extend(_stack_groups_table(summary.groups, user_frames_first))
+    out.extend(_native_stacks_html(summary))
     out.append("</section>")
     return "\n".join(out)
+
+
+def _native_stacks_html(summary: StacksSummary) -> list[str]:
+    """The native stacks (py-spy) beside the Python ones: NCCL/Gloo/CUDA/c10d frames first."""
+    if not summary.native_groups:
+        return []
+    out = [
+        f'<h3>Native stacks</h3><p class="help">Native stacks of {summary.ranks_with_native} '
+        "rank(s), as py-spy took them at dump time; NCCL, Gloo, CUDA and c10d frames first.</p>"
+    ]
+    for stack in summary.native_guilty:
+        lines = [
+            _e(f) if f.matters else f'<span class="dim">{_e(f)}</span>'
+            for f in frames_that_matter_first(stack.frames)[:40]
+        ]
+        title = f"rank {stack.rank} native stack ({stack.thread})"
+        out.append(f'<h3 class="guilty-title">{_e(title)}</h3><pre>{chr(10).join(lines)}</pre>')
+    return out + _stack_groups_table(summary.native_groups, frames_that_matter_first)
+
+
+def _stack_groups_table(groups: Sequence[Any], order: Callable[[Any], list[Any]]) -> list[str]:
+    """One row per stack group (Python or native): ranks, count, where, its frames folded
+    (in ``order``), outliers marked."""
+    out = [
+        '<table class="stacks"><thead><tr><th>ranks</th><th>count</th><th>where</th>'
+        "<th></th></tr></thead><tbody>"
+    ]
+    for g in groups[:MAX_LISTED_GROUPS]:
+        mark = '<span class="outlier">outlier</span>' if g.outlier else ""
+        frames = "\n".join(_e(f) for f in order(g.frames)[:30])
+        out.append(
+            f"<tr{' class=outlier-row' if g.outlier else ''}>"
+            f"<td>{_e(format_ranks(g.ranks, 40))}</td><td>{g.count}</td>"
+            f"<td><details><summary><code>{_e(g.top)}</code></summary><pre>{frames}</pre>"
+            f"</details></td><td>{mark}</td></tr>"
+        )
+    out.append("</tbody></table>")
+    return out
 
 
 def _inputs_section(verdict: Verdict) -> str:
