@@ -18,16 +18,20 @@ Installed with frtools (entry point ``pytest11``: ``frtools``) and inert until
 * the verdict (kind, guilty rank, group, call site) is added to the test's report as a
   ``frtools`` section, and the collected folder — rank files, stacks, ``verdict.txt``,
   ``verdict.json``, ``report.html`` — is kept under ``--frtools-dir`` for the CI artifact.
-  Passing tests keep nothing.
+  Passing tests keep nothing. That folder is created 0700, or must be the user's own and
+  writable by nobody else (as ``frtools dump -o``); its files are new 0600 files, never
+  written through a link.
 
 With the ``thread`` method pytest itself is ended by ``os._exit``: the verdict is then
 printed to the terminal before that, and the test's ranks that are still alive are
-killed (they would otherwise outlive the run, hung). With ``signal`` the test's own
+killed (they would otherwise outlive the run, hung) and the plugin's live folder
+(``/dev/shm/frtools-pytest-*``) removed. With ``signal`` the test's own
 clean-up runs; ranks of a timed-out test still alive after its teardown are killed.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -43,7 +47,9 @@ from typing import Any
 
 import pytest
 
+from frtools.analyze.reporters import escape
 from frtools.config import DIR, JOB_ID, RECORD
+from frtools.formats.private_files import own_folder, write_new
 
 # how long live ranks get to answer a dump request (stacks) at collection
 COLLECT_TIMEOUT = 5.0
@@ -99,6 +105,8 @@ class FrtoolsSession:
         self.keep_dir = keep_dir
         base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         self.live_dir = Path(tempfile.mkdtemp(prefix="frtools-pytest-", dir=base))
+        # also when the run ends without pytest_unconfigure (exit paths that skip it)
+        atexit.register(shutil.rmtree, self.live_dir, ignore_errors=True)
         self.findings: dict[str, Finding] = {}
         self.timed_out: set[str] = set()
         self._lock = threading.Lock()
@@ -162,6 +170,8 @@ class FrtoolsSession:
             def expire() -> None:
                 self._on_timeout(item, print_now=True)
                 kill_ranks(self.live_dir / job_id_for(item.nodeid))
+                # os._exit(1) follows: no unconfigure, no atexit; the live folder goes now
+                shutil.rmtree(self.live_dir, ignore_errors=True)
                 on_thread(item, settings)  # dumps the threads, then os._exit(1)
 
             timer = threading.Timer(settings.timeout, expire)
@@ -230,7 +240,7 @@ class FrtoolsSession:
             if f.guilty:
                 what += f", guilty {f.guilty}"
             where = f" -> {f.folder}" if f.folder is not None else ""
-            terminalreporter.write_line(f"{nodeid}: {what}{where}")
+            terminalreporter.write_line(escape.line(f"{nodeid}: {what}{where}"))
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         shutil.rmtree(self.live_dir, ignore_errors=True)
@@ -249,16 +259,18 @@ class FrtoolsSession:
         try:
             from frtools.collect.local import collect_job
 
+            own_folder(self.keep_dir)  # --frtools-dir: ours and private, or refused
             if out.exists():
                 shutil.rmtree(out)
             collect_job(job_dir, out, COLLECT_TIMEOUT)
         except Exception as e:  # noqa: BLE001
-            return Finding(f"frtools: the test {why}; collecting its ranks failed: {e}", None)
+            text = escape.line(f"frtools: the test {why}; collecting its ranks failed: {e}")
+            return Finding(text, None)
         try:
             return self._diagnose(out, why, started)
         except Exception as e:  # noqa: BLE001
             text = f"frtools: the test {why}; its records are in {out}, the analysis failed: {e}"
-            return Finding(text, out)
+            return Finding(escape.line(text), out)
 
     def _diagnose(self, out: Path, why: str, started: float) -> Finding:
         from frtools.analyze.align import align
@@ -271,12 +283,10 @@ class FrtoolsSession:
         alignment = align(trace)
         verdict = diagnose(trace, alignment)
         text = terminal.render(verdict, width=100).rstrip("\n")
-        (out / "verdict.txt").write_text(text + "\n", encoding="utf-8")
-        (out / "verdict.json").write_text(json_report.render(verdict), encoding="utf-8")
+        write_new(out / "verdict.txt", text + "\n")
+        write_new(out / "verdict.json", json_report.render(verdict))
         with contextlib.suppress(Exception):
-            (out / "report.html").write_text(
-                html.render(verdict, trace, alignment, source=str(out)), encoding="utf-8"
-            )
+            write_new(out / "report.html", html.render(verdict, trace, alignment, source=str(out)))
         took = time.monotonic() - started
         footer = (
             f"\n(the test {why}; {len(trace.ranks)} rank(s) collected and diagnosed in "

@@ -336,3 +336,35 @@ def slots_2_32_snapshot() -> bytes:
         slots_offset=slots_offset,
         strings_offset=strings_offset,
     ) + bytes(4096)
+
+
+# --- the second review's cases (issue #20) ---------------------------------------------------
+
+# a group description that would steer a terminal, a CI log and a markdown summary
+STEERING = (
+    "x\n::add-mask::hunter2\n::set-output name=x::y\x1b]0;pwned\x07\x1b[2J[red]red[/red]"
+    "\n# injected heading <!-- hide the rest"
+)
+
+
+def steering_dumps(directory: Path) -> Path:
+    """sample_dumps/missing (rank 1 never issued all_reduce #3) with every entry's group
+    described as ``STEERING``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for src in sorted((REPO / "sample_dumps" / "missing").glob("rank_*.pkl")):
+        with open(src, "rb") as f:
+            dump = pickle.load(f)
+        for entry in dump["entries"]:
+            entry["process_group"] = (entry["process_group"][0], STEERING)
+        (directory / src.name).write_bytes(pickle.dumps(dump, protocol=2))
+    return directory
+
+
+def surrogate_dump(rank: int = 0) -> dict:
+    """A real dump whose op name, a frame and a group description hold lone surrogates."""
+    dump = sample_dump_dict(rank)
+    entry = dump["entries"][0]
+    entry["profiling_name"] = "gloo:all_reduce\ud800"
+    entry["frames"][0]["name"] = "step\udcff"
+    entry["process_group"] = (entry["process_group"][0], "default_pg\ud800")
+    return dump

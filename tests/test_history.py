@@ -393,7 +393,10 @@ def test_hostile_texts_and_views_are_bounded_or_refused(tmp_path):
     record_incident(catalog, incident(1, host="h" * 1_000_000))
     record_incident(catalog, incident(2, host="h" * 1_000_000))
     doc = history_json(catalog)
-    assert len(doc["drain"]["hosts"][0]["host"]) <= 512
+    assert doc["drain"]["hosts"] == []  # not a host name: stored as unknown, never ranked
+    with sqlite3.connect(catalog) as conn:
+        reasons = [r for (r,) in conn.execute("SELECT reason FROM guilty")]
+    assert all("not a valid name, stored as unknown: host" in r for r in reasons), reasons
 
     viewed = tmp_path / "viewed.sqlite"
     record_incident(viewed, incident(1))

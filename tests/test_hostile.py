@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from hostile import (
     NO_NATIVE,
+    STEERING,
     analyze_limited,
     code_pickles,
     deep_pickle,
@@ -39,6 +40,7 @@ from hostile import (
     slots_2_32_snapshot,
     snapshot,
     sparse_snapshot,
+    steering_dumps,
     valid_dump,
     valid_snapshot,
 )
@@ -606,3 +608,319 @@ def test_frtools_limits_raises_or_lowers_a_limit_and_a_wrong_name_is_one_line() 
     assert got.returncode == 2
     assert got.stdout == ""
     assert got.stderr.count("\n") == 1 and "FRTOOLS_LIMITS: not a limit: dump_byte" in got.stderr
+
+
+# --- issue #20: outputs, history, `frtools dump -o`, strings, claimed world sizes -------------
+
+
+def _no_steering(text: str, where: str) -> None:
+    """No line a CI runner would read as a workflow command, no escape byte."""
+    commands = [x for x in text.splitlines() if x.lstrip().startswith("::")]
+    assert commands == [], f"{where}: {commands}"
+    assert "\x1b" not in text and "\x07" not in text, f"{where}: {text!r}"
+
+
+@pytest.mark.timeout(180)
+def test_dump_strings_cannot_steer_the_terminal_a_ci_log_or_the_summary(tmp_path: Path) -> None:
+    """A group described as newlines + ``::add-mask::`` + escape sequences + rich markup +
+    a markdown heading and an HTML comment: before, the terminal report, the stderr line of
+    `report` and `timeline` and the markdown summary carried them as they were (32 and 10
+    workflow-command lines in a CI log). Now each output shows them as text."""
+    dumps = steering_dumps(tmp_path / "dumps")
+    shown = []
+    for args in (
+        ["analyze", str(dumps)],
+        ["analyze", str(dumps), "-v", "-o", str(tmp_path / "report.txt")],
+        ["report", str(dumps), "-o", str(tmp_path / "r.html")],
+        ["timeline", str(dumps), "-o", str(tmp_path / "t.json")],
+    ):
+        got = run_limited([PY, "-m", "frtools", *args], timeout=90)
+        assert got.returncode == 1, f"{args}: rc={got.returncode} {got.stderr[-2000:]}"
+        _no_steering(got.stdout + got.stderr, args[0])
+        shown.append(got.stdout + got.stderr)
+    text = (tmp_path / "report.txt").read_text()
+    _no_steering(text, "analyze -o")
+    assert "\\n::add-mask::hunter2\\n" in text and "\\x1b]0;pwned\\x07" in text
+    assert "[red]red[/red]" in text  # markup shown, not read
+    assert "::add-mask::" in shown[2] and "\\n::add-mask" in shown[2]  # report's stderr line
+
+    got = run_limited([PY, "-m", "frtools", "analyze", str(dumps), "--format", "markdown"])
+    md = got.stdout
+    _no_steering(md, "markdown")
+    headings = [x for x in md.splitlines() if x.startswith("#")]
+    assert all(h.startswith(("## ", "### ")) and "injected" not in h for h in headings), headings
+    assert "<!--" not in md and "\\<\\!-- hide the rest" in md
+
+
+@pytest.mark.timeout(120)
+def test_history_terminal_view_shows_hostile_names_as_text(tmp_path: Path) -> None:
+    """`frtools history` printed job ids and group names raw (escape sequences, markup)."""
+    from frtools.formats.incidents import GuiltyRecord, IncidentRecord, record_incident
+
+    catalog = tmp_path / "c.sqlite"
+    for n in range(2):
+        record_incident(
+            catalog,
+            IncidentRecord(
+                fingerprint=f"f{n}", job_id="job\x1b]0;pwned\x07\n::add-mask::x",
+                job_id_source="manifest", path="/d", kind="missing", headline="h",
+                verdict_document={}, pg_name="0", pg_desc=STEERING, op="all_reduce",
+                guilty=[GuiltyRecord(rank=1, host="node1", device="cuda:0")],
+            ),
+        )  # fmt: skip
+    got = run_limited([PY, "-m", "frtools", "history", str(catalog)], timeout=60)
+    assert got.returncode == 0, got.stderr
+    _no_steering(got.stdout, "history")
+    assert "node1" in got.stdout and "REPEAT" in got.stdout
+
+
+@pytest.mark.timeout(120)
+def test_html_report_runs_its_script_by_hash_not_unsafe_inline(tmp_path: Path) -> None:
+    """The CSP allowed 'unsafe-inline' scripts; now only the hash of its own one script."""
+    import base64
+    import hashlib
+    import html
+    import re
+
+    out = tmp_path / "r.html"
+    got = run_limited(
+        [PY, "-m", "frtools", "report", str(SAMPLES / "missing"), "-o", str(out)], timeout=90
+    )
+    assert got.returncode == 1, got.stderr
+    page = out.read_text()
+    policy = html.unescape(re.search(r'Content-Security-Policy" content="([^"]+)"', page)[1])
+    script = re.search(r"<script>(.*?)</script>", page, re.S)[1]
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    scripts = policy.split("script-src", 1)[1].split(";")[0].split()
+    assert scripts == [f"'sha256-{digest}'"], policy
+
+
+@pytest.mark.timeout(180)
+def test_a_copied_dump_folder_is_the_same_incident(tmp_path: Path) -> None:
+    """The fingerprint was path + mtime: the same dumps analyzed from a copy were a second
+    incident, and one hang put a host on the drain list. Now it is the records' content."""
+    import shutil
+
+    catalog = tmp_path / "c.sqlite"
+    first, copy = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(SAMPLES / "missing", first)
+    shutil.copytree(SAMPLES / "missing", copy)  # new paths, new mtimes
+    for d in (first, copy):
+        got = run_limited([PY, "-m", "frtools", "analyze", str(d), "--history", str(catalog)])
+        assert got.returncode == 1, got.stderr
+    got = run_limited([PY, "-m", "frtools", "history", str(catalog), "--format", "json"])
+    doc = got.json()
+    assert doc["incidents_in_window"] == 1 and doc["incidents"][0]["analyses"] == 2
+    other = tmp_path / "other"  # other records: another incident
+    shutil.copytree(SAMPLES / "dead", other)
+    run_limited([PY, "-m", "frtools", "analyze", str(other), "--history", str(catalog)])
+    got = run_limited([PY, "-m", "frtools", "history", str(catalog), "--format", "json"])
+    assert got.json()["incidents_in_window"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_history_hosts_are_validated_and_long_lists_read_whole(tmp_path: Path) -> None:
+    """A host named ``x\\n::add-mask::y`` went on the drain list as it was; 200 guilty ranks
+    on one host failed `frtools history` for the whole catalog (a cut GROUP_CONCAT parsed as
+    ints: "internal error: ValueError")."""
+    from frtools.formats.incidents import GuiltyRecord, IncidentRecord, record_incident
+
+    catalog = tmp_path / "c.sqlite"
+
+    def incident(n: int, guilty: list[GuiltyRecord]) -> IncidentRecord:
+        return IncidentRecord(
+            fingerprint=f"f{n}", job_id=f"j{n}", job_id_source="manifest", path="/d",
+            kind="missing", headline="h", verdict_document={}, guilty=guilty,
+        )  # fmt: skip
+
+    many = [GuiltyRecord(rank=r, host="node7", device=f"cuda:{r % 8}") for r in range(200)]
+    for n in range(2):
+        record_incident(catalog, incident(n, many))
+        record_incident(catalog, incident(10 + n, [GuiltyRecord(rank=0, host="x\n::add-mask::y")]))
+    got = run_limited([PY, "-m", "frtools", "history", str(catalog), "--format", "json"])
+    assert got.returncode == 0, got.stderr
+    doc = got.json()
+    assert [h["host"] for h in doc["drain"]["hosts"]] == ["node7"]
+    assert doc["drain"]["hosts"][0]["evidence"][0]["ranks"] == list(range(200))
+    got = run_limited([PY, "-m", "frtools", "history", str(catalog)])
+    assert got.returncode == 0 and "node7" in got.stdout, got.stderr
+
+
+@pytest.mark.timeout(300)
+def test_history_of_a_catalog_without_its_indexes_is_bounded(tmp_path: Path) -> None:
+    """A catalog of 60,000 incidents on 1,000 hosts whose indexes were dropped: `--hosts`
+    ran two scans per host (25 s on a 21 MB catalog); now a fixed number of queries, within
+    one total deadline, and the next writer puts the indexes back."""
+    import sqlite3
+
+    from frtools.formats.incidents import GuiltyRecord, IncidentRecord, record_incident
+
+    catalog = tmp_path / "c.sqlite"
+    record_incident(
+        catalog,
+        IncidentRecord(
+            fingerprint="seed", job_id="j", job_id_source="manifest", path="/d",
+            kind="missing", headline="h", verdict_document={},
+            guilty=[GuiltyRecord(rank=0, host="node0")],
+        ),
+    )  # fmt: skip
+    now = time.time_ns()
+    with sqlite3.connect(catalog) as conn:
+        conn.executemany(
+            "INSERT INTO incidents (id, fingerprint, job_id, job_id_source, path, recorded_ns, "
+            "analyzed_ns, kind, headline, frtools_version, verdict_json) "
+            "VALUES (?, ?, 'j', 'manifest', '/d', ?, ?, 'missing', 'h', '0', '{}')",
+            [(i, f"f{i}", now - i, now - i) for i in range(2, 60_002)],
+        )
+        conn.executemany(
+            "INSERT INTO guilty (incident_id, rank, host) VALUES (?, ?, ?)",
+            [(i, r, f"node{i % 1000}") for i in range(2, 60_002) for r in range(2)],
+        )
+        for index in ("incidents_by_time", "incidents_by_job", "guilty_by_host", "guilty_by_gpu"):
+            conn.execute(f"DROP INDEX {index}")
+    got = run_limited(
+        [PY, "-m", "frtools", "history", str(catalog), "--hosts", "--format", "json"], timeout=60
+    )
+    assert got.returncode == 0, got.stderr
+    assert got.seconds < 15, got.seconds
+    assert len(got.json()["hosts"]) == 1000
+    record_incident(
+        catalog,
+        IncidentRecord(
+            fingerprint="next", job_id="j", job_id_source="manifest", path="/d", kind="healthy",
+            headline="h", verdict_document={},
+        ),
+    )  # fmt: skip
+    with sqlite3.connect(catalog) as conn:
+        names = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    assert {"guilty_by_host", "incidents_by_time"} <= names
+
+
+def _job_folder(root: Path) -> Path:
+    job = root / "job"
+    job.mkdir(parents=True)
+    box = job / "rank_0.frt"
+    box.write_bytes(valid_snapshot(0, 1))
+    box.chmod(0o600)
+    (job / "rank_0.stacks").write_text('Thread 0x1 (most recent call first):\n  File "t.py"\n')
+    (job / "rank_0.stacks").chmod(0o600)
+    return job
+
+
+@pytest.mark.timeout(120)
+def test_dump_output_folder_is_private_and_never_written_through_a_link(tmp_path: Path) -> None:
+    """`frtools dump -o DIR` wrote into a 0777 folder another user prepared, through their
+    ``rank_0.stacks -> victim`` link, under predictable temp names; copies of 0600 boxes came
+    out 0644. Now DIR is created 0700 or must be ours and private (else one line naming it),
+    every file is new, 0600, renamed over whatever was planted."""
+    job = _job_folder(tmp_path / "root")
+    dump = [PY, "-m", "frtools", "dump", "job", "--dir", str(job.parent), "--timeout", "1"]
+
+    out = tmp_path / "fresh"
+    got = run_limited([*dump, "-o", str(out)], timeout=60)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert out.stat().st_mode & 0o777 == 0o700
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes and set(modes.values()) == {0o600}, modes
+    assert not [n for n in modes if n.endswith(".tmp")]
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    (shared / "rank_0.stacks").symlink_to(victim)
+    got = run_limited([*dump, "-o", str(shared)], timeout=60)
+    assert got.returncode == 2, got.stdout + got.stderr
+    assert f"{shared} is writable by other users" in got.stderr
+    assert got.stderr.count("\n") == 1, got.stderr
+    if os.getuid() == 0:  # another user's folder
+        os.chown(shared, 65534, 65534)
+        shared.chmod(0o755)
+        got = run_limited([*dump, "-o", str(shared)], timeout=60)
+        assert got.returncode == 2 and "belongs to another user" in got.stderr, got.stderr
+
+    ours = tmp_path / "ours"  # our own private folder with a link planted earlier
+    ours.mkdir(mode=0o700)
+    (ours / "rank_0.stacks").symlink_to(victim)
+    (ours / "rank_0.frt").symlink_to(victim)
+    got = run_limited([*dump, "-o", str(ours)], timeout=60)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert victim.read_text() == "keep me\n"
+    assert not (ours / "rank_0.frt").is_symlink() and not (ours / "rank_0.stacks").is_symlink()
+    assert (ours / "rank_0.frt").stat().st_mode & 0o777 == 0o600
+
+
+PLUGIN_TEST = """
+import os, pathlib, time
+
+def test_hangs():
+    pathlib.Path(os.environ["WHERE"]).write_text(os.environ["FRTOOLS_DIR"])
+    time.sleep(30)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_pytest_plugin_cleans_its_live_folder_when_the_thread_timeout_ends_the_run(
+    tmp_path: Path,
+) -> None:
+    """pytest-timeout's thread method ends pytest with os._exit: /dev/shm/frtools-pytest-*
+    stayed behind. Now the plugin removes it before that; --frtools-dir is created private."""
+    pytest.importorskip("pytest_timeout")
+    (tmp_path / "test_hang.py").write_text(PLUGIN_TEST)
+    where = tmp_path / "live.txt"
+    keep = tmp_path / "keep"
+    got = run_limited(
+        [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--frtools", "--frtools-dir",
+         str(keep), "--timeout", "3", "--timeout-method", "thread", "test_hang.py"],
+        timeout=90, cwd=tmp_path, env={"WHERE": str(where)}, memory=4 * (1 << 30),
+    )  # fmt: skip
+    assert got.returncode not in (0, None), got.stdout[-2000:]
+    live = Path(where.read_text())
+    assert live.name.startswith("frtools-pytest-")
+    assert not live.exists(), f"{live} left behind"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("path_kind", sorted(PICKLE_PATHS))
+def test_lone_surrogates_in_a_dump_are_replaced_not_fatal(tmp_path: Path, path_kind: str) -> None:
+    """``\\ud800`` in an op name, a frame and a group: the reader failed the file with
+    UnicodeEncodeError. Now the text is kept with U+FFFD in its place, pickle and JSON."""
+    import pickle
+
+    from hostile import surrogate_dump
+
+    valid_dump(tmp_path, 1)
+    (tmp_path / "rank_0.pkl").write_bytes(pickle.dumps(surrogate_dump(0), protocol=2))
+    (tmp_path / "rank_2.json").write_text(json.dumps(surrogate_dump(2)))  # "\\ud800" escapes
+    result = _load(tmp_path, path_kind)
+    inputs = inputs_by_name(result)
+    assert inputs["rank_0.pkl"]["status"] == "ok", inputs["rank_0.pkl"]
+    assert inputs["rank_2.json"]["status"] == "ok", inputs["rank_2.json"]
+    assert result["ranks"] == [0, 1, 2]
+    got = analyze_limited(tmp_path)
+    assert got.returncode in (0, 1), got.stderr[-2000:]
+    assert "\\ufffd" in got.stdout or "\ufffd" in got.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_world_size_the_records_cannot_support_is_refused(tmp_path: Path) -> None:
+    """A 110-byte manifest saying world_size 1,048,576 beside four small dumps ran past 30 s
+    under 1 GiB (every absent rank a guilty entry). Now it is ignored, named with the limit;
+    --world-size beyond what the records support is one line, exit 2."""
+    for rank in range(4):
+        (tmp_path / f"rank_{rank}.pkl").write_bytes(
+            (SAMPLES / "missing" / f"rank_{rank}.pkl").read_bytes()
+        )
+    (tmp_path / "manifest.json").write_text(manifest(1 << 20))
+    got = analyze_limited(tmp_path)
+    assert got.returncode == 1, f"rc={got.returncode} after {got.seconds:.1f} s: {got.stderr}"
+    assert got.seconds < 15, got.seconds
+    reason = inputs_by_name(got.json())["manifest.json"]["reason"]
+    assert "world_size 1,048,576 is more than 4 rank record(s) can support" in reason
+    assert "limit ranks_per_record" in reason and "ignored" in reason
+    assert got.json()["ranks"]["expected"] == 4
+    (tmp_path / "manifest.json").unlink()
+    got = analyze_limited(tmp_path, "--world-size", str(1 << 20))
+    assert got.returncode == 2 and got.stderr.count("\n") == 1, got.stderr
+    assert "world size 1,048,576 is more than 4 rank record(s) can support" in got.stderr

@@ -51,6 +51,7 @@ from pathlib import Path
 
 from frtools.formats import limits
 from frtools.formats.manifest import STACKS_SUFFIX, Manifest, RankEntry, rank_file_name
+from frtools.formats.private_files import own_folder, write_new
 from frtools.formats.torch_fr import DUMP_FILE_PREFIX
 from frtools.model.ranks import MAX_WORLD_SIZE, valid_rank
 
@@ -224,7 +225,7 @@ _EMPTY_KEPT_BYTES = 64 * 1024  # an empty trace is a few hundred bytes
 
 def _keep_trace(rank: int, suffix: str, body: bytes, out_dir: Path, entry: RankEntry) -> None:
     name = rank_file_name(rank, suffix)
-    (out_dir / name).write_bytes(body)
+    write_new(out_dir / name, body)
     entry.files.append(name)
     entry.answered = True
 
@@ -278,7 +279,7 @@ def _collect_worker(
         return
     if stacks:
         name = rank_file_name(rank, STACKS_SUFFIX)
-        (out_dir / name).write_bytes(stacks)
+        write_new(out_dir / name, stacks)
         entry.files.append(name)
 
 
@@ -301,8 +302,7 @@ def collect_sockets(
 ) -> Manifest:
     """Ask every worker-server unix socket matching ``patterns`` (globs) for its trace and
     stacks. The rank is the last number in the socket's name."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = own_folder(out_dir)
     paths = sorted({p for pat in patterns for p in glob.glob(pat)} | _literal(patterns))
     manifest = Manifest(job_id="torch-fr", mode="torch-socket")
     targets: dict[int, ConnFactory] = {}
@@ -331,8 +331,7 @@ def collect_debug_servers(
     TCPStore (``<prefix>rank<R>`` → ``http://host:port``), for its trace and stacks."""
     from frtools.collect.jobwide import connect_store
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = own_folder(out_dir)
     store = connect_store(store_addr, timeout)
     manifest = Manifest(job_id=store_addr, mode="torch-store")
     targets: dict[int, ConnFactory] = {}
@@ -368,8 +367,7 @@ def collect_pipes(
 ) -> Manifest:
     """Write to every ``<prefix><rank>.pipe`` FIFO (ProcessGroupNCCL's debug-info pipe) and
     collect the dumps that appear at ``<dump_prefix><rank>``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = own_folder(out_dir)
     dump_prefix = dump_prefix or os.environ.get(
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", DEFAULT_NCCL_DUMP_PREFIX
     )
@@ -491,4 +489,4 @@ def _copy_answer(src: Path, dst: Path, requested_ns: int) -> None:
         data = f.read(cap + 1)
         if len(data) > cap:
             raise limits.exceeded("dump file", "dump_bytes", cap)
-    dst.write_bytes(data)
+    write_new(dst, data)

@@ -172,13 +172,13 @@ def _run(
     else:
         from frtools.analyze.reporters import terminal
 
-        if output is None:
+        if output is None:  # rendered as text, so that no line starts a workflow command
             from rich.console import Console
 
-            Console(width=min(Console().width, 100) if sys.stdout.isatty() else 100).print(
-                terminal.renderable(verdict, verbose)
-            )
-            text = None
+            console = Console()
+            width = min(console.width, 100) if sys.stdout.isatty() else 100
+            color = console.color_system is not None and not console.no_color
+            text = terminal.render(verdict, verbose=verbose, width=width, color=color)
         else:
             text = terminal.render(verdict, verbose=verbose)
 

@@ -10,16 +10,29 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from frtools.analyze.reporters import escape
+from frtools.analyze.reporters.escape import markup
 from frtools.config import DEFAULT_DIR, DEFAULT_STORE_PREFIX, DIR, ConfigError
 from frtools.formats import limits
 from frtools.formats.manifest import Manifest
+from frtools.formats.private_files import Unsafe, own_folder, write_new
 
 _err = Console(stderr=True, highlight=False)
 
 
 def _fail(message: str) -> None:
-    _err.print(f"[red]frtools dump: {message}[/red]")
+    _err.print(f"[red]frtools dump: {message}[/red]", soft_wrap=True)
     raise SystemExit(2)
+
+
+def _own_out(out: Path) -> Path:
+    """The output folder, created 0700 or checked to be ours and private (docs/security.md);
+    a one-line error naming it otherwise."""
+    try:
+        return own_folder(out)
+    except OSError as exc:
+        _fail(escape.markup(exc if isinstance(exc, Unsafe) else f"{out}: {exc.strerror or exc}"))
+    raise AssertionError("unreachable")
 
 
 def _default_out(name: str) -> Path:
@@ -30,7 +43,10 @@ def _default_out(name: str) -> Path:
 def print_summary(console: Console, manifest: Manifest, out: Path) -> None:
     """The one-screen answer of a collection: who answered, who is gone, what next."""
     found, gone, silent = manifest.ranks_found, manifest.ranks_gone, manifest.ranks_no_answer
-    head = f"[bold]{manifest.job_id}[/bold]: {len(found)} rank file(s) collected into {out}"
+    head = (
+        f"[bold]{markup(manifest.job_id)}[/bold]: {len(found)} rank file(s) collected into "
+        f"{markup(out)}"
+    )
     console.print(head)
     table = Table(show_edge=False, pad_edge=False, box=None)
     for col in ("rank", "host", "pid", "status", "files"):
@@ -46,8 +62,9 @@ def print_summary(console: Console, manifest: Manifest, out: Path) -> None:
         else:
             status = "[yellow]no answer[/yellow]"
         table.add_row(
-            str(rank), e.host or "?", str(e.pid or "?"), status, ", ".join(e.files) or "-"
-        )
+            str(rank), markup(e.host or "?"), str(e.pid or "?"), status,
+            markup(", ".join(e.files) or "-"),
+        )  # fmt: skip
     if manifest.ranks:
         console.print(table)
     if gone:
@@ -57,16 +74,16 @@ def print_summary(console: Console, manifest: Manifest, out: Path) -> None:
     for rank in sorted(manifest.ranks):
         note = manifest.ranks[rank].note
         if note and (not manifest.ranks[rank].answered or "no stacks" in note):
-            console.print(f"  rank {rank}: {note}", soft_wrap=True)
+            console.print(f"  rank {rank}: {markup(note)}", soft_wrap=True)
     for rank in sorted(manifest.ranks):
         if manifest.ranks[rank].error:
             _err.print(
-                f"[red]frtools dump: {manifest.ranks[rank].error}[/red]",
+                f"[red]frtools dump: {markup(manifest.ranks[rank].error)}[/red]",
                 soft_wrap=True,
             )
     for note in manifest.notes:
-        console.print(f"note: {note}", soft_wrap=True)
-    console.print(f"next: [bold]frtools analyze {out}[/bold]")
+        console.print(f"note: {markup(note)}", soft_wrap=True)
+    console.print(f"next: [bold]frtools analyze {markup(out)}[/bold]")
 
 
 @click.command("dump")
@@ -173,7 +190,7 @@ def dump(
         _fail("choose one of --job-wide, --torch-socket, --torch-store, --torch-pipe")
 
     if job_wide or torch_sockets or torch_store or torch_pipe:
-        out = Path(output) if output else _default_out("job")
+        out = _own_out(Path(output) if output else _default_out("job"))
         manifest = _collect_remote(
             job, out, timeout, job_wide, store_addr, prefix, torch_sockets, torch_store,
             torch_pipe, torch_dump_prefix,
@@ -198,13 +215,16 @@ def dump(
         _fail(f"no recorder files under {base} (is the recorder on? FRTOOLS_DIR set?)")
     if len(jobs) > 1:
         console.print(f"{len(jobs)} jobs under {base}: {', '.join(jobs)}")
-    out = Path(output) if output else _default_out(next(iter(jobs)) if len(jobs) == 1 else "all")
+    out = _own_out(
+        Path(output) if output else _default_out(next(iter(jobs)) if len(jobs) == 1 else "all")
+    )
     for job_id, job_dir in jobs.items():
         target = out if len(jobs) == 1 else out / job_id
         try:
             manifest = collect_job(job_dir, target, timeout)
         except OSError as exc:
-            _err.print(f"[red]frtools dump: {job_dir}: {exc.strerror or exc}[/red]")
+            why = exc if isinstance(exc, Unsafe) else f"{job_dir}: {exc.strerror or exc}"
+            _err.print(f"[red]frtools dump: {markup(why)}[/red]")
             continue
         if summary and manifest.ranks_found:
             _write_host_summary(console, target)
@@ -221,9 +241,9 @@ def _write_host_summary(console: Console, out: Path) -> None:
     try:
         result = summarize_path(out, workers=1)
         path = out / host_file_name(result.host)
-        path.write_bytes(result.encode())
+        write_new(path, result.encode())
     except (UnusableInput, OSError, ValueError) as exc:
-        _err.print(f"[yellow]frtools dump: no host summary: {exc}[/yellow]", soft_wrap=True)
+        _err.print(f"[yellow]frtools dump: no host summary: {markup(exc)}[/yellow]", soft_wrap=True)
         return
     console.print(f"host summary: {path} ({path.stat().st_size / 1024:.1f} KB)")
 

@@ -21,6 +21,7 @@ from typing import Any
 import click
 
 from frtools import __version__
+from frtools.analyze.reporters.escape import no_workflow_commands, terminal
 from frtools.commands._common import OneLineCommand, fail, first_line, run_guarded, write_text
 from frtools.config import HISTORY
 from frtools.formats.incidents import (
@@ -32,10 +33,10 @@ from frtools.formats.incidents import (
     Offender,
     StoredIncident,
     Window,
-    dump_fingerprint,
     iso_utc,
     open_catalog,
     record_incident,
+    records_fingerprint,
 )
 
 PREFIX = "frtools history"
@@ -87,10 +88,30 @@ def job_identity(path: Path, trace: Any) -> tuple[str, str]:
     return str(path.resolve())[:4096], "path"
 
 
+def record_identities(trace: Any) -> list[list[Any]]:
+    """Each rank's record as its content says who it is: rank, host, pid, how many ops, the
+    newest record id and creation time (never where the file lies or when it was copied)."""
+    per_rank: dict[int, list[Any]] = {}
+    entries = trace.entries
+    if entries.num_rows:
+        table = entries.select(["rank", "record_id", "time_created_ns"]).group_by("rank")
+        stats = table.aggregate(
+            [("record_id", "count"), ("record_id", "max"), ("time_created_ns", "max")]
+        ).to_pydict()
+        for rank, n, last_id, last_ns in zip(
+            stats["rank"], stats["record_id_count"], stats["record_id_max"],
+            stats["time_created_ns_max"], strict=True,
+        ):  # fmt: skip
+            per_rank[int(rank)] = [n, last_id, last_ns]
+    return [
+        [rank, info.host, info.pid, *per_rank.get(rank, [0, None, None])]
+        for rank, info in sorted(trace.ranks.items())
+    ]
+
+
 def incident_from(verdict: Any, trace: Any, path: Path) -> IncidentRecord:
     """The catalog's record of one analysis."""
     job_id, source = job_identity(path, trace)
-    files = [i.path for i in trace.inputs if i.status == "ok"] or [str(path)]
     dump_times = [
         i.dump_time_ns
         for i in trace.ranks.values()
@@ -111,7 +132,11 @@ def incident_from(verdict: Any, trace: Any, path: Path) -> IncidentRecord:
         for g in verdict.guilty
     ]
     return IncidentRecord(
-        fingerprint=dump_fingerprint(job_id, files),
+        fingerprint=records_fingerprint(
+            None if source == "path" else job_id,  # a path is where the files are, not what
+            record_identities(trace),
+            [pg.name if pg else None, verdict.op, verdict.collective_seq_id, verdict.p2p_seq_id],
+        ),
         job_id=job_id,
         job_id_source=source,
         path=str(path.resolve()),
@@ -317,7 +342,9 @@ def _renderable(found: _Findings, min_incidents: int, hosts: bool, gpus: bool, l
     elif (drain_hosts and hosts) or (drain_gpus and gpus):
         offenders, what = (drain_hosts, "host") if drain_hosts and hosts else (drain_gpus, "GPU")
         top = offenders[0]
-        text = f"{what} {top.name} was guilty in {top.incidents} of {found.total} incidents"
+        text = (
+            f"{what} {terminal(top.name)} was guilty in {top.incidents} of {found.total} incidents"
+        )
         if len(offenders) > 1:
             text += f", and {len(offenders) - 1} more {what}(s) in {min_incidents} or more"
         head.append(" REPEAT ", style="bold white on red")
@@ -333,7 +360,7 @@ def _renderable(found: _Findings, min_incidents: int, hosts: bool, gpus: bool, l
     summary = f"{_count(found.total, 'incident')}: {_count(found.problems, 'problem')}"
     if found.problems:
         summary += f" ({_kinds_text(found.by_kind)})"
-    summary += f", {found.healthy} healthy · {found.path}"
+    summary += f", {found.healthy} healthy · {terminal(found.path)}"
     parts.append(Text(summary, style="dim"))
 
     def ranking(title: str, offenders: list[Offender], gpu: bool) -> None:
@@ -360,7 +387,8 @@ def _renderable(found: _Findings, min_incidents: int, hosts: bool, gpus: bool, l
             if not gpu:
                 row.append(f"{o.incidents / found.total:.0%}")
             row += [_short_time(o.last_ns), ", ".join(o.kinds)]
-            table.add_row(*row, style="red" if o.incidents >= min_incidents else None)
+            cells = [Text(terminal(cell)) for cell in row]  # text, never markup
+            table.add_row(*cells, style="red" if o.incidents >= min_incidents else None)
         parts.append(table)
         if len(offenders) > SHOWN_OFFENDERS:
             parts.append(Text(f"  … {len(offenders) - SHOWN_OFFENDERS} more", style="dim"))
@@ -378,25 +406,34 @@ def _renderable(found: _Findings, min_incidents: int, hosts: bool, gpus: bool, l
         )
         for i in found.incidents:
             line = Text(f" {i.id:>4}  {_short_time(i.recorded_ns)}  ")
-            line.append(f"{i.kind:<9}", style="green" if i.kind == HEALTHY else "red")
-            job = i.job_id if len(i.job_id) <= 28 else "…" + i.job_id[-27:]
+            line.append(terminal(f"{i.kind:<9}"), style="green" if i.kind == HEALTHY else "red")
+            job = terminal(i.job_id)
+            job = job if len(job) <= 28 else "…" + job[-27:]
             line.append(f" {job}  ")
-            line.append(_guilty_text(i), style="bold" if i.guilty else "dim")
+            line.append(terminal(_guilty_text(i)), style="bold" if i.guilty else "dim")
             parts.append(line)
             if i.kind != HEALTHY:
-                parts.append(Text(f"       {_where_text(i)}", style="dim"))
+                parts.append(Text(f"       {terminal(_where_text(i))}", style="dim"))
     return Group(*parts)
 
 
-def _render_text(renderable: Any) -> str:
-    """Plain text, 100 columns (``-o FILE``)."""
+def _render_text(renderable: Any, width: int = 100, color: bool = False) -> str:
+    """Text of ``width`` columns (ANSI colours when ``color``), no line of which starts a
+    workflow command."""
     import io
 
     from rich.console import Console
 
-    console = Console(width=100, file=io.StringIO(), no_color=True, highlight=False)
+    console = Console(
+        width=width,
+        file=io.StringIO(),
+        force_terminal=color,
+        no_color=not color,
+        color_system="standard" if color else None,
+        highlight=False,
+    )
     console.print(renderable)
-    return console.file.getvalue()  # type: ignore[attr-defined]
+    return no_workflow_commands(console.file.getvalue())  # type: ignore[attr-defined]
 
 
 @click.command("history", cls=OneLineCommand)
@@ -520,7 +557,10 @@ def _run(
     if output is None:
         from rich.console import Console
 
-        Console(width=min(Console().width, 100) if sys.stdout.isatty() else 100).print(renderable)
+        console = Console()
+        width = min(console.width, 100) if sys.stdout.isatty() else 100
+        color = console.color_system is not None and not console.no_color
+        write_text(PREFIX, _render_text(renderable, width, color), None)
         return 0
     write_text(PREFIX, _render_text(renderable), output)
     return 0

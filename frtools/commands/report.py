@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from frtools.analyze.reporters import escape
 from frtools.commands._common import (
     OneLineCommand,
     load_and_diagnose,
@@ -90,7 +91,7 @@ def _run(
     if not to_stdout:
         size = len(text.encode("utf-8"))
         click.echo(
-            f"{output} ({_size(size)}): {verdict.kind.upper()} {verdict.headline}",
+            escape.line(f"{output} ({_size(size)}): {verdict.kind.upper()} {verdict.headline}"),
             err=True,
         )
     sys.stdout.flush()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from frtools.analyze.reporters import escape
 from frtools.commands._common import (
     OneLineCommand,
     fail,
@@ -115,7 +116,9 @@ def _run(
             fail("frtools timeline", f"error: cannot write {output}: {e.strerror or e}")
     size = Path(output).stat().st_size
     click.echo(
-        f"{output} ({size / 1e6:.1f} MB, {n} ops): {verdict.kind.upper()} {verdict.headline}",
+        escape.line(
+            f"{output} ({size / 1e6:.1f} MB, {n} ops): {verdict.kind.upper()} {verdict.headline}"
+        ),
         err=True,
     )
     return verdict.exit_code

@@ -41,6 +41,7 @@ import numpy as np
 
 from frtools.formats import limits
 from frtools.formats.limits import InputRefused, open_regular
+from frtools.formats.private_files import new_file
 from frtools.model.ranks import (
     MAX_WORLD_SIZE,
     RankTextError,
@@ -919,9 +920,7 @@ def copy_consistent(src: str | os.PathLike[str], dst: str | os.PathLike[str]) ->
     finally:
         with contextlib.suppress(BufferError):
             mm.close()
-    dst = os.fspath(dst)
-    tmp = f"{dst}.tmp{os.getpid()}"
-    with open(tmp, "wb") as out:
+    with new_file(dst) as out:  # a new 0600 file under a name mkstemp chose, renamed over dst
         out.write(head)
         out.seek(pg_off)
         out.write(pgs)
@@ -929,7 +928,6 @@ def copy_consistent(src: str | os.PathLike[str], dst: str | os.PathLike[str]) ->
         out.write(slots)
         out.seek(s_off)
         out.write(strings)
-    os.replace(tmp, dst)
     return torn
 
 

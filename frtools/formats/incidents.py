@@ -16,24 +16,33 @@ Schema version 1 (``SCHEMA_VERSION``; docs/history.md shows the whole schema):
   is refused, never rewritten.
 * ``incidents`` — one row per analyzed dump set: the job, the times, the verdict's kind,
   headline, group, op, call site, the frtools version and the verdict document (JSON).
-  A dump set analyzed again (same files, same sizes and mtimes: ``fingerprint``) stays one
-  incident: its verdict is replaced by the newest and ``analyses`` counts the runs, so
-  ``analyze`` and ``report`` of the same dumps do not make a host look twice as guilty.
+  A dump set analyzed again stays one incident — wherever its files lie: the
+  ``fingerprint`` is a digest of the records themselves (the job id, every rank's record
+  identity, the hung op; ``records_fingerprint``), not of paths or mtimes — its verdict is
+  replaced by the newest and ``analyses`` counts the runs, so ``analyze`` and ``report`` of
+  the same dumps, or of a copy of them, do not make a host look twice as guilty.
 * ``guilty`` — one row per guilty rank of an incident: rank, host, device, device_id, the
   GPU identity ``frtools history`` ranks by (``gpu_identity``), pid, call site, reason.
+  A host, device or device id that is not a valid name (``valid_host``, ``valid_device``) is
+  stored as unknown (NULL: never ranked), the reason saying so; an incident of more than
+  ``GUILTY_LIMIT`` guilty ranks is refused by name, never stored in part.
 
 A catalog is data another process wrote: readers open it read-only (``mode=ro``), refuse a
 file that is not SQLite or not a catalog of a known version, use no function or view its
-schema may declare, cut every text they read (``TEXT_LIMIT``) and stop a query that runs
-longer than ``QUERY_SECONDS``.
+schema may declare, cut every text they read (``TEXT_LIMIT``; a list is read as JSON, never
+as cut text) and stop when their queries together run longer than ``QUERY_SECONDS``, each
+question being a fixed number of queries, so a catalog whose indexes are gone is slow at
+worst, never unbounded. A writer puts back missing indexes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import os
+import re
 import socket
 import sqlite3
 import stat
@@ -53,7 +62,7 @@ APPLICATION_ID = 0x46524943  # "FRIC" in the SQLite header: `file` and tools can
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 BUSY_TIMEOUT_S = 10.0  # a writer waits this long for the one before it
-QUERY_SECONDS = 20.0  # a reader gives up on a query that runs longer (a hostile file)
+QUERY_SECONDS = 20.0  # a reader gives up when its queries together run longer (hostile file)
 TEXT_LIMIT = 512  # characters kept of any text field a reader lists
 DOCUMENT_LIMIT = 16 << 20  # bytes of a stored verdict document
 GUILTY_LIMIT = 10_000  # guilty ranks stored per incident
@@ -169,7 +178,7 @@ class GuiltyRecord:
 class IncidentRecord:
     """One analysis of one dump set, as the catalog stores it."""
 
-    fingerprint: str  # which dump files (dump_fingerprint): the same files are one incident
+    fingerprint: str  # which records (records_fingerprint): the same records are one incident
     job_id: str
     job_id_source: str  # "manifest", "snapshot" or "path"
     path: str  # the analyzed path
@@ -190,18 +199,57 @@ class IncidentRecord:
     frtools_version: str = __version__
 
 
-def dump_fingerprint(job_id: str, files: Iterable[str | os.PathLike[str]]) -> str:
-    """A digest of the job and its dump files (absolute path, size, mtime): the same files
-    analyzed again give the same fingerprint; rewritten or other files give another."""
-    digest = hashlib.sha256(job_id.encode("utf-8", "replace"))
-    for name in sorted({os.path.abspath(f) for f in files}):
-        try:
-            st = os.stat(name)
-            facts = f"{st.st_size}:{st.st_mtime_ns}"
-        except OSError:
-            facts = "?"
-        digest.update(f"\0{name}\0{facts}".encode("utf-8", "surrogateescape"))
-    return digest.hexdigest()
+def records_fingerprint(
+    job_id: str | None, ranks: Iterable[Sequence[Any]], hung: Sequence[Any]
+) -> str:
+    """A digest of what the records are: the job id (None when only a path names it), every
+    rank's record identity (rank, host, pid, how many ops, the newest record id and time),
+    and the hung op (group, op, sequence ids). The same dumps, analyzed again or from a
+    copied folder, give the same fingerprint; later or other records give another."""
+    payload = {"job": job_id, "ranks": sorted(list(r) for r in ranks), "hung": list(hung)}
+    text = json.dumps(payload, separators=(",", ":"), default=str, ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+_DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9:._/-]{0,127}")
+
+
+def valid_host(text: Any) -> str | None:
+    """``text`` when it is a host name by RFC 1123's grammar (at most 253 characters), else
+    None: a dump's host field is whatever its writer put there."""
+    if not isinstance(text, str) or not 0 < len(text) <= 253:
+        return None
+    labels = text[:-1].split(".") if text.endswith(".") else text.split(".")
+    return text if all(_HOST_LABEL.fullmatch(label) for label in labels) else None
+
+
+def valid_device(text: Any) -> str | None:
+    """A device (``cuda:3``) or device id (``GPU-…`` UUID, PCI bus id) of plain characters,
+    else None."""
+    return text if isinstance(text, str) and _DEVICE.fullmatch(text) else None
+
+
+def _checked(g: GuiltyRecord) -> GuiltyRecord:
+    """``g`` with names that are not names stored as unknown, and said so in the reason."""
+    host, device, device_id = valid_host(g.host), valid_device(g.device), valid_device(g.device_id)
+    checked = (("host", g.host, host), ("device", g.device, device), ("id", g.device_id, device_id))
+    wrong = [
+        f"{what} {json.dumps(str(raw)[:80])}"
+        for what, raw, ok in checked
+        if raw not in (None, "") and ok is None
+    ]
+    if not wrong:
+        return g
+    note = f"not a valid name, stored as unknown: {', '.join(wrong)}"
+    return dataclasses.replace(
+        g,
+        host=host,
+        device=device,
+        device_id=device_id,
+        reason=f"{g.reason} ({note})" if g.reason else note,
+    )
 
 
 def iso_utc(ns: int | None) -> str | None:
@@ -228,6 +276,11 @@ def record_incident(
     disk full.
     """
     path = Path(path)
+    if len(incident.guilty) > GUILTY_LIMIT:
+        raise CatalogError(
+            f"{path}: an incident of {len(incident.guilty):,} guilty ranks is beyond the "
+            f"limit of {GUILTY_LIMIT:,} (GUILTY_LIMIT); not recorded"
+        )
     _refuse_non_catalog_file(path, creating=True)
     _create_private(path)
     try:
@@ -244,6 +297,7 @@ def record_incident(
                 _create_schema(conn)
             elif version < SCHEMA_VERSION:
                 _migrate(conn, version)
+            _restore_indexes(conn)
             incident_id = _upsert(conn, incident)
             conn.execute("COMMIT")
         except BaseException:
@@ -278,6 +332,13 @@ def _create_schema(conn: sqlite3.Connection) -> None:
     )
     conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _restore_indexes(conn: sqlite3.Connection) -> None:
+    """Put back an index of the schema that the file lost (readers cannot: read-only)."""
+    for statement in _SCHEMA_V1:
+        if statement.startswith("CREATE INDEX "):
+            conn.execute(statement.replace("CREATE INDEX ", "CREATE INDEX IF NOT EXISTS ", 1))
 
 
 def _migrate(conn: sqlite3.Connection, version: int) -> None:
@@ -365,12 +426,13 @@ def _upsert(conn: sqlite3.Connection, incident: IncidentRecord) -> int:
             (*values.values(), incident_id),
         )
         conn.execute("DELETE FROM guilty WHERE incident_id = ?", (incident_id,))
+    guilty = [_checked(g) for g in incident.guilty]
     conn.executemany(
         "INSERT OR IGNORE INTO guilty VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         [
             (incident_id, g.rank, g.host, g.device, g.device_id, g.gpu, g.pid, g.local_rank)
             + (g.call_site, g.reason)
-            for g in incident.guilty[:GUILTY_LIMIT]
+            for g in guilty
         ],
     )
     return incident_id
@@ -581,17 +643,28 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def _rank_list(text: Any) -> list[int]:
+    """The ranks of a ``json_group_array``, whole (a hostile file's non-integers left out)."""
+    try:
+        values = json.loads(text) if isinstance(text, str) else []
+    except ValueError:
+        return []
+    ranks = values if isinstance(values, list) else []
+    return sorted(r for r in ranks if isinstance(r, int) and not isinstance(r, bool))
+
+
 class CatalogReader:
     """A catalog opened read-only. Every method reads a bounded amount."""
 
     def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
         self.path = path
         self._conn = conn
+        self._deadline = time.monotonic() + QUERY_SECONDS  # all its queries together
 
     def _rows(
         self, sql: str, params: Sequence[Any] = (), *, cut: bool = True
     ) -> list[tuple[Any, ...]]:
-        deadline = time.monotonic() + QUERY_SECONDS
+        deadline = self._deadline
         self._conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
         try:
             rows = self._conn.execute(sql, params)
@@ -679,42 +752,53 @@ class CatalogReader:
             f"GROUP BY g.{by} ORDER BY n DESC, last DESC, g.{by} LIMIT ?",
             [*params, limit],
         )
-        found = []
-        for name, n, first, last in rows:
-            evidence_rows = self._rows(
-                "SELECT i.id, i.kind, i.recorded_ns, i.job_id, "
-                "GROUP_CONCAT(g.rank), MAX(g.host), MAX(g.device) "
-                "FROM guilty g JOIN incidents i ON i.id = g.incident_id "
-                f"WHERE {where} AND g.{by} = ? GROUP BY i.id "
-                "ORDER BY i.recorded_ns DESC, i.id DESC LIMIT ?",
-                [*params, name, evidence_limit],
+        found = {
+            str(name): Offender(
+                name=str(name), incidents=int(n), first_ns=int(first), last_ns=int(last), kinds=[]
             )
-            kinds = self._rows(
-                "SELECT DISTINCT i.kind FROM guilty g JOIN incidents i ON i.id = g.incident_id "
-                f"WHERE {where} AND g.{by} = ? ORDER BY i.kind LIMIT 20",
-                [*params, name],
+            for name, n, first, last in rows
+        }
+        if not found:
+            return []
+        # the same three queries whatever the number of offenders: bounded also without the
+        # indexes (a scan each), and the names go in as a table, not as 1,000 parameters
+        names = json.dumps(list(found))
+        picked = f"g.{by} IN (SELECT value FROM json_each(?))"
+        for name, kind in self._rows(
+            f"SELECT DISTINCT g.{by}, i.kind FROM guilty g JOIN incidents i "
+            f"ON i.id = g.incident_id WHERE {where} AND {picked} ORDER BY i.kind",
+            [*params, names],
+        ):
+            kinds = found[str(name)].kinds if str(name) in found else []
+            if len(kinds) < 20:
+                kinds.append(str(kind))
+        evidence = self._rows(
+            f"SELECT name, iid, kind, rec, job, ranks, host, device FROM (SELECT g.{by} AS name, "
+            "i.id AS iid, i.kind AS kind, i.recorded_ns AS rec, i.job_id AS job, "
+            "json_group_array(g.rank) AS ranks, MAX(g.host) AS host, MAX(g.device) AS device, "
+            f"ROW_NUMBER() OVER (PARTITION BY g.{by} ORDER BY i.recorded_ns DESC, i.id DESC) "
+            "AS k FROM guilty g JOIN incidents i ON i.id = g.incident_id "
+            f"WHERE {where} AND {picked} GROUP BY g.{by}, i.id) WHERE k <= ? "
+            "ORDER BY name, k",
+            [*params, names, evidence_limit],
+            cut=False,
+        )
+        for name, iid, kind, rec, job, ranks, host, device in evidence:
+            offender = found.get(_cut(str(name)))
+            if offender is None:
+                continue
+            if offender.host is None:
+                offender.host, offender.device = _cut(host), _cut(device)
+            offender.evidence.append(
+                {
+                    "incident": int(iid),
+                    "kind": _cut(str(kind)),
+                    "time": iso_utc(_int(rec)),
+                    "job_id": _cut(str(job)),
+                    "ranks": _rank_list(ranks),
+                }
             )
-            offender = Offender(
-                name=str(name),
-                incidents=int(n),
-                first_ns=int(first),
-                last_ns=int(last),
-                kinds=[str(k) for (k,) in kinds],
-            )
-            for iid, kind, rec, job, ranks, host, device in evidence_rows:
-                if offender.host is None:
-                    offender.host, offender.device = host, device
-                offender.evidence.append(
-                    {
-                        "incident": int(iid),
-                        "kind": str(kind),
-                        "time": iso_utc(int(rec)),
-                        "job_id": str(job),
-                        "ranks": sorted(int(r) for r in str(ranks or "").split(",") if r),
-                    }
-                )
-            found.append(offender)
-        return found
+        return list(found.values())
 
     def verdict_document(self, incident_id: int) -> dict[str, Any] | None:
         """The verdict document stored with an incident (None: no such incident)."""

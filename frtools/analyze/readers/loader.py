@@ -784,6 +784,11 @@ def _load_trace(
     spans: Spans = {}
     inputs, chosen, kept_inputs = _read_rank_dumps(root, workers, progress, meanwhile, spans)
     dumps = [chosen[r] for r in sorted(chosen)]
+    unsupported = world_size and limits.current().unsupported_ranks(
+        "world size", world_size, len(dumps)
+    )
+    if unsupported:  # --world-size: what the records can support bounds it too
+        raise UnusableInput(f"{unsupported} under {root}")
     entries = _concat_dumps(dumps, spans)
     groups, disputed = _merge_groups(dumps, spans)
     for d in dumps if disputed else ():

@@ -1,7 +1,13 @@
-"""Markdown report for CI job summaries (e.g. ``$GITHUB_STEP_SUMMARY``)."""
+"""Markdown report for CI job summaries (e.g. ``$GITHUB_STEP_SUMMARY``).
+
+Every text a dump wrote is inline text (``escape.markdown_text``), a code span
+(``escape.markdown_code``) or inside a fence longer than any backtick run in it: none can add
+a heading, a link, HTML or a comment that hides the rest of the summary.
+"""
 
 from __future__ import annotations
 
+from frtools.analyze.reporters.escape import markdown_code, markdown_fence, markdown_text
 from frtools.analyze.reporters.stacks_text import stack_lines
 from frtools.analyze.reporters.terminal import STACK_KINDS
 from frtools.analyze.verdict import Verdict
@@ -11,8 +17,7 @@ _ICON = {"healthy": "✅", "inconclusive": "⚠️"}
 
 
 def _cell(value: object) -> str:
-    text = "" if value is None else str(value)
-    return text.replace("|", "\\|").replace("\n", " ")
+    return markdown_text("" if value is None else value)
 
 
 def render(verdict: Verdict, verbose: bool = False) -> str:
@@ -27,10 +32,12 @@ def render(verdict: Verdict, verbose: bool = False) -> str:
     out.append("")
     pg = verdict.process_group
     if pg is not None:
-        where = f"Process group `{pg.name}`" + (f" ({_cell(pg.desc)})" if pg.desc else "")
+        where = f"Process group {markdown_code(pg.name)}" + (
+            f" ({_cell(pg.desc)})" if pg.desc else ""
+        )
         where += f", ranks {format_ranks(list(pg.ranks))}"
         if verdict.op:
-            where += f", op `{verdict.op}`"
+            where += f", op {markdown_code(verdict.op)}"
         if verdict.collective_seq_id is not None:
             where += f", collective_seq_id {verdict.collective_seq_id}"
         if verdict.p2p_seq_id is not None:
@@ -62,13 +69,13 @@ def render(verdict: Verdict, verbose: bool = False) -> str:
     if verdict.stacks is not None and (verdict.kind in STACK_KINDS or verbose):
         lines = stack_lines(verdict.stacks, max_frames=12 if verbose else 6)
         if lines:
-            out += ["### Stacks", "", "```", *lines, "```", ""]
+            out += ["### Stacks", "", *markdown_fence(lines), ""]
     if verbose and verdict.evidence:
         out += ["### Evidence", ""] + [f"- {_cell(e)}" for e in verdict.evidence] + [""]
     bad = [i for i in verdict.inputs if i.status != "ok"]
     if bad:
         out += ["### Inputs not used", "", "| file | status | reason |", "|---|---|---|"]
         for i in bad:
-            out.append(f"| `{_cell(i.path)}` | {i.status} | {_cell(i.reason)} |")
+            out.append(f"| {markdown_code(i.path, table=True)} | {i.status} | {_cell(i.reason)} |")
         out.append("")
     return "\n".join(out)

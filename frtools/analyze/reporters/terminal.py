@@ -1,6 +1,9 @@
 """Terminal report (rich): the answer first, on one screen at 100 columns.
 
-Colour means something: red = guilty, yellow = waiting, green = healthy.
+Colour means something: red = guilty, yellow = waiting, green = healthy. Every text a dump
+wrote goes through ``escape.terminal`` (no escape sequence reaches the terminal, no markup is
+read) and the rendered text through ``escape.no_workflow_commands`` (no line of it starts a CI
+workflow command).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from frtools.analyze.reporters.escape import no_workflow_commands, terminal
 from frtools.analyze.reporters.stacks_text import stack_lines
 from frtools.analyze.verdict import Verdict
 from frtools.model.ranks import format_ranks
@@ -26,7 +30,7 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
     head = Text()
     head.append(f" {verdict.kind.upper()} ", style=f"bold white on {colour}")
     head.append(" ")
-    head.append(verdict.headline, style=f"bold {colour}")
+    head.append(terminal(verdict.headline), style=f"bold {colour}")
     parts.append(head)
     meta = Text(f"confidence {verdict.confidence:.0%}", style="dim")
     meta.append(
@@ -43,23 +47,23 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
         if g.device_id:
             ident.append(g.device_id)
         if ident:
-            line.append(" (" + ", ".join(ident) + ")", style="red")
-        line.append(f": {g.reason}")
+            line.append(" (" + terminal(", ".join(ident)) + ")", style="red")
+        line.append(f": {terminal(g.reason)}")
         parts.append(line)
         if g.call_site:
-            parts.append(Text(f"    at {g.call_site}", style="cyan"))
+            parts.append(Text(f"    at {terminal(g.call_site)}", style="cyan"))
 
     pg = verdict.process_group
     if pg is not None:
         where = Text("  group ")
-        where.append(pg.name, style="bold")
+        where.append(terminal(pg.name), style="bold")
         if pg.desc:
-            where.append(f" ({pg.desc})")
+            where.append(f" ({terminal(pg.desc)})")
         where.append(f" ranks {format_ranks(list(pg.ranks), 40)}")
         if pg.inferred:
             where.append(" (membership inferred)", style="dim")
         if verdict.op:
-            where.append(f" · op {verdict.op}")
+            where.append(f" · op {terminal(verdict.op)}")
         if verdict.collective_seq_id is not None:
             where.append(f" · collective_seq_id {verdict.collective_seq_id}")
         if verdict.p2p_seq_id is not None:
@@ -81,17 +85,17 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
                 style = "red" if line.startswith("rank ") else ""
                 if "<- outlier" in line:
                     style = "red"
-                parts.append(Text(f"  {line}", style=style))
+                parts.append(Text(f"  {terminal(line)}", style=style))
 
     if verdict.decide:
         parts.append(Text("To decide", style="bold"))
         for d in verdict.decide:
-            parts.append(Text(f"  • {d}"))
+            parts.append(Text(f"  • {terminal(d)}"))
 
     if verbose and verdict.evidence:
         parts.append(Text("Evidence", style="bold"))
         for e in verdict.evidence:
-            parts.append(Text(f"  • {e}"))
+            parts.append(Text(f"  • {terminal(e)}"))
 
     bad = [i for i in verdict.inputs if i.status != "ok"]
     if bad or verdict.ranks_missing:
@@ -105,7 +109,7 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
             style = "red" if i.status == "error" else "dim"
             line = Text("  ")
             line.append(f"{i.status:9}", style=style)
-            line.append(f" {i.path}: {i.reason}")
+            line.append(f" {terminal(i.path)}: {terminal(i.reason)}")
             parts.append(line)
         if len(bad) > len(shown):
             parts.append(Text(f"  … {len(bad) - len(shown)} more (-v lists all)", style="dim"))
@@ -128,13 +132,13 @@ def _groups_table(verdict: Verdict, verbose: bool) -> Table:
         style = "red" if ranks & guilty else ("yellow" if ranks <= waiting else "")
         row = [
             Text(format_ranks(g.ranks, 24), style=style),
-            g.op or "-",
-            g.input_sizes or "-",
-            g.input_dtypes or "-",
+            Text(terminal(g.op or "-")),
+            Text(terminal(g.input_sizes or "-")),
+            Text(terminal(g.input_dtypes or "-")),
         ]
         if verbose:
-            row.append(g.output_sizes or "-")
-        row.append(Text(g.state or "-", style=style))
+            row.append(Text(terminal(g.output_sizes or "-")))
+        row.append(Text(terminal(g.state or "-"), style=style))
         table.add_row(*row)
     return table
 
@@ -142,7 +146,8 @@ def _groups_table(verdict: Verdict, verbose: bool) -> Table:
 def render(
     verdict: Verdict, verbose: bool = False, width: int = 100, color: bool | None = None
 ) -> str:
-    """The report as text (ANSI colours when ``color``; plain text otherwise)."""
+    """The report as text (ANSI colours when ``color``; plain text otherwise), no line of
+    which starts a workflow command."""
     console = Console(
         width=width,
         record=True,
@@ -153,7 +158,7 @@ def render(
         highlight=False,
     )
     console.print(renderable(verdict, verbose))
-    return console.export_text(styles=bool(color))
+    return no_workflow_commands(console.export_text(styles=bool(color)))
 
 
 class _Null:

@@ -226,6 +226,7 @@ class _TopLevel:
     groups: dict[str, ProcessGroup]
     default_pg_all: bool
     notes: list[str]
+    nameless: tuple[int, ...] = ()  # the members of Gloo's nameless pg_config entry
 
 
 def normalize(dump: Any, name_rank: int | None = None, name_host: str | None = None) -> TorchDump:
@@ -252,7 +253,7 @@ def normalize(dump: Any, name_rank: int | None = None, name_host: str | None = N
         )
     if not isinstance(raw_entries, list):
         raise TorchDumpError(f"'entries' is {type(raw_entries).__name__}, not a list")
-    top = _top_level(dump, name_rank, name_host, notes)
+    top = _top_level(encodable(dump, skip="entries"), name_rank, name_host, notes)
     cols, pg_id_to_name, pg_descs, unmapped, bad = _columns(raw_entries, top.groups)
     if bad:
         notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
@@ -271,7 +272,7 @@ def normalize_native(
     columns: the same ``TorchDump``, built with numpy over the few distinct values instead
     of a Python loop over every entry."""
     notes: list[str] = []
-    top = _top_level(top_dump, name_rank, name_host, notes)
+    top = _top_level(encodable(top_dump, skip="entries"), name_rank, name_host, notes)
     cols, pg_id_to_name, pg_descs, unmapped, bad = _native_columns(native, top.groups)
     if bad:
         notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
@@ -304,6 +305,7 @@ def _top_level(
     # process groups this file knows
     groups: dict[str, ProcessGroup] = {}
     default_pg_all = False
+    nameless: tuple[int, ...] = ()
     members = 0
     max_members = limits.current().members_per_file
     pg_config = dump.get("pg_config")
@@ -318,12 +320,11 @@ def _top_level(
             else:
                 continue
             if not name:
-                # Gloo writes one nameless entry: on 2.13 the world group's members ('[]'
-                # where it lists none), on 2.15 '[0, 1]' in any world (a placeholder)
-                if _nameless_is_world(ranks, rank) and "0" not in groups:
-                    name, desc = "0", "default_pg"
-                else:
-                    continue
+                # Gloo's one nameless entry: the world's members in a job of one group;
+                # with subgroups '[]' (2.13) or the first subgroup's, on every rank (2.15)
+                if isinstance(ranks, tuple):
+                    nameless = ranks
+                continue
             if ranks == "all":
                 default_pg_all = default_pg_all or desc == "default_pg" or name == "0"
                 ranks = ()
@@ -340,15 +341,23 @@ def _top_level(
                     )
                 )
             groups[name] = ProcessGroup(name=name, desc=desc, ranks=ranks or ())
-    return _TopLevel(dump, rank, host, version, groups, default_pg_all, notes)
+    return _TopLevel(dump, rank, host, version, groups, default_pg_all, notes, nameless)
 
 
-def _nameless_is_world(ranks: Any, rank: int) -> bool:
-    """Whether Gloo's nameless pg_config entry lists the world group: 0..n-1 holding this
-    rank, and not torch 2.15's '[0, 1]' placeholder (ambiguous in a 2-rank world)."""
-    if not isinstance(ranks, tuple) or len(ranks) < 3:
+def _nameless_is_world(
+    top: _TopLevel, pg_id_to_name: Mapping[str, str], pg_status: Mapping[str, Any]
+) -> bool:
+    """Whether Gloo's nameless pg_config entry lists the world group: in a file that knows
+    of no group but the world (no other group in its entries or pg_status), 0..n-1 holding
+    this rank. (Seen on torch 2.13 and 2.15; with subgroups it lists '[]' or a subgroup;
+    '[0, 1]' is also torch 2.15's placeholder, so a 2-rank list is not believed.)"""
+    ranks = top.nameless
+    if len(ranks) < 3 or ranks != tuple(range(len(ranks))) or not 0 <= top.rank < len(ranks):
         return False
-    return ranks == tuple(range(len(ranks))) and 0 <= rank < len(ranks)
+    if set(pg_id_to_name.values()) - {"0"} or set(pg_status) - {"0"}:
+        return False
+    world = top.groups.get("0")
+    return world is None or not world.ranks
 
 
 def _torch_dump(
@@ -360,6 +369,7 @@ def _torch_dump(
     bad: int,
 ) -> TorchDump:
     groups, notes, dump = top.groups, top.notes, top.dump
+    pg_id_to_name, pg_descs = encodable(pg_id_to_name), encodable(pg_descs)
     for name, desc in pg_descs.items():
         g = groups.get(name)
         if g is None:
@@ -371,6 +381,9 @@ def _torch_dump(
     if note:
         notes.append(note)
     table = _retired_at_issue(table)
+    if _nameless_is_world(top, pg_id_to_name, pg_status):
+        groups["0"] = ProcessGroup(name="0", desc=pg_descs.get("0") or "default_pg",
+                                   ranks=top.nameless)  # fmt: skip
     comm = dump.get("comm_lib_version", dump.get("nccl_version"))
     return TorchDump(
         rank=top.rank,
@@ -427,6 +440,8 @@ def _table(cols: dict[str, list[Any]], notes: list[str]) -> pa.Table:
             continue
         try:
             arrays.append(pa.array(values, type=fld.type))
+        except UnicodeEncodeError:  # lone surrogates: replaced, the rest kept
+            arrays.append(pa.array([_clean_str(v) for v in values], type=fld.type))
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
             clean = _CLEANERS.get(str(fld.type), _clean_str)
             arrays.append(pa.array([clean(v) for v in values], type=fld.type))
@@ -451,7 +466,34 @@ def _clean_bool(v: Any) -> bool | None:
 
 
 def _clean_str(v: Any) -> str | None:
-    return None if v is None else str(v)
+    return None if v is None else encodable_text(str(v))
+
+
+def encodable_text(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a lone surrogate (``\\ud800``, which a pickle or a
+    JSON escape may hold) becomes U+FFFD; a valid pair becomes its character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
+def encodable(value: Any, skip: str | None = None, depth: int = 0) -> Any:
+    """``value`` with every text in it (keys too) made ``encodable_text``: what a dump holds
+    besides its entries (``skip``), which every output writes as UTF-8 further on."""
+    if isinstance(value, str):
+        return encodable_text(value)
+    if depth > 64:
+        return value
+    if isinstance(value, Mapping):
+        return {
+            encodable(k, None, depth + 1): v if k == skip else encodable(v, None, depth + 1)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return type(value)(encodable(v, None, depth + 1) for v in value)
+    return value
 
 
 _CLEANERS = {
@@ -562,7 +604,7 @@ def _columns(
     stack_ids = [interned.intern(f) for f in col("frames")]
     sites = [None if i is None else interned.sites[i] for i in stack_ids]
     stacks = pa.DictionaryArray.from_arrays(
-        pa.array(stack_ids, type=pa.int32()), pa.array(interned.texts, type=pa.string())
+        pa.array(stack_ids, type=pa.int32()), _strings(interned.texts)
     )
 
     duration = [
@@ -679,11 +721,19 @@ def _dictionary_array(indices: np.ndarray, values: Sequence[str | None]) -> pa.A
 _STRING_ARRAYS: dict[tuple[str | None, ...], pa.Array] = {}
 
 
+def _strings(values: Sequence[str | None]) -> pa.Array:
+    """A string array of ``values``; one that UTF-8 cannot carry is made ``encodable_text``."""
+    try:
+        return pa.array(values, type=pa.string())
+    except UnicodeEncodeError:
+        return pa.array([_clean_str(v) for v in values], type=pa.string())
+
+
 def _string_array(values: Sequence[str | None]) -> pa.Array:
     key = tuple(values)
     got = _STRING_ARRAYS.get(key)
     if got is None:
-        got = pa.array(values, type=pa.string())
+        got = _strings(values)
         if got.nbytes > _CACHED_TEXT_MAX:
             return got
         if len(_STRING_ARRAYS) >= 4096:
