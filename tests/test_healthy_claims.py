@@ -65,3 +65,14 @@ def test_a_real_hang_stays_a_hang_with_the_world_listed(tmp_path: Path) -> None:
 def test_placeholder_two_rank_list_is_not_read_as_a_world(tmp_path: Path) -> None:
     _barrier_end(tmp_path, "[0, 1]", lagging=())
     assert load_trace(tmp_path).process_groups["0"].inferred
+
+
+def test_nameless_list_of_a_job_with_subgroups_is_not_read_as_a_world(tmp_path: Path) -> None:
+    # with subgroups, Gloo's nameless entry lists '[]' or a subgroup: no statement
+    _barrier_end(tmp_path, "[0, 1, 2, 3]", lagging=())
+    for rank in range(4):
+        path = tmp_path / f"rank_{rank}.pkl"
+        d = pickle.loads(path.read_bytes())
+        d["pg_status"]["1"] = dict(d["pg_status"]["0"])
+        write_pickle(path, d)
+    assert load_trace(tmp_path).process_groups["0"].inferred

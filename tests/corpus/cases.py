@@ -87,19 +87,16 @@ CASES: tuple[Case, ...] = (
          "DDP, rank 2 calls os._exit(1) at step 20 (of 25); as for SIGKILL the survivors' next "
          "all_reduce fails with a connection error.",
          steps=25, fault_step=20, reported=True),
-    Case("ddp8-size-r7-fr", "ddp", "size", 7, 8, "fr", "inconclusive", (),
+    Case("ddp8-size-r7-fr", "ddp", "size", 7, 8, "fr", "dead", (7,),
          "8-rank DDP; at step 9 rank 7 all-reduces a 769-float metrics vector where its peers "
          "pass 1025 (world all_reduce #31). Gloo aborts rank 7 (gloo::EnforceNotMet, SIGABRT): "
          "no dump. Ranks that exchange with it (its ring neighbours 0 and 6, sometimes more) "
          "leave the op with a connection error, retired (completed in pg_status), dump, and "
          "stay up writing a checkpoint, as in the report; the others stay blocked in #31 and "
-         "dump from their watchdog (5 of 7 in one run, 3 in another). (When the errored ranks "
-         "exit at once, their closed sockets fail every blocked rank in turn, each retires "
-         "#31 and re-dumps: the dumps then hold nothing a healthy run's would not.) "
-         "Without --world-size nothing "
-         "in the 7 dumps (rank_0..rank_6, no gap) says an 8th rank exists, so no rank can be "
-         "named; but ranks are blocked in an op every rank with a dump issued and others "
-         "retired: 'healthy' would be false. inconclusive (exit 1).",
+         "dump from their watchdog (5 of 7 in one run, 3 in another). A job of one group: "
+         "Gloo's nameless pg_config entry lists the world, [0, ..., 7] (torch 2.13 and 2.15), "
+         "so rank 7 is an expected member without a dump, and the blocked ranks wait for it: "
+         "dead (its sizes are recorded nowhere: not mismatch).",
          steps=11, fault_step=9, linger_on_error=10.0, reported=True),
     Case("ddp8-size-r7-fr-ws", "ddp", "size", 7, 8, "fr", "dead", (7,),
          "The same dumps analyzed with --world-size 8 (the user knows it): rank 7 has no dump "
@@ -118,12 +115,12 @@ CASES: tuple[Case, ...] = (
          "Rank 1 holds the GIL in a C call (its FR watchdog thread cannot run: no dump); ranks "
          "0, 2, 3 block in the next all_reduce and dump. docs/verdict.md: the rank the others "
          "wait for has no usable dump -> dead."),
-    Case("ddp-gil-r3-fr", "ddp", "gil", 3, 4, "fr", "inconclusive", (),
-         "The highest rank holds the GIL: no dump, and a Gloo dump states no world size, so "
-         "ranks 0-2 look like a complete 3-rank job, all blocked in one all_reduce that each "
-         "of them issued with one signature. Gloo FR has no per-op state beyond retired, so "
-         "'stuck' (every member issued it) cannot be told from 'a member without a dump never "
-         "came'. No rank can be named; 'healthy', or 'stuck' blaming 0-2, would be false."),
+    Case("ddp-gil-r3-fr", "ddp", "gil", 3, 4, "fr", "dead", (3,),
+         "The highest rank holds the GIL: no dump. A job of one group: Gloo's nameless "
+         "pg_config entry lists the world, [0, 1, 2, 3], so rank 3 is an expected member "
+         "without a dump, and ranks 0-2 are blocked in the all_reduce it never joined: dead "
+         "(docs/verdict.md: the rank the others wait for has no usable dump). Without that "
+         "list (a job with subgroups) the data could not tell it from a 3-rank job."),
     Case("ddp-gil-r2-frtools", "ddp", "gil", 2, 4, "frtools", "missing", (2,),
          "Rank 2 holds the GIL; its native watchdog answers frtools dump (alive, stacks in "
          "hold_gil). It never issued the all_reduce ranks 0, 1, 3 wait in: missing."),
