@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -263,6 +264,9 @@ def test_rank_spinning_in_nccl_on_another_thread_is_the_native_outlier(tmp_path)
     )
     native = summary.to_dict()["native"]
     assert native["groups"][1]["frames"][0]["matters"] is True
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((Path(__file__).parents[1] / "docs" / "verdict.schema.json").read_text())
+    jsonschema.validate(summary.to_dict(), {"$defs": schema["$defs"], "$ref": "#/$defs/stacks"})
     assert {i.reason for i in _native_trace(tmp_path, texts).inputs} == {
         f"native stacks of rank {r} (py-spy)" for r in range(4)
     }

@@ -63,12 +63,24 @@ def _set_input(trace: Trace, path: Path, status: str, reason: str, rank: int | N
     trace.inputs.append(InputFile(p, status, reason, rank=rank))
 
 
-def _read_stacks(path: Path) -> str:
-    """The file's text, cut to its last ``stacks_bytes`` (the newest dump is what counts)."""
-    lim = limits.current()
-    data = limits.read_regular(
-        path, lim.stacks_bytes, limit_name="stacks_bytes", follow_symlinks=False, tail=True
-    )
+def _read_side(trace: Trace, path: Path, rank: int, limit_name: str, tail: bool) -> str | None:
+    """A side file's text, at most the limit ``limit_name`` (with ``tail``, its last part:
+    the newest stacks dump is what counts; else a longer file is refused); None, with the
+    file's ``InputFile`` reason, when it cannot be read."""
+    try:
+        data = limits.read_regular(
+            path,
+            getattr(limits.current(), limit_name),
+            limit_name=limit_name,
+            follow_symlinks=False,
+            tail=tail,
+        )
+    except limits.InputRefused as exc:
+        _set_input(trace, path, "error", str(exc), rank)
+        return None
+    except OSError as exc:
+        _set_input(trace, path, "error", f"cannot read: {exc.strerror or exc}", rank)
+        return None
     return data.decode("utf-8", errors="replace")
 
 
@@ -110,13 +122,8 @@ def attach_stacks(trace: Trace, root: str | os.PathLike[str]) -> None:
 
         ordered = sorted(paths, key=preference, reverse=True)
         chosen = ordered[0]
-        try:
-            text = _read_stacks(chosen)
-        except limits.InputRefused as exc:
-            _set_input(trace, chosen, "error", str(exc), rank)
-            continue
-        except OSError as exc:
-            _set_input(trace, chosen, "error", f"cannot read: {exc.strerror or exc}", rank)
+        text = _read_side(trace, chosen, rank, "stacks_bytes", tail=True)
+        if text is None:
             continue
         if info.stacks is None and text.strip():
             info.stacks = text
@@ -129,7 +136,6 @@ def attach_native_stacks(trace: Trace, root: str | os.PathLike[str]) -> None:
     """Attach ``rank_<R>.native`` files (py-spy's JSON, read whole up to
     ``native_stacks_bytes``) to their ranks' ``RankInfo.native_stacks``; the one next to the
     rank's record wins. The text is parsed later, as untrusted, by ``analyze.stacks``."""
-    lim = limits.current()
     for path in _walk(Path(root), lambda n: n.endswith(NATIVE_STACKS_SUFFIX)):
         rank = rank_in_file_name(path.name, NATIVE_STACKS_SUFFIX)
         info = trace.ranks.get(rank) if rank is not None else None
@@ -139,20 +145,10 @@ def attach_native_stacks(trace: Trace, root: str | os.PathLike[str]) -> None:
         if info.native_stacks is not None and path.parent != Path(info.source).parent:
             _set_input(trace, path, "duplicate", f"native stacks of rank {rank} again", rank)
             continue
-        try:
-            data = limits.read_regular(
-                path,
-                lim.native_stacks_bytes,
-                limit_name="native_stacks_bytes",
-                follow_symlinks=False,
-            )
-        except limits.InputRefused as exc:
-            _set_input(trace, path, "error", str(exc), rank)
+        text = _read_side(trace, path, rank, "native_stacks_bytes", tail=False)
+        if text is None:
             continue
-        except OSError as exc:
-            _set_input(trace, path, "error", f"cannot read: {exc.strerror or exc}", rank)
-            continue
-        info.native_stacks = data.decode("utf-8", errors="replace")
+        info.native_stacks = text
         _set_input(trace, path, "ok", f"native stacks of rank {rank} (py-spy)", rank)
 
 
