@@ -3,7 +3,9 @@ analyzer shows where in c10d / Gloo a rank waits; without py-spy, one line says 
 
 One real 2-rank Gloo job under ``frtools run``: rank 0 waits in a barrier that rank 1 (asleep
 in Python) never joins, so rank 0's main thread sits inside c10d's C++ wait. It is dumped once
-with py-spy on PATH and once without, then killed.
+with py-spy on PATH and once without, then killed. A py-spy that hangs or fails is played by a
+small shell script: it is killed at the deadline, the rank is left running, the reason is one
+line.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 from jobs import start_ranks, stop
 
 from frtools.analyze.diagnose import IN_FLIGHT_NS
-from frtools.collect.native_stacks import HINT, find_py_spy
+from frtools.collect.native_stacks import HINT, MIN_SECONDS, find_py_spy, take
 
 WORLD = 2
 JOB_ID = "native"
@@ -133,3 +135,41 @@ def test_without_py_spy_one_line_says_how_to_get_native_stacks(barrier_job: dict
     assert len(hint_lines) == 1 and "SYS_PTRACE" in hint_lines[0], dump.stdout
     # the Python stacks are still collected
     assert (out / "rank_0.stacks").is_file() and (out / "rank_1.stacks").is_file()
+
+
+def _stand_in(tmp_path: Path, body: str) -> str:
+    """A stand-in for a py-spy that misbehaves (the real one is exercised above)."""
+    exe = tmp_path / "py-spy"
+    exe.write_text(f"#!/bin/sh\n{body}\n")
+    exe.chmod(0o700)
+    return str(exe)
+
+
+@pytest.mark.timeout(60)
+def test_py_spy_past_its_deadline_is_killed_and_the_rank_left_running(tmp_path: Path) -> None:
+    target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        t = time.monotonic()
+        (result,) = take({0: target.pid}, 0.1, py_spy=_stand_in(tmp_path, "exec sleep 30")).values()
+        assert time.monotonic() - t < MIN_SECONDS + 3
+        assert result.error == f"py-spy did not finish within {MIN_SECONDS:g} s"
+        state = Path(f"/proc/{target.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state not in ("T", "t"), "the rank was left stopped"
+        assert target.poll() is None
+    finally:
+        target.kill()
+        target.wait()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ("echo 'Permission denied (os error 13)' >&2; exit 1", "--cap-add SYS_PTRACE"),
+        ("echo 'Process 7: not json'", "printed no JSON stacks"),
+        ("head -c 5000000 /dev/zero | tr '\\0' '['", "above native_stacks_bytes"),
+    ],
+)
+def test_py_spy_that_fails_gives_a_one_line_reason(tmp_path: Path, body: str, reason: str) -> None:
+    (result,) = take({0: os.getpid()}, 5, py_spy=_stand_in(tmp_path, body)).values()
+    assert result.text == "" and reason in result.error and "\n" not in result.error

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,6 +92,10 @@ def take(
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             _kill(proc)
+            # py-spy attaches with ptrace, which stops the target: killed mid-way it may
+            # leave the rank stopped, and a stopped rank is a hang of our making
+            with contextlib.suppress(OSError):
+                os.kill(result.pid, signal.SIGCONT)
             result.error = f"py-spy did not finish within {max(timeout, MIN_SECONDS):g} s"
         else:
             result.text, result.error = _answer(proc.returncode, out, err, cap)
@@ -102,7 +107,7 @@ def take(
 
 def _kill(proc: subprocess.Popen) -> None:
     with contextlib.suppress(OSError):
-        os.killpg(proc.pid, 9)
+        os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
 
