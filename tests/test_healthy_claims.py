@@ -76,3 +76,29 @@ def test_nameless_list_of_a_job_with_subgroups_is_not_read_as_a_world(tmp_path: 
         d["pg_status"]["1"] = dict(d["pg_status"]["0"])
         write_pickle(path, d)
     assert load_trace(tmp_path).process_groups["0"].inferred
+
+
+def _arrivals(tmp_path: Path, late_ms) -> Path:  # noqa: ANN001
+    """A healthy 4-rank NCCL-recorded job of 12 collectives; rank r enters collective k
+    ``late_ms(r, k)`` ms after the step's start."""
+    for rank in range(4):
+        d = fr_dump("2.10", n=12)
+        for k, e in enumerate(d["entries"]):
+            e["time_created_ns"] = k * 1_000_000_000 + int(late_ms(rank, k) * 1e6)
+        write_pickle(tmp_path / f"rank_{rank}.pkl", d)
+    return tmp_path
+
+
+def test_lateness_in_stage_order_every_step_is_the_pipeline_schedule(tmp_path: Path) -> None:
+    # a 4-stage 1F1B job reaches its per-step loss broadcast in stage order: 50, 35, 17, 0 ms
+    stair = {0: 50, 1: 35, 2: 17, 3: 0}
+    v = diagnose(load_trace(_arrivals(tmp_path, lambda r, k: stair[r] + (k * 7 + r) % 3)))
+    assert v.kind == "healthy", v.headline
+
+
+def test_one_slow_rank_among_ranks_in_any_order_is_a_straggler(tmp_path: Path) -> None:
+    jitter = [[0, 4, 2, 1], [3, 0, 1, 4], [1, 2, 4, 0], [4, 1, 0, 3]]
+    v = diagnose(
+        load_trace(_arrivals(tmp_path, lambda r, k: (60 if r == 1 else 0) + jitter[k % 4][r]))
+    )
+    assert (v.kind, [g.rank for g in v.guilty]) == ("straggler", [1]), v.headline

@@ -61,7 +61,50 @@ def stragglers(facts: JobFacts) -> list[tuple[int, float, float, int]]:
     found = _late(c, candidates) if candidates else {}
     if not found:
         found = _last_in(c)
+    found = {r: v for r, v in found.items() if r not in _schedule_ranks(c, set(found))}
     return [(r, *found[r]) for r in sorted(found)]
+
+
+# A group's members arrive in one fixed order this often for the order to be a schedule.
+SCHEDULE_SHARE = 0.8
+# The groups looked at for a schedule (the ones the late ranks are in; bounded work).
+SCHEDULE_GROUPS = 64
+
+
+def _schedule_ranks(c: pd.DataFrame, late: set[int]) -> set[int]:
+    """Late ranks whose lateness is a pipeline schedule: in a group of >= 3 members the
+    members reach its collectives in one fixed order, every member a step later than the
+    one before (a staircase), in >= ``SCHEDULE_SHARE`` of the collectives. A 1F1B or GPipe
+    schedule drains stage by stage before a per-step collective (a loss broadcast): stage
+    order, every step. One slow rank is late alone while the others arrive in any order.
+
+    Worked example (a healthy 4-stage 1F1B job, the per-step loss broadcast):
+
+        arrival after the first, per step: rank 3 0 ms, rank 2 17, rank 1 35, rank 0 50
+        every step the same order, each rank later than the one before -> the schedule
+        (ranks 0 and 1 are "late", but nobody is slow)
+    """
+    if not late:
+        return set()
+    groups = c.loc[c["rank"].isin(late).to_numpy(), "pg_name"].unique().tolist()
+    out: set[int] = set()
+    for pg_name in groups[:SCHEDULE_GROUPS]:
+        mine = c[(c["pg_name"] == pg_name).to_numpy()]
+        t = mine.pivot_table(
+            index="seq", columns="rank", values="time_created_ns", aggfunc="min", observed=True
+        ).dropna()
+        if t.shape[1] < 3 or len(t) < MIN_COLLECTIVES:
+            continue
+        rel = t.to_numpy(dtype=np.float64, copy=True)
+        rel -= rel.min(axis=1, keepdims=True)
+        order = np.argsort(np.median(rel, axis=0), kind="stable")
+        steps = np.diff(rel[:, order], axis=1)  # each member after the one before it
+        jitter = float(np.median(np.abs(steps))) if steps.size else 0.0
+        floor = max(MIN_LATE_NS, SPREAD_FACTOR * jitter) / 4
+        staircase = (steps >= floor).all(axis=1)
+        if staircase.mean() >= SCHEDULE_SHARE:
+            out |= {int(r) for r in t.columns} & late
+    return out
 
 
 def _last_in(c: pd.DataFrame) -> dict[int, tuple[float, float, int]]:
