@@ -924,3 +924,32 @@ def test_a_world_size_the_records_cannot_support_is_refused(tmp_path: Path) -> N
     got = analyze_limited(tmp_path, "--world-size", str(1 << 20))
     assert got.returncode == 2 and got.stderr.count("\n") == 1, got.stderr
     assert "world size 1,048,576 is more than 4 rank record(s) can support" in got.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_member_range_the_records_cannot_support_is_not_believed(tmp_path: Path) -> None:
+    """A small host summary whose groups list members 0-1048575 (eight such groups in 951
+    bytes took 183 s and 2.3 GB): the lists are ignored by name, the groups inferred from
+    the records, the verdict in seconds."""
+    import struct
+    import zlib
+
+    from frtools.formats.summary_packed import MAGIC
+    from frtools.synth import synthesize
+
+    synthesize(tmp_path, format="summary", window=16, world_size=8, tp=2, pp=1,
+               fault="healthy", seed=0, workers=1)  # fmt: skip
+    [path] = tmp_path.glob("*.summary")
+    raw = zlib.decompress(path.read_bytes()[len(MAGIC) :])
+    (n,) = struct.unpack_from("<I", raw)
+    header = json.loads(raw[4 : 4 + n])
+    for g in header["groups"]:
+        g[2] = "0-1048575"
+    head = json.dumps(header).encode()
+    path.write_bytes(MAGIC + zlib.compress(struct.pack("<I", len(head)) + head + raw[4 + n :]))
+    got = analyze_limited(tmp_path)
+    assert got.returncode in (0, 1), got.stderr[-2000:]
+    assert got.seconds < 15, got.seconds
+    reason = inputs_by_name(got.json())[path.name]["reason"]
+    assert "member list claims 1,048,576 is more than 8 rank record(s) can support" in reason
+    assert got.json()["ranks"]["expected"] == 8

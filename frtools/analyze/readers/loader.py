@@ -560,10 +560,11 @@ def _merge_recorders(keep: RankDump, others: list[RankDump]) -> RankDump:
 
 def _merge_groups(
     dumps: Sequence[RankDump], spans: Spans
-) -> tuple[dict[str, ProcessGroup], set[str]]:
+) -> tuple[dict[str, ProcessGroup], set[str], dict[str, str]]:
     """Membership from the files that list it (the most common list where they disagree);
     where none does, from which ranks recorded ops on the group (``inferred``). Also the
-    groups whose files disagree (their dissenters get a note: none to look for when empty).
+    groups whose files disagree (their dissenters get a note: none to look for when empty),
+    and the groups whose member lists the records cannot support, with why.
 
     Plain dicts and one pass: 131,072 ranks name ~400,000 distinct groups (one of each
     size-1 kind per rank); a Counter per group costs seconds there."""
@@ -580,6 +581,7 @@ def _merge_groups(
     # the default group where a file says "all ranks": the loader fills it from the world
     # size, nobody's ops need to be looked at for it
     everyone: set[str] = set()
+    refused: dict[str, str] = {}
     for d in dumps:
         for name, g in d.process_groups.items():
             dc = descs.get(name)
@@ -598,6 +600,19 @@ def _merge_groups(
                 lc[id(same)] = lc.get(id(same), 0) + 1
             elif d.default_pg_all and (name == "0" or g.desc == "default_pg"):
                 everyone.add(name)
+
+    # a member list the records cannot support (a tiny file naming a million members) is
+    # not believed: the group is inferred as if no file listed it
+    cap = limits.current().ranks_supported(len(dumps))
+    for name, lc in listed.items():
+        for rid in [rid for rid in lc if _claimed(by_id[rid]) > cap]:
+            refused[name] = (
+                limits.current().unsupported_ranks(
+                    f"process group {name}'s member list claims", _claimed(by_id[rid]), len(dumps)
+                )
+                or ""
+            )
+            del lc[rid]
 
     # who recorded ops on a group: needed only for groups no file lists (Gloo), and found
     # per file (one rank each) rather than by grouping millions of entries
@@ -633,7 +648,12 @@ def _merge_groups(
         else:
             members = tuple(sorted(set(recorded.get(name, ()))))
             groups[name] = ProcessGroup(name, desc, members, inferred=True)
-    return groups, disputed
+    return groups, disputed, refused
+
+
+def _claimed(ranks: tuple[int, ...]) -> int:
+    """How many ranks a member list makes the analysis expect (its highest rank + 1)."""
+    return max(len(ranks), max(ranks) + 1) if ranks else 0
 
 
 def _records_unknown_groups(d: RankDump) -> bool:
@@ -790,7 +810,12 @@ def _load_trace(
     if unsupported:  # --world-size: what the records can support bounds it too
         raise UnusableInput(f"{unsupported} under {root}")
     entries = _concat_dumps(dumps, spans)
-    groups, disputed = _merge_groups(dumps, spans)
+    groups, disputed, refused = _merge_groups(dumps, spans)
+    for d in dumps if refused else ():
+        for name in refused.keys() & d.process_groups.keys():
+            if d.process_groups[name].ranks:
+                _add_reason(kept_inputs[d.rank_info.rank], f"{refused[name]}: ignored")
+                d.process_groups[name].ranks = ()
     for d in dumps if disputed else ():
         for name, g in d.process_groups.items():
             merged = groups.get(name) if name in disputed else None
