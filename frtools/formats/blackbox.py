@@ -61,6 +61,7 @@ __all__ = [
     "FLAG_FAILED",
     "PAGE",
     "PG_DTYPE",
+    "PHASE_NAMES",
     "READABLE_VERSIONS",
     "SLOT_DTYPE",
     "STATE_NAMES",
@@ -81,9 +82,10 @@ __all__ = [
 ]
 
 MAGIC = b"FRTBOX\x00\x01"
-FORMAT_VERSION = 2
-# versions this reader reads: 1 lacks the failure facts (its bytes there are zero)
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+# versions this reader reads: 1 lacks the failure facts, 2 the start-up phases (their bytes
+# there are zero)
+READABLE_VERSIONS = (1, 2, 3)
 HEADER_BYTES = 4096
 IDENTITY_OFFSET = 512
 STRING_NONE = 0
@@ -96,6 +98,11 @@ STATE_NAMES = ("", "scheduled", "started", "completed")
 # bits of a slot's flags
 FLAG_CUDA_DURATION = 1  # duration_ms came from CUDA events
 FLAG_FAILED = 2  # the op failed: ``error`` says how, ``time_failed_ns`` when
+
+# header startup_phase -> the Trace's start-up phase (frtools.model.trace.STARTUP_PHASES); each
+# phase's entry time is the header's ``phase_<name>_ns``. 0: not recorded (a box older than
+# version 3, or one opened at the first group by an ``enable()`` without the launcher's env)
+PHASE_NAMES = ("", "started", "init", "rendezvous", "connect", "ready")
 
 # header exit_kind -> the Trace's exit kind (frtools.model.trace.EXIT_KINDS); 0: not recorded
 EXIT_KIND_NAMES = ("", "clean", "exit", "exception", "os_exit", "signal")
@@ -145,6 +152,15 @@ HEADER_LAYOUT = (
     ("ops_failed", "I"),
     ("thread_error", "I"),
     ("exit_watched", "I"),
+    # version 3: the start-up phases (a box opened when the process starts, before any group)
+    ("startup_phase", "I"),
+    ("identity_update", "I"),
+    ("startup_failed", "I"),
+    ("phase_started_ns", "q"),
+    ("phase_init_ns", "q"),
+    ("phase_rendezvous_ns", "q"),
+    ("phase_connect_ns", "q"),
+    ("phase_ready_ns", "q"),
 )
 _HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_LAYOUT))
 _HEADER_FIELDS = tuple(name for name, _ in HEADER_LAYOUT)
@@ -395,6 +411,20 @@ class Snapshot:
         return None, None
 
     @property
+    def startup_phase(self) -> str | None:
+        """The last start-up phase the process entered (``PHASE_NAMES``: ``started`` … ``ready``);
+        None where the box does not record them (version < 3, or opened at the first group)."""
+        code = int(self.header.get("startup_phase", 0)) if self.version >= 3 else 0
+        return PHASE_NAMES[code] if 0 < code < len(PHASE_NAMES) else None
+
+    def phase_times(self) -> dict[str, int]:
+        """Start-up phase -> when the process entered it (wall clock ns), for those it did."""
+        if self.version < 3:
+            return {}
+        times = {name: int(self.header.get(f"phase_{name}_ns", 0)) for name in PHASE_NAMES[1:]}
+        return {name: t for name, t in times.items() if t > 0}
+
+    @property
     def exit_stack(self) -> str:
         """The traceback of the uncaught exception that ended the process, innermost frame
         first (``"file:line in func"`` lines); ``""`` when none was recorded."""
@@ -611,6 +641,29 @@ def _parse_identity(buf: bytes | memoryview, header: dict[str, Any]) -> tuple[di
         return {}, "identity in the header is not valid JSON"
     if not isinstance(identity, dict):
         return {}, "identity in the header is not a JSON object"
+    return _checked_identity(identity)
+
+
+def _updated_identity(
+    identity: dict[str, Any], blob: bytes, header: dict[str, Any]
+) -> tuple[dict[str, Any], str | None]:
+    """The identity as the recorder restated it at the first process group (version 3: a box
+    opened at process start learns its backend and device then), merged over the header's.
+    An update that is no JSON object, or names another rank, is ignored with a note."""
+    try:
+        update = json.loads(
+            _decode_string(blob, int(header["identity_update"]), limits.current().string_bytes)
+        )
+    except (ValueError, SnapshotError):
+        return identity, "the identity update in the string table is not valid JSON; ignored"
+    if not isinstance(update, dict):
+        return identity, "the identity update is not a JSON object; ignored"
+    if identity.get("rank") is not None and update.get("rank") != identity.get("rank"):
+        return identity, "the identity update names another rank; ignored"
+    return _checked_identity({**identity, **update})
+
+
+def _checked_identity(identity: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     # numbers another process wrote: a rank or world size beyond the largest world is no
     # rank (the file is refused) or no world size (ignored)
     rank = _opt_int(identity.get("rank"))
@@ -733,6 +786,10 @@ def _parse(buf: bytes | memoryview, size: int, path: str | None) -> Snapshot:
         notes.append("string table truncated: some names show as <missing string>")
     if header["strings_dropped"]:
         notes.append(f"string table was full: {header['strings_dropped']} string(s) not stored")
+    if header["version"] >= 3 and header["identity_update"]:
+        identity, why = _updated_identity(identity, strings_blob, header)
+        if why:
+            notes.append(why)
 
     pg_count = min(header["pg_count"], header["pg_capacity"])
     pg_end = header["pg_offset"] + pg_count * PG_DTYPE.itemsize

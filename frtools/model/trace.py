@@ -51,6 +51,10 @@ STATES = ("scheduled", "started", "completed")
 EXIT_KINDS = ("running", "clean", "exit", "exception", "os_exit", "signal", "killed")
 # Endings that are a failure of the rank itself, not of the job around it.
 ABNORMAL_EXITS = ("exit", "exception", "os_exit", "signal", "killed")
+# How far a process got in its start-up (frtools records from process start,
+# docs/snapshot-format.md "Start-up phases"), in order: running, no init_process_group yet;
+# inside it; in rendezvous (the store); the backend connecting to its peers; returned.
+STARTUP_PHASES = ("started", "init", "rendezvous", "connect", "ready")
 
 # Every string column is dictionary-encoded: a job repeats a few dozen group names, ops,
 # shapes and stacks millions of times. As plain strings the entries cost ~360 bytes each
@@ -188,6 +192,8 @@ class RankInfo:
     exit_kind: str | None = None  # one of EXIT_KINDS
     exit_detail: str | None = None  # exception "Type: message", signal name, exit status
     last_heartbeat_ns: int | None = None  # the process was last seen alive (wall clock)
+    # one of STARTUP_PHASES: how far its start-up got (None: not recorded, e.g. PyTorch FR)
+    startup_phase: str | None = None
 
     def identity(self) -> dict[str, Any]:
         return {

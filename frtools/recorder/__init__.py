@@ -9,7 +9,9 @@ Turn it on in one of three ways:
 * ``frtools run [--dir D] -- CMD ...`` does the above for every Python process of CMD.
 
 The file, ``<FRTOOLS_DIR>/<job_id>/rank_<R>.frt`` (default ``FRTOOLS_DIR``:
-``/dev/shm/frtools-<uid>``), is created at the first process group this process creates (when
+``/dev/shm/frtools-<uid>``), is created by ``enable()`` when a launcher states the rank
+(``RANK``, ``WORLD_SIZE``) and no group exists yet — the start-up phases are recorded from
+then on (``recorder.startup``) — else at the first process group this process creates (when
 the rank is known): private to this user, new, never through a link (``recorder.private``). Any failure — no native module, unwritable
 directory, unknown backend — prints one line ``frtools: recording disabled: <reason>`` and
 the job runs on unrecorded. Settings: the ``FRTOOLS_*`` variables of ``frtools.config``.
@@ -38,7 +40,7 @@ STRINGS_BYTES = 4 << 20
 def _identity(rank: int, world_size: int, backend: str, job_id: str) -> dict[str, Any]:
     import torch
 
-    device, device_id = "cpu", None
+    device, device_id = ("cpu" if backend else None), None  # no backend yet: not known
     if "nccl" in backend and torch.cuda.is_available():
         try:
             index = torch.cuda.current_device()
@@ -62,9 +64,61 @@ def _identity(rank: int, world_size: int, backend: str, job_id: str) -> dict[str
 
 
 def _open(rank: int, world_size: int, backend: str) -> Any:
+    """The Recorder of this process's first group: on the box opened at process start (its
+    identity restated with the backend and device now known), else on a new box; None
+    (after one line) when there is none."""
+    from frtools.recorder import capture
+    from frtools.recorder.notices import note
+
+    box = _session.get("box")
+    if box is None:
+        box = _open_box(rank, world_size, backend)
+        if box is None:
+            return None
+    else:
+        if (rank, world_size) != (_session["rank"], _session["world_size"]):
+            note(
+                f"rank {rank} of {world_size} records in the box opened as rank "
+                f"{_session['rank']} of {_session['world_size']} (the launcher's environment)"
+            )
+        try:
+            identity = _identity(_session["rank"], world_size, backend, _session["config"].job_id)
+            box.set_identity(json.dumps(identity))
+        except Exception as exc:  # a bonus: the box keeps the identity it opened with
+            note(f"identity not restated: {exc}")
+    cfg = _session["config"]
+    recorder = capture.Recorder(box, poll_ms=max(5, min(cfg.poll_ms, 100)), stacks=cfg.stacks)
+    _session["recorder"] = recorder
+    return recorder
+
+
+def _open_at_process_start() -> None:
+    """Under a launcher (``RANK``/``WORLD_SIZE`` set) and before any group exists, open the
+    box now and record the start-up phases (``frtools.recorder.startup``): a rank that never
+    reaches ``init_process_group`` is then recorded too, and its peers' wait in rendezvous."""
+    from frtools.recorder import startup
+    from frtools.recorder.capture import c10d_internals
+
+    if _session.get("box") is not None or not c10d_internals.is_default_group_pending():
+        return
+    ids = startup.launcher_rank(dict(os.environ))
+    if ids is None:
+        return
+    box = _open_box(*ids, "")
+    if box is not None:
+        startup.watch(box)
+
+
+def _flush() -> None:
+    """Mark the works that finished (at exit): the recorder's, once there is one."""
+    recorder = _session.get("recorder")
+    if recorder is not None:
+        recorder.poll()
+
+
+def _open_box(rank: int, world_size: int, backend: str) -> Any:
     """Create this rank's black box, stacks file and watchdog; None (after one line) if not."""
     from frtools.formats.manifest import rank_file_name, stacks_path
-    from frtools.recorder import capture
     from frtools.recorder.native import NativeUnavailable, load_native, register_stack_signal
     from frtools.recorder.notices import note, recording_disabled
 
@@ -108,18 +162,17 @@ def _open(rank: int, world_size: int, backend: str) -> Any:
         note(f"watchdog not started: {exc}")
     _session.update(path=path, box=box, rank=rank, world_size=world_size, access=access)
     _start_jobwide_when_ready()
-    recorder = capture.Recorder(box, poll_ms=max(5, min(cfg.poll_ms, 100)), stacks=cfg.stacks)
-    _watch_exit(box, recorder)
-    return recorder
+    _watch_exit(box)
+    return box
 
 
-def _watch_exit(box: Any, recorder: Any) -> None:
+def _watch_exit(box: Any) -> None:
     """Record how this process ends (exit status, exception, signal, os._exit) in its box."""
     from frtools.recorder import exits
     from frtools.recorder.notices import note
 
     try:
-        exits.watch(box, flush=recorder.poll)
+        exits.watch(box, flush=_flush)
     except Exception as exc:  # a bonus: the ops are recorded without it
         note(f"exit facts not recorded: {exc}")
 
@@ -248,6 +301,7 @@ def enable(
 
         capture.install(_open, cfg.capture)
         capture.open_if_job_running()
+        _open_at_process_start()
     except Exception as exc:
         recording_disabled(f"{type(exc).__name__}: {exc}")
         return False

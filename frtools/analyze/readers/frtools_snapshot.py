@@ -129,6 +129,7 @@ def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
         exit_kind=exit_kind,
         exit_detail=exit_detail,
         last_heartbeat_ns=heartbeat,
+        startup_phase=snap.startup_phase,
     )
     # The default group of a big job lists every rank: say "all ranks" instead of handing
     # the loader one 16,384-int tuple per file (it fills range(world_size) once). Small jobs

@@ -46,7 +46,8 @@ namespace {
 // ---------------------------------------------------------------------------------------
 
 constexpr char kMagic[8] = {'F', 'R', 'T', 'B', 'O', 'X', '\0', '\1'};
-constexpr uint32_t kVersion = 2;  // 2: failed ops (slot error) and exit facts (header)
+constexpr uint32_t kVersion = 3;  // 2: failed ops (slot error) and exit facts (header);
+                                   // 3: start-up phases, identity update (header)
 constexpr uint32_t kHeaderBytes = 4096;
 constexpr uint32_t kIdentityOffset = 512;
 constexpr uint32_t kIdentityMax = kHeaderBytes - kIdentityOffset;
@@ -113,9 +114,19 @@ struct Header {
   uint32_t ops_failed;        // 224 records marked failed
   uint32_t thread_error;      // 228 string id: the last uncaught exception of another thread
   uint32_t exit_watched;      // 232 1 once exit facts are watched (watch_exit)
+  uint32_t startup_phase;     // 236 kPhase*: the last start-up phase entered (0: not recorded)
+  uint32_t identity_update;   // 240 string id: the identity JSON restated at the first group
+  uint32_t startup_failed;    // 244 1: init_process_group raised
+  int64_t phase_started_ns;   // 248 when each phase was entered (0: never) ...
+  int64_t phase_init_ns;      // 256
+  int64_t phase_rendezvous_ns;  // 264
+  int64_t phase_connect_ns;   // 272
+  int64_t phase_ready_ns;     // 280
 };
 static_assert(offsetof(Header, owner_pid) == 192, "header layout");
 static_assert(offsetof(Header, exit_watched) == 232, "header layout");
+static_assert(offsetof(Header, phase_ready_ns) == 280, "header layout");
+constexpr uint32_t kPhaseCount = 5;  // started, init, rendezvous, connect, ready
 static_assert(sizeof(Header) <= kIdentityOffset, "header fits before identity");
 
 struct Slot {
@@ -1171,6 +1182,39 @@ PyObject* BlackBox_note_thread_error(BlackBoxObject* self, PyObject* text) {
   Py_RETURN_NONE;
 }
 
+// set_phase(code[, failed]): the process entered start-up phase ``code`` (1..kPhaseCount) now.
+// Its time is written once (the first entry), then the phase itself; ``failed`` marks an
+// init_process_group that raised.
+PyObject* BlackBox_set_phase(BlackBoxObject* self, PyObject* args) {
+  unsigned int code = 0;
+  int failed = 0;
+  if (!PyArg_ParseTuple(args, "I|p", &code, &failed)) return nullptr;
+  if (code < 1 || code > kPhaseCount) {
+    PyErr_Format(PyExc_ValueError, "start-up phase %u is not 1..%u", code, kPhaseCount);
+    return nullptr;
+  }
+  Box* b = open_box(self);
+  if (!b) Py_RETURN_NONE;
+  int64_t* times = &b->hdr->phase_started_ns;
+  int64_t zero = 0;
+  __atomic_compare_exchange_n(&times[code - 1], &zero, now_ns(), false, __ATOMIC_RELEASE,
+                              __ATOMIC_RELAXED);
+  if (failed) astore(&b->hdr->startup_failed, uint32_t(1));
+  astore(&b->hdr->startup_phase, uint32_t(code));
+  Py_RETURN_NONE;
+}
+
+// set_identity(json): the identity restated (backend, device: known at the first group),
+// interned and pointed to by the header; readers merge it over the one at kIdentityOffset.
+PyObject* BlackBox_set_identity(BlackBoxObject* self, PyObject* text) {
+  Box* b = open_box(self);
+  if (!b) Py_RETURN_NONE;
+  uint32_t id = kStrNone;
+  if (!intern_fact(b, text, &id)) return nullptr;
+  astore(&b->hdr->identity_update, id);
+  Py_RETURN_NONE;
+}
+
 PyObject* BlackBox_watch_exit(BlackBoxObject* self, PyObject*) {
   Box* b = open_box(self);
   if (!b) return closed_error();
@@ -1376,6 +1420,10 @@ PyMethodDef BlackBox_methods[] = {
      "kind); the first ending recorded wins."},
     {"note_thread_error", (PyCFunction)BlackBox_note_thread_error, METH_O,
      "note_thread_error(text): an uncaught exception of a thread other than the main one."},
+    {"set_phase", (PyCFunction)BlackBox_set_phase, METH_VARARGS,
+     "set_phase(code, failed=False): the process entered start-up phase code now"},
+    {"set_identity", (PyCFunction)BlackBox_set_identity, METH_O,
+     "set_identity(json): the identity restated at the first process group"},
     {"watch_exit", (PyCFunction)BlackBox_watch_exit, METH_NOARGS,
      "watch_exit(): record this process's exit status (on_exit) and fatal signals (SIGSEGV, "
      "SIGBUS, SIGFPE, SIGILL, SIGABRT; SIGTERM where it has its default action) in this box; "

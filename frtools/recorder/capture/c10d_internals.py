@@ -200,3 +200,27 @@ def window_class() -> Any:
 def default_store() -> Any:
     """The default group's store (``_get_default_store``), once ``init_process_group`` ran."""
     return c10d._get_default_store()
+
+
+# -- start-up phases (frtools.recorder.startup) ---------------------------------------------
+
+
+def replace_init_process_group(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Wrap ``init_process_group`` where callers find it: ``distributed_c10d`` and, once it
+    has copied the name, ``torch.distributed`` (``enable()`` may run before that copy, while
+    the package is being imported: it then copies the wrapper)."""
+    import sys
+
+    wrapped = wrap(c10d.init_process_group)
+    package = sys.modules.get("torch.distributed")
+    if package is not None and getattr(package, "init_process_group", None) is (
+        c10d.init_process_group
+    ):
+        package.init_process_group = wrapped
+    c10d.init_process_group = wrapped
+
+
+def replace_rendezvous(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Wrap the ``rendezvous`` that ``init_process_group`` calls (a global of
+    ``distributed_c10d``, imported from ``torch.distributed.rendezvous``)."""
+    c10d.rendezvous = wrap(c10d.rendezvous)
