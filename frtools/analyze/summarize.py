@@ -242,6 +242,7 @@ def rank_summary(
         stacks=last_stacks(info.stacks),
         notes=[n[:1024] for n in dump.notes[:MAX_NOTES]],
         dump_time_ns=info.dump_time_ns,
+        startup_phase=info.startup_phase,
     )
 
 

@@ -207,6 +207,8 @@ class RankSummary:
     # when the record was taken, where that differs from the heartbeat (a PyTorch FR dump's
     # time); None: the heartbeat is the record's time
     dump_time_ns: int | None = None
+    # how far its start-up got (frtools.model.trace.STARTUP_PHASES); None: not recorded
+    startup_phase: str | None = None
 
     def pending(self) -> list[SummaryEntry]:
         """The ops that did not complete, oldest first."""
@@ -334,6 +336,7 @@ def summarize(
         exit_detail=exit_detail[:MAX_STRING_CHARS] if exit_detail else None,
         stacks=last_stacks(stacks),
         notes=list(snapshot.notes)[:MAX_NOTES],
+        startup_phase=snapshot.startup_phase,
     )
 
 
@@ -406,6 +409,7 @@ def _document(summary: RankSummary) -> dict[str, Any]:
         "records_written": summary.records_written,
         "omitted": summary.omitted,
         "exit": {"kind": summary.exit_kind, "detail": summary.exit_detail},
+        "startup_phase": summary.startup_phase,
         "groups": [
             {
                 "name": g.name,
@@ -551,7 +555,8 @@ def rank_fields(doc: dict[str, Any]) -> dict[str, Any]:
 
     Written out rather than field by field through helpers: a fleet's central step checks
     131,072 of these."""
-    from frtools.model.trace import EXIT_KINDS  # pyarrow: not in a training process's path
+    from frtools.model.trace import EXIT_KINDS, STARTUP_PHASES  # pyarrow: not in a training
+    # process's path
 
     get = doc.get
     rank = _int(get("rank"), "rank", 0, MAX_WORLD_SIZE - 1)
@@ -585,6 +590,9 @@ def rank_fields(doc: dict[str, Any]) -> dict[str, Any]:
     out["exit_detail"] = _opt_str(exit_raw.get("detail"), "exit.detail", MAX_STRING_CHARS)
     out["stacks"] = _opt_str(get("stacks"), "stacks", MAX_STACKS_CHARS)
     out["notes"] = [_opt_str(n, "a note", 1024) or "" for n in notes] if notes else []
+    phase = get("startup_phase")
+    _want(phase is None or phase in STARTUP_PHASES, f"unknown start-up phase {str(phase)[:32]!r}")
+    out["startup_phase"] = phase
     return out
 
 

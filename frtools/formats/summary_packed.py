@@ -150,6 +150,7 @@ class PackedRank:
     exit_detail: str | None = None
     stacks: str | None = None
     notes: list[str] = field(default_factory=list)
+    startup_phase: str | None = None  # frtools.model.trace.STARTUP_PHASES; None: not recorded
 
 
 @dataclass
@@ -249,6 +250,7 @@ def encode_packed(
                 "exit": {"kind": s.exit_kind, "detail": s.exit_detail},
                 "stacks": s.stacks,
                 "notes": s.notes,
+                "startup_phase": s.startup_phase,
             }
         )
         for e in s.entries:
@@ -687,6 +689,7 @@ def to_summaries(packed: PackedHost) -> list[RankSummary]:
                 stacks=r.stacks,
                 notes=list(r.notes),
                 dump_time_ns=r.dump_time_ns,
+                startup_phase=r.startup_phase,
             )
         )
     return out

@@ -130,6 +130,7 @@ class Reason(enum.Enum):
     ENDED = "ended"  # its process ended by a failure of its own; nobody recorded waiting
     NO_DUMP = "no_dump"  # no record, and nothing recorded waits for it
     DISAGREES = "disagrees"  # a mismatch in collectives that did not hang
+    NEVER_ARRIVED = "never_arrived"  # never called init_process_group while peers wait in it
 
 
 # The strongest root reason decides the verdict kind (docs/verdict.md "Priority").
@@ -182,6 +183,7 @@ class NoteKind(enum.Enum):
     DEVICE_LAGS = "device_lags"  # ranks: completion counters behind a peer's, per group
     HOST_CALL = "host_call"  # ranks: an entry past last_enqueued (inside the NCCL call)
     RERAISED = "reraised"  # ranks re-raised the error of ``others`` (the ranks it names)
+    STARTUP_WAIT = "startup_wait"  # ranks, groups=(phase,): waiting inside init_process_group
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from .model import (
 from .order import order_deviants
 from .origin import shared_errors
 from .skips import skipped
+from .startup import never_arrived
 from .straggler import stragglers
 
 # Verdict kinds of graph roots, strongest first.
@@ -42,6 +43,14 @@ class Evidence:
 
 
 Rule = Callable[[Evidence], "Finding | None"]
+
+
+# ----- hangs before any group exists ------------------------------------------------------
+
+
+def startup(ev: Evidence) -> Finding | None:
+    """Ranks wait inside ``init_process_group`` for ranks that never called it (startup.py)."""
+    return never_arrived(ev.facts)
 
 
 # ----- hangs the graph explains ---------------------------------------------------------
@@ -455,6 +464,7 @@ def healthy(ev: Evidence) -> Finding:
 
 
 PRIORITY: tuple[Rule, ...] = (
+    startup,
     stopped_device,
     skip,
     roots,

@@ -184,6 +184,8 @@ class _Wording:
             return f"{self.ended(b.ending, False)}; no recorded op of its peers waits for it"
         if r is Reason.NO_DUMP:
             return "no usable dump, while the others show no hang; it may have died"
+        if r is Reason.NEVER_ARRIVED:
+            return _never_arrived(self.f, b)
         return r.value
 
     @staticmethod
@@ -240,6 +242,11 @@ class _Wording:
             )
         if kind is VerdictKind.INCONCLUSIVE:
             return self.inconclusive_headline(finding)
+        if Reason.NEVER_ARRIVED in reasons:
+            return (
+                f"Rank(s) {', '.join(_who(g) for g in guilty[:4])} never called "
+                f"init_process_group; {len(finding.waiting)} rank(s) wait in it"
+            )
         if Reason.UNLISTED_MEMBER in reasons and point is not None:
             return (
                 f"No dump from rank(s) {format_ranks(sorted(self.f.absent))}; rank(s) "
@@ -453,6 +460,12 @@ class _Wording:
                 f"rank(s) {format_ranks(list(n.others))} as where it failed: they re-raised it "
                 "(casualties, not causes)."
             )
+        if k is NoteKind.STARTUP_WAIT:
+            phase = n.groups[0] if n.groups else ""
+            return (
+                f"Ranks {format_ranks(list(n.ranks), 60)} wait inside init_process_group, "
+                f"{_STARTUP_WAIT_TEXT.get(phase, phase)}."
+            )
         if k is NoteKind.HOST_CALL:
             calls = [self.f.host_calls[r] for r in n.ranks if r in self.f.host_calls]
             return "Inside an NCCL host call (entry recorded, last_enqueued not reached): " + (
@@ -570,6 +583,23 @@ def _error_summary(text: str, limit: int = 240) -> str:
         return ""
     out = lines[0] if len(lines) == 1 else f"{lines[0]} … {lines[-1]}"
     return out if len(out) <= limit else out[: limit - 1] + "…"
+
+
+# where a rank waits inside init_process_group (its recorded start-up phase), in words
+_STARTUP_WAIT_TEXT = {
+    "init": "before its rendezvous",
+    "rendezvous": "in rendezvous: connecting to the store, whose master waits for every rank",
+    "connect": "in the backend's connect to its peers (their addresses come through the store)",
+}
+
+
+def _never_arrived(f: JobFacts, b: Blame) -> str:
+    """A guilty rank of the start-up rule: what its record says of it."""
+    if b.rank not in f.trace.ranks:
+        return "left no record, while the others' records state the world size: it never joined"
+    if b.ending is not None and b.ending.gone:
+        return "its process is gone; its record ends at process start (never called init)"
+    return "alive, never called init_process_group (its record ends at process start)"
 
 
 def _who(g: GuiltyRank) -> str:

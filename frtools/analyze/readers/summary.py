@@ -188,6 +188,7 @@ def _rank_info(
         exit_kind=r.exit_kind,
         exit_detail=r.exit_detail,
         last_heartbeat_ns=r.heartbeat_ns,
+        startup_phase=r.startup_phase,
     )
 
 
