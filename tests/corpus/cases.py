@@ -44,6 +44,9 @@ class Case:
     analyze_args: tuple[str, ...] = ()
     run_of: str | None = None
     reported: bool = False  # one of the failures reported from real jobs
+    # the job hangs in start-up (inside init_process_group): the harness judges the hang once
+    # every rank is past its set-up (train.py's ``rank_<R>.up``), not once training started
+    startup_hang: bool = False
 
     @property
     def exit_code(self) -> int:
@@ -216,6 +219,22 @@ CASES: tuple[Case, ...] = (
          "Rank 2 segfaults before step 3 (no dump: a gap in the file names); its TP partner 3 "
          "and DP peer 0 fail on its closed sockets (the failed op retired) and exit; rank 1 "
          "then blocks in DP all_reduce #5 waiting for rank 3, a victim."),
+)
+# fmt: on
+
+# -- start-up (issue 19 item 3) -----------------------------------------------------------
+# Under PyTorch's own recorder this job leaves nothing to analyze: no group, no entry, no
+# dump (its dumps start with the first group), so it has no fr case: frtools analyze says
+# "no usable Flight Recorder dump" (exit 2), all the data allows.
+# fmt: off
+CASES += (
+    Case("never-init-r3-frtools", "ddp", "never-init", 3, 4, "frtools", "missing", (3,),
+         "Rank 3 never calls init_process_group (stuck in its set-up). Rank 0, the store's "
+         "master, waits in rendezvous for every rank to connect; ranks 1 and 2 wait in Gloo's "
+         "connect for rank 3's address in the store. No group exists, no collective is "
+         "recorded: the black boxes, open since process start, record each rank's start-up "
+         "phase, and rank 3's ends at 'started', alive: missing, the others its victims.",
+         startup_hang=True),
 )
 # fmt: on
 

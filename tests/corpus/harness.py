@@ -40,6 +40,8 @@ FR_DUMP_GRACE = 6.0  # after a hang is seen, how long the harness waits for thos
 HANG_AFTER = 4.5  # the harness calls the job hung after this long without any heartbeat
 STALL_SECONDS = 2.0  # FRTOOLS_STALL_SECONDS: the recorder marks a stall (frtools recorder)
 STARTUP_LIMIT = 90.0  # every rank must have started (torch imported) by then
+# a case.startup_hang job: rendezvous and connect of 4 loaded ranks take seconds; longer is a hang
+STARTUP_GRACE = 5.5
 JOB_LIMIT = 150.0  # the whole job, start to kill
 TEARDOWN_LIMIT = 20.0  # ranks past their training loop get this long to exit
 DUMP_TIMEOUT = 5.0  # frtools dump --timeout
@@ -132,6 +134,19 @@ def _idle(procs: list[subprocess.Popen], hb: Path) -> float:
     return time.time() - freshest if freshest else 0.0
 
 
+def _stuck_in_startup(procs: list[subprocess.Popen], hb: Path) -> bool:
+    """Every rank is past its set-up (``rank_<R>.up``), none training, the last one for
+    ``HANG_AFTER`` + ``STARTUP_GRACE`` seconds: the job hangs in ``init_process_group``."""
+    ups = [hb / f"rank_{r}.up" for r in range(len(procs))]
+    if any((hb / f"rank_{r}.hb").exists() for r in range(len(procs))):
+        return False
+    try:
+        latest = max(p.stat().st_mtime for p in ups)
+    except FileNotFoundError:
+        return False
+    return time.time() - latest > HANG_AFTER + STARTUP_GRACE
+
+
 def _ask_for_stacks(procs: list[subprocess.Popen]) -> None:
     """SIGUSR1: train.py's faulthandler writes every thread's stack into the rank's log."""
     for p in procs:
@@ -191,6 +206,9 @@ def run_case(case: Case, work: Path) -> CaseRun:
             time.sleep(0.1)
             if all(p.poll() is not None for p in procs):
                 ending = "exited"
+                break
+            if case.startup_hang and _stuck_in_startup(procs, hb):
+                ending = "hung"
                 break
             started = all(p.poll() is not None or (hb / f"rank_{r}.hb").exists()
                           for r, p in enumerate(procs))  # fmt: skip

@@ -33,7 +33,13 @@ Faults (``--fault``) strike rank ``--fault-rank`` at step ``--fault-step`` (1-ba
 * ``size`` / ``dtype`` a wrong-sized / wrong-dtype tensor in one collective;
 * ``op``        a different collective at the same point;
 * ``order``     issues two collectives of different groups in the other order (a deadlock);
-* ``straggler`` sleeps ``--straggle-ms`` before every collective (the job completes).
+* ``straggler`` sleeps ``--straggle-ms`` before every collective (the job completes);
+* ``never-init`` the fault rank never calls ``init_process_group`` (stuck in its set-up: a
+                data-loading loop that never ends); the others wait inside it.
+
+Every rank touches ``--heartbeat-dir``'s ``rank_<R>.up`` just before ``init_process_group``
+(the fault rank of ``never-init`` where it stops instead): the harness sees a job stuck in
+start-up from outside.
 
 Recording. With ``--fr-dir DIR`` the job behaves like a user's script with PyTorch's own Flight
 Recorder: each rank writes ``DIR/rank_<R>.pkl`` (``_dump_fr_trace()``) at the end of a healthy
@@ -85,6 +91,7 @@ FAULTS = (
     "op",
     "order",
     "straggler",
+    "never-init",
 )
 # Faults that stop the rank where it stands (before the step's first collective).
 STOPS = ("compute", "gil", "sigkill", "segfault", "exception", "exit")
@@ -234,6 +241,19 @@ class Runtime:
                     self.dump(f"no progress for {self.args.hang_seconds:g}s")
 
         threading.Thread(target=watch, name="fr-watchdog", daemon=True).start()
+
+
+def never_init(rt: Runtime) -> None:
+    """Set-up is over (``rank_<R>.up``); the ``never-init`` fault rank hangs here, before
+    ``init_process_group``, in user code that never ends."""
+    if rt.hb is not None:
+        rt.hb.parent.mkdir(parents=True, exist_ok=True)
+        rt.hb.with_suffix(".up").touch()
+    if rt.faulty and rt.args.fault == "never-init":
+        print(f"rank {rt.rank}: injecting never-init", file=sys.stderr)
+        sys.stderr.flush()
+        while True:  # "still loading the data set"
+            time.sleep(1.0)
 
 
 def hold_gil_forever() -> None:
@@ -538,9 +558,12 @@ def main(argv: list[str] | None = None) -> int:
         "not cascade to the ranks still blocked in the op",
     )
     args = parser.parse_args(argv)
-    if args.fault not in ("none", "straggler", *STOPS) and args.fault not in SHAPE_FAULTS.get(
-        args.shape, ()
-    ):
+    if args.fault not in (
+        "none",
+        "straggler",
+        "never-init",
+        *STOPS,
+    ) and args.fault not in SHAPE_FAULTS.get(args.shape, ()):
         parser.error(f"--fault {args.fault} is not implemented for --shape {args.shape}")
     if args.fr_dir is not None:
         Path(args.fr_dir).mkdir(parents=True, exist_ok=True)
@@ -556,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     # job: where each rank stood, for whoever reads the log
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     rt = Runtime(args)
+    never_init(rt)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     if args.fr_dir is not None:
         # The first dump with entries imports torch._dynamo to symbolize their stacks (800
