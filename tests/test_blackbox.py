@@ -609,3 +609,38 @@ def test_an_open_version_1_box_of_a_gone_process_is_not_called_killed(tmp_path):
     assert snap.version == 1 and not snap.header["closed"]
     assert snap.ending(alive=False) == (None, None)
     assert snap.ending(alive=True) == ("running", None)
+
+
+def test_start_up_phases_and_the_restated_identity_read_back(tmp_path):
+    """A box opened at process start records each start-up phase once, with its time, and the
+    identity restated at the first group (backend, device) wins over the one it opened with;
+    the same bytes marked version 2 read as 'phases not recorded'."""
+    box, path = make_box(tmp_path)
+    box.set_phase(1)
+    box.set_phase(3)
+    box.set_phase(4)
+    box.set_identity(json.dumps({**IDENTITY, "backend": "nccl", "device": "cuda:0"}))
+    snap = read_snapshot(path)
+    assert snap.version == 3
+    assert snap.startup_phase == "connect"
+    assert list(snap.phase_times()) == ["started", "rendezvous", "connect"]
+    assert (snap.identity["backend"], snap.identity["device"]) == ("nccl", "cuda:0")
+    with pytest.raises(ValueError, match="start-up phase 9"):
+        box.set_phase(9)
+    box.close()
+
+    old = bytearray(path.read_bytes())
+    struct.pack_into("<I", old, HEADER_OFFSETS["version"], 2)
+    snap2 = read_snapshot(bytes(old))
+    assert (snap2.startup_phase, snap2.phase_times()) == (None, {})
+    assert snap2.identity["backend"] == "gloo"
+
+
+def test_an_identity_update_naming_another_rank_is_ignored(tmp_path):
+    """The update is data another process wrote: one naming another rank is dropped, noted."""
+    box, path = make_box(tmp_path)
+    box.set_identity(json.dumps({**IDENTITY, "rank": 3, "backend": "nccl"}))
+    box.close()
+    snap = read_snapshot(path)
+    assert (snap.identity["rank"], snap.identity["backend"]) == (0, "gloo")
+    assert any("another rank" in n for n in snap.notes)
