@@ -75,10 +75,12 @@ __all__ = [
     "file_offsets",
     "owner_alive",
     "pack_header",
+    "parse_splits",
     "read_header",
     "read_snapshot",
     "request_dump",
     "signal_name",
+    "splits_text",
 ]
 
 MAGIC = b"FRTBOX\x00\x01"
@@ -197,6 +199,7 @@ SLOT_DTYPE = np.dtype(
             "flags",
             "thread_name",
             "error",
+            "splits",
             "time_failed_ns",
         ],
         "formats": [
@@ -222,10 +225,11 @@ SLOT_DTYPE = np.dtype(
             "<u2",
             "<u4",
             "<u4",
+            "<u4",
             "<i8",
         ],
         "offsets": [0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 76, 80, 84, 88, 92, 96, 100, 104, 105]
-        + [106, 108, 112, 120],
+        + [106, 108, 112, 116, 120],
         "itemsize": 128,
     }
 )
@@ -259,7 +263,34 @@ STRING_COLUMNS = (
     "stack",
     "thread_name",
     "error",
+    "splits",  # all_to_all: "<input splits>/<output splits>" (``parse_splits``); 0 elsewhere
 )
+
+
+# most members a split list may name (a larger list is not the box's: its field is ignored)
+MAX_SPLIT_MEMBERS = 1 << 16
+
+
+def splits_text(input_splits: Any, output_splits: Any) -> str:
+    """The text the ``splits`` field of an all_to_all slot interns: element counts per
+    member, in group-rank order, input (sent) then output (received): ``"6,2,0/4,4,0"``."""
+    return ",".join(map(str, input_splits)) + "/" + ",".join(map(str, output_splits))
+
+
+def parse_splits(text: str) -> tuple[list[int], list[int]] | None:
+    """``splits_text``'s inverse; None for text that is not two lists of counts (a hostile
+    or truncated field is not an error of the file: the op just has no splits)."""
+    if not text or text.count("/") != 1 or len(text) > 24 * MAX_SPLIT_MEMBERS:
+        return None
+    sent, received = text.split("/")
+    try:
+        ins = [int(v) for v in sent.split(",")] if sent else []
+        outs = [int(v) for v in received.split(",")] if received else []
+    except ValueError:
+        return None
+    if any(v < 0 or v >= 2**63 for v in ins + outs):
+        return None
+    return ins, outs
 
 
 PAGE = 4096  # the slot ring starts on a page boundary

@@ -92,6 +92,10 @@ ENTRY_SCHEMA = pa.schema(
         # how the op failed (a peer closed the connection, a timeout), as the backend said;
         # null when it did not fail or the recorder cannot tell (PyTorch's FR has no field)
         pa.field("error", _DICT),
+        # all_to_all only: elements this rank sends to (input) / receives from (output) each
+        # member, in group-rank order; null where not recorded (other ops, older dumps)
+        pa.field("input_split_sizes", pa.list_(pa.int64())),
+        pa.field("output_split_sizes", pa.list_(pa.int64())),
     ]
 )
 ENTRY_COLUMNS = tuple(ENTRY_SCHEMA.names)

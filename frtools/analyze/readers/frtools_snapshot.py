@@ -22,6 +22,7 @@ from frtools.formats.blackbox import (
     Snapshot,
     SnapshotError,
     owner_alive,
+    parse_splits,
     read_snapshot,
 )
 from frtools.model.ops import op_name
@@ -183,6 +184,21 @@ def _take(dictionary: pa.Array, indices: np.ndarray, valid: np.ndarray | None = 
     return pa.DictionaryArray.from_arrays(idx, dictionary)
 
 
+_SPLITS = pa.list_(pa.int64())
+
+
+def _splits(texts: list[str], idx: np.ndarray) -> dict[str, pa.Array]:
+    """The all_to_all split columns from each slot's interned splits text (null elsewhere:
+    other ops, boxes older than the field, a text that is not two lists of counts)."""
+    parsed = [parse_splits(t) for t in texts]
+    if not any(parsed):
+        return {}
+    take = pa.array(idx.astype(np.int32, copy=False))
+    sent = pa.array([p[0] if p else None for p in parsed], type=_SPLITS)
+    received = pa.array([p[1] if p else None for p in parsed], type=_SPLITS)
+    return {"input_split_sizes": sent.take(take), "output_split_sizes": received.take(take)}
+
+
 def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> pa.Table:
     if len(snap.slots) == 0:
         return ENTRY_SCHEMA.empty_table()
@@ -254,6 +270,7 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
         # never completed); null for every op that did not fail
         "error": column("error", text_dict, none_is_null=True),
     }
+    arrays.update(_splits(texts, col_index["splits"]))
     columns = []
     for f in ENTRY_SCHEMA:
         array = arrays.get(f.name)

@@ -152,7 +152,7 @@ struct Slot {
   uint16_t flags;              // 106 bit 0: duration from CUDA events; bit 1: failed
   uint32_t thread_name;        // 108 string id (0: unknown)
   uint32_t error;              // 112 string id of the failure (0: none)
-  uint32_t reserved;           // 116
+  uint32_t splits;             // 116 all_to_all: string id of its split sizes (0: none)
   int64_t time_failed_ns;      // 120 when the failure was seen (0: not failed)
 };
 static_assert(sizeof(Slot) == 128, "slot layout");
@@ -511,7 +511,7 @@ struct Box {
     s->flags = 0;
     s->thread_name = 0;
     s->error = kStrNone;
-    s->reserved = 0;
+    s->splits = kStrNone;
     s->time_failed_ns = 0;
     slot_unlock(s, locked);
     if (pg_published(pg)) {
@@ -586,6 +586,38 @@ struct Box {
     slot_unlock(s, locked);
     astore(&hdr->ops_failed, __atomic_add_fetch(&ops_failed, 1u, __ATOMIC_RELAXED));
     return true;
+  }
+
+  // all_to_all split sizes: the interned text on rid's slot, or (since) on the first record
+  // at or after rid that this thread wrote. Split texts vary per step (MoE token counts), so
+  // they may fill at most half the string area: the rest stays for stacks and errors.
+  bool set_splits(int64_t rid, const char* text, size_t n, bool since) {
+    if (rid < 0 || n == 0) return false;
+    uint32_t id = kStrFull;
+    bool room = false;
+    {
+      std::lock_guard<std::mutex> lock(intern_mutex);
+      auto it = interned.find(std::string(text, n));
+      if (it != interned.end()) id = it->second;
+      room = strings_used + ((4 + uint64_t(n) + 3) & ~uint64_t(3)) <= strings_cap / 2;
+    }
+    if (id == kStrFull && room) {
+      id = intern(text, n);
+    } else if (id == kStrFull) {
+      __atomic_add_fetch(&hdr->strings_dropped, 1u, __ATOMIC_RELAXED);
+    }
+    uint64_t tid = native_thread_id();
+    int64_t end = int64_t(aload(&next_rid));
+    int64_t last = since ? (end < rid + 64 ? end : rid + 64) : rid + 1;
+    for (int64_t r = rid; r < last; ++r) {
+      Slot* s = slot_for(r);
+      uint64_t locked = slot_lock(s);
+      bool mine = s->record_id == r && s->state != kEmpty && (!since || s->thread_id == tid);
+      if (mine) s->splits = id;
+      slot_unlock(s, locked);
+      if (mine) return true;
+    }
+    return false;
   }
 
   int state_of(int64_t rid) {
@@ -1155,6 +1187,17 @@ PyObject* BlackBox_mark_failed(BlackBoxObject* self, PyObject* args) {
   return PyBool_FromLong(b->mark_failed(rid, err, now_ns()));
 }
 
+PyObject* BlackBox_set_splits(BlackBoxObject* self, PyObject* args) {
+  long long rid = 0;
+  const char* text = nullptr;
+  Py_ssize_t n = 0;
+  int since = 0;
+  if (!PyArg_ParseTuple(args, "Ls#|p", &rid, &text, &n, &since)) return nullptr;
+  Box* b = open_box(self);
+  if (!b) Py_RETURN_FALSE;
+  return PyBool_FromLong(b->set_splits(rid, text, size_t(n), since != 0));
+}
+
 PyObject* BlackBox_mark_exit(BlackBoxObject* self, PyObject* args) {
   unsigned int kind = 0;
   int status = 0;
@@ -1415,6 +1458,11 @@ PyMethodDef BlackBox_methods[] = {
     {"mark_failed", (PyCFunction)BlackBox_mark_failed, METH_VARARGS,
      "mark_failed(rid, error_text) -> bool: the op failed with this text (the backend's "
      "exception); kept apart from completion. False if the slot was reused or already failed."},
+    {"set_splits", (PyCFunction)BlackBox_set_splits, METH_VARARGS,
+     "set_splits(rid, text, since=False) -> bool: an all_to_all's split sizes "
+     "(formats.blackbox.splits_text) on record rid, or (since) on the first record at or "
+     "after rid written by this thread. False where no such record, or the splits' share of "
+     "the string table (half) is full."},
     {"mark_exit", (PyCFunction)BlackBox_mark_exit, METH_VARARGS,
      "mark_exit(kind, status, detail=None, stack=None) -> bool: how the process ends (EXIT_* "
      "kind); the first ending recorded wins."},

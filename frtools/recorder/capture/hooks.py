@@ -43,6 +43,7 @@ from frtools.recorder.capture.hot_path import (
     WindowState,
     make_hooks,
     make_native_group,
+    splits_call,
     window_call,
 )
 from frtools.recorder.capture.process_group import OP_NAMES
@@ -134,6 +135,7 @@ def attach(pg: Any, recorder: Any, backend: str, native: bool = True) -> GroupSt
 
     if not _hooked:
         before_finalization(detach_all)
+        wrap_all_to_all()
     body_of = recorder.native_body() if native else None
     if body_of is not None:
         module, body = body_of
@@ -144,6 +146,20 @@ def attach(pg: Any, recorder: Any, backend: str, native: bool = True) -> GroupSt
         pg.register_post_hook(HOOK_ID, post)
     _hooked[pg] = st
     return st
+
+
+def wrap_all_to_all() -> None:
+    """Keep the split sizes of ``all_to_all_single`` and list ``all_to_all`` (which the hooks'
+    arguments lack): wrap the ProcessGroup methods ``torch.distributed`` calls them through
+    (once; a group without our hooks goes straight to the original). Ops issued from C++
+    (functional collectives) are recorded without splits."""
+    import torch.distributed as dist
+
+    for method, lists in (("all_to_all_single", False), ("alltoall", True)):
+        original = getattr(dist.ProcessGroup, method, None)
+        if original is None or getattr(original, "_frtools_splits", False):
+            continue
+        setattr(dist.ProcessGroup, method, splits_call(method, original, hooked, lists))
 
 
 def detach_all() -> None:

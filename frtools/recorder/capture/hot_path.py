@@ -26,12 +26,15 @@ the op is still forwarded.
 from __future__ import annotations
 
 import enum
+import math
 import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from frtools.formats.blackbox import splits_text
 
 STACK_DEPTH = 32
 
@@ -64,6 +67,21 @@ def _flatten(x: Any) -> Any:
         else:
             out.append(item)
     return out
+
+
+def split_counts(tensor: Any, splits: Any, members: int) -> list[int] | None:
+    """Elements an ``all_to_all_single`` tensor holds for each member: its dim-0 split sizes
+    (rows) times the elements of a row; with no sizes given, the even split torch makes.
+    None where there is no such split (a 0-d tensor, rows not divisible by the group)."""
+    shape = tensor.shape
+    if not len(shape):
+        return None
+    row = math.prod(shape[1:])
+    if splits:
+        return [int(s) * row for s in splits]
+    if members > 0 and shape[0] % members == 0:
+        return [shape[0] // members * row] * members
+    return None
 
 
 # --------------------------------------------------------------------------------------
@@ -291,6 +309,27 @@ class GroupState:
             return -1
         return self.coll(op, inputs, outputs)
 
+    def splits(
+        self, rid: int, output: Any, input: Any, out_splits: Any, in_splits: Any, since: bool
+    ) -> None:
+        """Keep an all_to_all's split sizes (elements per member, sent and received) on
+        record ``rid`` (``since``: on this thread's first record from ``rid`` on). Tensors
+        (``all_to_all_single``) are split by ``*_splits``; lists (``all_to_all``) hold one
+        tensor per member. Only all_to_all pays for this. A split the recorder cannot read
+        leaves the op without splits: the call itself is torch's to judge."""
+        try:
+            if output.__class__ is list:
+                ins = [t.numel() for t in input]
+                outs = [t.numel() for t in output]
+            else:
+                n = len(self.ranks)
+                ins = split_counts(input, in_splits, n)
+                outs = split_counts(output, out_splits, n)
+            if ins is not None and outs is not None:
+                self.box.set_splits(rid, splits_text(ins, outs), since)
+        except Exception:  # noqa: S110 - the op is recorded without its splits
+            pass
+
     def p2p(self, op: int, tensors: Any, peer: int) -> int:
         """Record one send/recv; ``peer`` is group-local (-1: any source)."""
         fr = self.fr
@@ -357,7 +396,9 @@ class ArgShape(enum.Enum):
     """Where an op method's tensors and peer are, and which tensors are its input."""
 
     TENSORS = "(tensors, opts): in place"  # allreduce, broadcast, reduce
-    OUT_IN = "(output, input, opts)"  # _allgather_base, all_to_all_single …
+    OUT_IN = "(output, input, opts)"  # _allgather_base, reduce_scatter_single …
+    SPLITS = "(output, input, output splits, input splits, opts)"  # all_to_all_single
+    OUT_IN_SPLIT_LISTS = "(output tensors, input tensors, opts)"  # alltoall: one per member
     OUT_LISTS_IN = "(output lists, input tensors, opts)"  # allgather, gather
     OUT_IN_LISTS = "(output tensors, input lists, opts)"  # scatter, reduce_scatter
     NO_TENSORS = "(opts)"  # barrier
@@ -409,6 +450,58 @@ def _out_in(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Calla
     ) -> Any:
         st = self._frs
         rid = st.coll(op, input, output)
+        try:
+            issue = st.issue[slot] or getattr(st.pick(input), forward)
+            if opts is _NO or args or kwargs:
+                work = issue(*_args((output, input), opts, args), **kwargs)
+            else:
+                work = issue(output, input, opts)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = base(self, *_args((output, input), opts, args), **kwargs)
+        if rid >= 0:
+            st.done(rid, work, input)
+        return work
+
+    return override
+
+
+def _splits(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+    """_out_in for all_to_all_single, which also keeps the split sizes."""
+
+    def override(
+        self: Any, output: Any, input: Any, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
+        st = self._frs
+        rid = st.coll(op, input, output)
+        if rid >= 0:  # opts, args[0]: output_split_sizes, input_split_sizes
+            out_splits = kwargs.get("output_split_sizes") if opts is _NO else opts
+            in_splits = args[0] if args else kwargs.get("input_split_sizes")
+            st.splits(rid, output, input, out_splits, in_splits, False)
+        try:
+            issue = st.issue[slot] or getattr(st.pick(input), forward)
+            if opts is _NO or args or kwargs:
+                work = issue(*_args((output, input), opts, args), **kwargs)
+            else:
+                work = issue(output, input, opts)
+        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
+            work = base(self, *_args((output, input), opts, args), **kwargs)
+        if rid >= 0:
+            st.done(rid, work, input)
+        return work
+
+    return override
+
+
+def _split_lists(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
+    """_out_in for the list all_to_all, which also keeps each member's element count."""
+
+    def override(
+        self: Any, output: Any, input: Any, opts: Any = _NO, *args: Any, **kwargs: Any
+    ) -> Any:
+        st = self._frs
+        rid = st.coll(op, input, output)
+        if rid >= 0:
+            st.splits(rid, output, input, None, None, False)
         try:
             issue = st.issue[slot] or getattr(st.pick(input), forward)
             if opts is _NO or args or kwargs:
@@ -528,6 +621,8 @@ def _any_source(op: int, slot: int, forward: str, base: Callable[..., Any]) -> C
 _TEMPLATES: dict[ArgShape, Callable[..., Callable[..., Any]]] = {
     ArgShape.TENSORS: _tensors,
     ArgShape.OUT_IN: _out_in,
+    ArgShape.SPLITS: _splits,
+    ArgShape.OUT_IN_SPLIT_LISTS: _split_lists,
     ArgShape.OUT_LISTS_IN: _out_lists_in,
     ArgShape.OUT_IN_LISTS: _out_in_lists,
     ArgShape.NO_TENSORS: _no_tensors,
@@ -650,6 +745,38 @@ def make_hooks(
             fr.fail(exc)
 
     return pre_hook, post_hook
+
+
+def splits_call(
+    method: str, original: Callable[..., Any], state_of: Callable[[Any], GroupState | None],
+    lists: bool,
+) -> Callable[..., Any]:  # fmt: skip
+    """A ProcessGroup all_to_all method (``all_to_all_single``; ``alltoall``: ``lists``) that
+    calls ``original`` unchanged, then keeps the split sizes on the record its pre hook
+    wrote (the hooks' arguments carry no split sizes). Set once the call returns, or raises:
+    an op is issued, not waited for, by this call. ``state_of(group)``: the group's recording
+    state (None: not recorded by hooks)."""
+
+    def call(self: Any, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        st = state_of(self)
+        if st is None or not st.fr.enabled:
+            return original(self, output, input, *args, **kwargs)
+        first = st.box.records
+        try:
+            return original(self, output, input, *args, **kwargs)
+        finally:
+            if lists:
+                st.splits(first, output, input, None, None, True)
+            else:
+                out_splits = args[0] if args else kwargs.get("output_split_sizes")
+                in_splits = args[1] if len(args) > 1 else kwargs.get("input_split_sizes")
+                st.splits(first, output, input, out_splits, in_splits, True)
+
+    call.__name__ = method
+    call.__qualname__ = f"ProcessGroup.{method}"
+    call.__wrapped__ = original  # type: ignore[attr-defined]
+    call._frtools_splits = True  # type: ignore[attr-defined]
+    return call
 
 
 # HookShape -> the C++ body's shape codes (pg_hooks.cpp, enum Shape)
