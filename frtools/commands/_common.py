@@ -24,8 +24,10 @@ OWN_PROCESS = False
 
 
 def fail(prefix: str, message: str) -> NoReturn:
-    """``<prefix>: <message>`` on stderr, exit 2."""
-    click.echo(f"{prefix}: {message}", err=True)
+    """``<prefix>: <message>`` on stderr, exit 2; one line, whatever a dump put in it."""
+    from frtools.analyze.reporters import escape
+
+    click.echo(f"{prefix}: {escape.line(message)}", err=True)
     sys.exit(USAGE_ERROR)
 
 
