@@ -18,6 +18,7 @@ from pathlib import Path
 
 from frtools.config import NATIVE_PICKLE
 from frtools.formats import limits
+from frtools.formats.torch_fr.normalize import has_split_keys
 
 from .base import DumpError, RankDump, read_content
 from .safe_pickle import RefusedPickle, loads_data
@@ -50,7 +51,7 @@ def native_available() -> bool:
 
 def read(path: Path) -> RankDump:
     data, stored = read_content(path)
-    if native_available():
+    if native_available() and not has_split_keys(data):  # splits: Python reads them
         dump = read_native(data, path, stored)
         if dump is not None:
             return dump

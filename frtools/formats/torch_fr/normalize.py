@@ -640,7 +640,32 @@ def _columns(
         "call_site": sites,
         "stack": stacks,
     }
+    cols.update(_split_columns(entries))
     return cols, pg_id_to_name, pg_descs, unmapped, bad
+
+
+# all_to_all split sizes (elements per member, sent and received: pytorch#194559, dump 2.11)
+SPLIT_KEYS = ("input_split_sizes", "output_split_sizes")
+MAX_SPLIT_MEMBERS = 1 << 16
+
+
+def _split_columns(entries: list[dict]) -> dict[str, list[Any]]:
+    """The split-size columns where the dump has them (looked for on its first and last
+    entries: a version writes the same keys on every entry); a value that is not a list of
+    non-negative ints is null. An empty list is kept: the even split (NCCL writes none
+    where every split is equal)."""
+    if not entries or not any(k in e for e in (entries[0], entries[-1]) for k in SPLIT_KEYS):
+        return {}
+    return {key: [_split_list(e.get(key)) for e in entries] for key in SPLIT_KEYS}
+
+
+def _split_list(v: Any) -> list[int] | None:
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_SPLIT_MEMBERS:
+        return None
+    for x in v:
+        if x.__class__ is not int or not 0 <= x < 2**63:
+            return None
+    return list(v)
 
 
 def _global_peer(
@@ -855,7 +880,14 @@ def _native_columns(
     for key in ("thread_id", "thread_name"):
         codes, values = _codes(native, key)
         cols[key] = _dictionary(codes, [str(v) for v in values])
+    # the native parser does not read the split keys: a dump that has them takes the Python
+    # path (readers.torch_pickle, ``has_split_keys``)
     return cols, pg_id_to_name, pg_descs, unmapped, native["bad"]
+
+
+def has_split_keys(data: bytes) -> bool:
+    """The raw dump names an all_to_all split key (a pickle writes a key's text once)."""
+    return SPLIT_KEYS[0].encode() in data or SPLIT_KEYS[1].encode() in data
 
 
 def _native_peers(
