@@ -131,6 +131,7 @@ class Reason(enum.Enum):
     NO_DUMP = "no_dump"  # no record, and nothing recorded waits for it
     DISAGREES = "disagrees"  # a mismatch in collectives that did not hang
     NEVER_ARRIVED = "never_arrived"  # never called init_process_group while peers wait in it
+    SPLITS = "splits"  # its all_to_all split sizes disagree with its peers', pair by pair
 
 
 # The strongest root reason decides the verdict kind (docs/verdict.md "Priority").
@@ -184,6 +185,8 @@ class NoteKind(enum.Enum):
     HOST_CALL = "host_call"  # ranks: an entry past last_enqueued (inside the NCCL call)
     RERAISED = "reraised"  # ranks re-raised the error of ``others`` (the ranks it names)
     STARTUP_WAIT = "startup_wait"  # ranks, groups=(phase,): waiting inside init_process_group
+    SPLIT_PAIR = "split_pair"  # point, ranks=(sender, receiver), values=(sent, expected)
+    SPLIT_TIE = "split_tie"  # ranks: as many disagreeing peers each; the records cannot choose
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,7 @@ class Note:
     others: tuple[int, ...] = ()
     count: int = 0
     groups: tuple[str, ...] = ()
+    values: tuple[int, ...] = ()  # SPLIT_PAIR: elements sent, elements expected
 
 
 class Decide(enum.Enum):

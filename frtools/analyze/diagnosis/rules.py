@@ -27,6 +27,7 @@ from .model import (
 from .order import order_deviants
 from .origin import shared_errors
 from .skips import skipped
+from .splits import first_split_mismatch
 from .startup import never_arrived
 from .straggler import stragglers
 
@@ -51,6 +52,39 @@ Rule = Callable[[Evidence], "Finding | None"]
 def startup(ev: Evidence) -> Finding | None:
     """Ranks wait inside ``init_process_group`` for ranks that never called it (startup.py)."""
     return never_arrived(ev.facts)
+
+
+# ----- an all_to_all whose members disagree pair by pair ------------------------------------
+
+
+def split_mismatch(ev: Evidence) -> Finding | None:
+    """An all_to_all where what a rank sends a peer is not what the peer expects from it
+    (splits.py). Whatever followed — a hang, Gloo aborting the receiver, peers failing on
+    the closed connections — it is the cause: the rank(s) whose splits disagree with the
+    most peers."""
+    g, f = ev.graph, ev.facts
+    found = first_split_mismatch(f.trace, f.members)
+    if found is None:
+        return None
+    c = f.al.collectives
+    rows = c[(c["pg_name"] == found.pg_name).to_numpy() & (c["seq"] == found.seq).to_numpy()]
+    point = collective_point(f, found.pg_name, found.seq, rows if len(rows) else None)
+    blames = tuple(Blame(r, Reason.SPLITS, point) for r in found.guilty)
+    notes = [
+        Note(NoteKind.SPLIT_PAIR, point=point, ranks=(p.sender, p.receiver),
+             values=(p.sent, p.expected))
+        for p in found.pairs[:6]
+    ]  # fmt: skip
+    if found.tie:
+        notes.append(Note(NoteKind.SPLIT_TIE, ranks=found.guilty))
+    if found.count > 1:
+        notes.append(Note(NoteKind.DISAGREEING_OPS, count=found.count))
+    ended = {r for r, e in f.endings.items() if e.abnormal or e.victim}
+    waiting = (set(g.blocked_at) | ended) - set(found.guilty)
+    conf = Confidence.MISMATCH_TIE if found.tie else Confidence.MISMATCH
+    return Finding(
+        VerdictKind.MISMATCH, conf, blames, frozenset(waiting), point, tuple(notes)
+    )  # fmt: skip
 
 
 # ----- hangs the graph explains ---------------------------------------------------------
@@ -465,6 +499,7 @@ def healthy(ev: Evidence) -> Finding:
 
 PRIORITY: tuple[Rule, ...] = (
     startup,
+    split_mismatch,
     stopped_device,
     skip,
     roots,

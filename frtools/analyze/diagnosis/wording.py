@@ -186,6 +186,11 @@ class _Wording:
             return "no usable dump, while the others show no hang; it may have died"
         if r is Reason.NEVER_ARRIVED:
             return _never_arrived(self.f, b)
+        if r is Reason.SPLITS:
+            return (
+                f"its split sizes at {where} disagree with what its peers send or expect "
+                "(pairs below)"
+            )
         return r.value
 
     @staticmethod
@@ -242,6 +247,8 @@ class _Wording:
             )
         if kind is VerdictKind.INCONCLUSIVE:
             return self.inconclusive_headline(finding)
+        if Reason.SPLITS in reasons:
+            return self.splits_headline(finding, where)
         if Reason.NEVER_ARRIVED in reasons:
             return (
                 f"Rank(s) {', '.join(_who(g) for g in guilty[:4])} never called "
@@ -316,6 +323,21 @@ class _Wording:
                 "siblings; the missing member(s) left no record and cannot be named"
             )
         return "Inconclusive: the records cannot say which rank is at fault"
+
+    def splits_headline(self, finding: Finding, where: str) -> str:
+        pairs = [n for n in finding.notes if n.kind is NoteKind.SPLIT_PAIR]
+        guilty = [b.rank for b in finding.blames]
+        if len(pairs) == 1 and len(guilty) == 2:
+            who = f"Ranks {guilty[0]} and {guilty[1]} disagree"
+        else:
+            who = f"Rank(s) {format_ranks(guilty)} disagree with their peers"
+        first = pairs[0]
+        (i, j), (sent, expected) = first.ranks, first.values
+        more = f"; {len(pairs) - 1} more pair(s)" if len(pairs) > 1 else ""
+        return (
+            f"{who} in {where}: rank {i} sends {sent} elements to rank {j}, rank {j} expects "
+            f"{expected}{more}"
+        )
 
     # ----- evidence --------------------------------------------------------------------
 
@@ -466,6 +488,17 @@ class _Wording:
                 f"Ranks {format_ranks(list(n.ranks), 60)} wait inside init_process_group, "
                 f"{_STARTUP_WAIT_TEXT.get(phase, phase)}."
             )
+        if k is NoteKind.SPLIT_PAIR and len(n.ranks) == 2 and len(n.values) == 2:
+            (i, j), (sent, expected) = n.ranks, n.values
+            return (
+                f"Split sizes of {where}: rank {i} sends {sent} elements to rank {j}; rank {j} "
+                f"expects {expected} from rank {i}."
+            )
+        if k is NoteKind.SPLIT_TIE:
+            return (
+                f"Ranks {format_ranks(list(n.ranks))} each disagree with as many peers: the "
+                "records cannot tell whose split sizes are wrong."
+            )
         if k is NoteKind.HOST_CALL:
             calls = [self.f.host_calls[r] for r in n.ranks if r in self.f.host_calls]
             return "Inside an NCCL host call (entry recorded, last_enqueued not reached): " + (
@@ -572,6 +605,7 @@ _OWN_ENTRY_REASONS = (
     Reason.STUCK,
     Reason.DEVICE_STOPPED,
     Reason.IN_HOST_CALL,
+    Reason.SPLITS,
 )
 
 
