@@ -78,3 +78,75 @@ def test_missing_command_is_one_line_and_127() -> None:
 def test_no_command_is_a_usage_error() -> None:
     proc = frtools_run()
     assert proc.returncode == 2
+
+
+NEVER_INIT_JOB = """
+import os, time
+from datetime import timedelta
+import torch.distributed as dist
+if os.environ["RANK"] == "2":
+    while True:  # never reaches init_process_group
+        time.sleep(1)
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+"""
+
+
+def _analyze(path: Path) -> dict:
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "frtools", "analyze", str(path), "--format", "json"],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    return json.loads(proc.stdout)["verdict"]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_calls_init_process_group_is_named(tmp_path: Path) -> None:
+    """Under ``frtools run`` the black box exists from process start: rank 2 of 3 never
+    calls init_process_group, rank 0 waits in rendezvous, rank 1 in Gloo's connect. Its box
+    says 'started': missing [2], the others wait; without its box (the others' headers give
+    the world size) it is dead [2]."""
+    import shutil
+    import time
+
+    from jobs import free_port, rank_env, stop
+
+    from frtools.formats.blackbox import read_snapshot
+
+    script = tmp_path / "job.py"
+    script.write_text(NEVER_INIT_JOB)
+    rec = tmp_path / "rec"
+    port = free_port()
+    argv = [sys.executable, "-m", "frtools", "run", "--dir", str(rec), "--job-id", "j", "--",
+            sys.executable, str(script)]  # fmt: skip
+    procs = [
+        subprocess.Popen(argv, env=rank_env(r, 3, port), start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for r in range(3)
+    ]  # fmt: skip
+    try:
+        boxes = [rec / "j" / f"rank_{r}.frt" for r in range(3)]
+        want = ["rendezvous", "connect", "started"]
+        deadline = time.monotonic() + 60
+        phases: list = []
+        while time.monotonic() < deadline:
+            if all(b.exists() for b in boxes):
+                phases = [read_snapshot(b).startup_phase for b in boxes]
+                if phases == want:
+                    break
+            time.sleep(0.2)
+        assert phases == want
+        verdict = _analyze(rec / "j")
+        assert (verdict["kind"], [g["rank"] for g in verdict["guilty"]]) == ("missing", [2])
+        assert verdict["waiting"] == [0, 1]
+        assert "never called init_process_group" in verdict["headline"]
+        alone = tmp_path / "without-rank-2"
+        alone.mkdir()
+        for b in boxes[:2]:
+            shutil.copy(b, alone / b.name)
+        verdict = _analyze(alone)
+        assert (verdict["kind"], [g["rank"] for g in verdict["guilty"]]) == ("dead", [2])
+    finally:
+        stop(procs)
