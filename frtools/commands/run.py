@@ -68,7 +68,9 @@ def run(
     Files: DIR/<job id>/rank_<R>.frt and rank_<R>.stacks; the job id is FRTOOLS_JOB_ID, else
     TORCHELASTIC_RUN_ID, SLURM_JOB_ID, or <MASTER_ADDR>-<MASTER_PORT>. Exits with COMMAND's
     exit code. Unless FRTOOLS_JOB_SECRET is set, a new one is made for the job (recovery
-    seals its store keys with it).
+    seals its store keys with it). Each rank's file opens as it imports torch.distributed (its
+    RANK/WORLD_SIZE from the launcher), before any group, and records its start-up phases: a
+    rank that never reaches init_process_group is named.
     """
     argv = list(command)
     if argv and argv[0] == "--":
