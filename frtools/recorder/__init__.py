@@ -104,6 +104,12 @@ def _open_at_process_start() -> None:
     ids = startup.launcher_rank(dict(os.environ))
     if ids is None:
         return
+    from frtools.formats.manifest import rank_file_name
+
+    if os.path.lexists(os.path.join(_session["config"].job_dir, rank_file_name(ids[0]))):
+        # a process the rank started (a spawned DataLoader worker inherits RANK) or an earlier
+        # run of the rank: not this one's box; the first group decides, as without a launcher
+        return
     box = _open_box(*ids, "")
     if box is not None:
         startup.watch(box)

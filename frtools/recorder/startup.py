@@ -24,6 +24,7 @@ The wrappers go through ``capture.c10d_internals``; each only marks the phase an
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,7 @@ from frtools.formats.blackbox import PHASE_NAMES
 
 PHASE = {name: code for code, name in enumerate(PHASE_NAMES) if name}
 
-_state: dict[str, Any] = {"box": None, "installed": False, "phase": "started"}
+_state: dict[str, Any] = {"box": None, "installed": False, "phase": "started", "pid": 0}
 
 
 def launcher_rank(env: dict[str, str]) -> tuple[int, int] | None:
@@ -46,7 +47,7 @@ def launcher_rank(env: dict[str, str]) -> tuple[int, int] | None:
 def mark(phase: str, failed: bool = False) -> None:
     """Record that the process entered ``phase`` now (nothing without a box; never raises)."""
     box = _state["box"]
-    if box is None:
+    if box is None or _state["pid"] != os.getpid():  # a forked child: its parent's box
         return
     _state["phase"] = phase
     with contextlib.suppress(Exception):  # the phases are a bonus: never hurt the job
@@ -56,7 +57,7 @@ def mark(phase: str, failed: bool = False) -> None:
 def watch(box: Any) -> None:
     """Mark start-up phases in ``box`` from now on: ``started`` at once, the others from
     wrappers around ``init_process_group`` and its rendezvous (installed once)."""
-    _state["box"] = box
+    _state["box"], _state["pid"] = box, os.getpid()
     mark("started")
     if _state["installed"]:
         return
