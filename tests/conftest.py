@@ -8,6 +8,7 @@ import pytest  # noqa: E402
 # Test files whose tests run torch itself (real jobs, the recorder): `scripts/test.sh` runs
 # them again on the older supported torch (`pytest -m torch`).
 TORCH_FILES = {
+    "test_all_to_all_splits.py",
     "test_blackbox.py",
     "test_demo.py",
     "test_dump.py",
