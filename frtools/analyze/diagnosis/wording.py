@@ -484,8 +484,10 @@ class _Wording:
             )
         if k is NoteKind.STARTUP_WAIT:
             phase = n.groups[0] if n.groups else ""
+            who = "Rank" if len(n.ranks) == 1 else "Ranks"
+            verb = "waits" if len(n.ranks) == 1 else "wait"
             return (
-                f"Ranks {format_ranks(list(n.ranks), 60)} wait inside init_process_group, "
+                f"{who} {format_ranks(list(n.ranks), 60)} {verb} inside init_process_group, "
                 f"{_STARTUP_WAIT_TEXT.get(phase, phase)}."
             )
         if k is NoteKind.SPLIT_PAIR and len(n.ranks) == 2 and len(n.values) == 2:
