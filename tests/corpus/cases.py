@@ -235,6 +235,50 @@ CASES += (
          "recorded: the black boxes, open since process start, record each rank's start-up "
          "phase, and rank 3's ends at 'started', alive: missing, the others its victims.",
          startup_hang=True),
+    # -- issue 19: pipelining schedule, DCP write error, a long run of tiny collectives --
+    Case("pp1f1b-healthy-fr", "pp1f1b", "none", None, 4, "fr", "healthy", (),
+         "torch.distributed.pipelining, 4 stages on 4 ranks, Schedule1F1B over 4 micro-batches, "
+         "8 steps, then the loss broadcast from stage 3. Each step the stages reach that "
+         "broadcast in reverse stage order, tens of ms apart (stage 3's backward ends first, "
+         "stage 0's last): the schedule draining, not a slow rank. Once reported as "
+         "'straggler [0, 1]'. Gloo's FR records the broadcasts, not the schedule's P2P.",
+         steps=8, reported=True),
+    Case("pp1f1b-healthy-frtools", "pp1f1b", "none", None, 4, "frtools", "healthy", (),
+         "The same 1F1B job recorded by frtools: every batch_isend_irecv of the schedule and "
+         "the per-step broadcast, reached late in stage order by the schedule's drain.",
+         steps=8, reported=True),
+    Case("fsdp2dcp-write-r2-frtools", "fsdp2dcp", "write-error", 2, 4, "frtools", "dead", (2,),
+         "FSDP2 saving with torch.distributed.checkpoint.save at step 3: rank 2's storage write "
+         "fails with OSError(28, 'No space left on device'). DCP gathers the write results and "
+         "raises one CheckpointException naming rank 2 ('ranks:dict_keys([2])', rank 2's "
+         "traceback) on all four ranks; all exit 1 with it. Each black box records its rank's "
+         "uncaught exception: the same error everywhere, started on rank 2; 0, 1, 3 are its "
+         "casualties, not dead ranks of their own.",
+         reported=True),
+    Case("fsdp2dcp-write-r2-fr", "fsdp2dcp", "write-error", 2, 4, "fr", "healthy", (),
+         "The same failing save under PyTorch's FR, each rank dumping as it catches the "
+         "CheckpointException. FR records collectives only: the error travels as pickled data "
+         "inside DCP's gather_object/broadcast_object_list, and every one of those collectives "
+         "was issued by all four ranks with one signature and completed (a rank may show the "
+         "last broadcast unretired: Gloo's retirement lag). Nothing in the four dumps tells "
+         "this job from one whose checkpoint succeeded, and nothing in them is blocked: "
+         "'healthy' is all the records support (the failure is in the exit codes and logs, "
+         "which FR does not keep); naming rank 2 needs the exception text frtools records."),
+    Case("tiny300-healthy-fr", "tiny300", "none", None, 4, "fr", "healthy", (),
+         "300 steps of 1-element collectives (all_reduce each step, broadcast and all_gather "
+         "every 10th), a final barrier, each rank's FR dump right after it. Gloo retires a "
+         "work a little after wait() returns, so one or two ranks' dumps may show the barrier "
+         "unretired: retirement lag at the job's end, not a hang. Once 'inconclusive' in 2 of "
+         "3 runs.",
+         steps=300, reported=True),
+    Case("tiny300-healthy-fr-ws", "tiny300", "none", None, 4, "fr", "healthy", (),
+         "The same dumps with --world-size 4: every member is accounted for, and all four "
+         "issued the barrier; the verdict follows the records, healthy.",
+         steps=300, analyze_args=("--world-size", "4"), run_of="tiny300-healthy-fr",
+         reported=True),
+    Case("tiny300-healthy-frtools", "tiny300", "none", None, 4, "frtools", "healthy", (),
+         "The same 300-step job of tiny collectives recorded by frtools, collected after exit.",
+         steps=300),
 )
 # fmt: on
 

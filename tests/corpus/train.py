@@ -19,6 +19,12 @@ MASTER_PORT); ``tests/corpus/harness.py`` does that, one process per rank. Shape
                  batch_isend_irecv, then world all_reduces of the gradient norm and the loss.
 * ``multigroup`` tensor-parallel pairs, data-parallel groups and the world group, as
                  ``examples/faulty_job.py``.
+* ``pp1f1b``     ``torch.distributed.pipelining``: a ``PipelineStage`` per rank driven by
+                 ``Schedule1F1B`` (4 micro-batches), then the loss broadcast from the last stage.
+* ``fsdp2dcp``   FSDP2 saving with ``torch.distributed.checkpoint.save`` every 3 steps (and at
+                 the last); ``--fault write-error``: the fault rank's write fails (ENOSPC).
+* ``tiny300``    tiny collectives (1-element all_reduce; broadcast and all_gather every 10th
+                 step), a final barrier, the Flight Recorder dump right after it.
 
 Faults (``--fault``) strike rank ``--fault-rank`` at step ``--fault-step`` (1-based):
 
@@ -34,6 +40,7 @@ Faults (``--fault``) strike rank ``--fault-rank`` at step ``--fault-step`` (1-ba
 * ``op``        a different collective at the same point;
 * ``order``     issues two collectives of different groups in the other order (a deadlock);
 * ``straggler`` sleeps ``--straggle-ms`` before every collective (the job completes);
+* ``write-error`` (fsdp2dcp) the checkpoint write fails with ``OSError(ENOSPC)``;
 * ``never-init`` the fault rank never calls ``init_process_group`` (stuck in its set-up: a
                 data-loading loop that never ends); the others wait inside it.
 
@@ -76,7 +83,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-SHAPES = ("ddp", "fsdp2", "moe", "pipeline", "multigroup")
+SHAPES = ("ddp", "fsdp2", "moe", "pipeline", "multigroup", "pp1f1b", "fsdp2dcp", "tiny300")
 FAULTS = (
     "none",
     "compute",
@@ -91,6 +98,7 @@ FAULTS = (
     "op",
     "order",
     "straggler",
+    "write-error",
     "never-init",
 )
 # Faults that stop the rank where it stands (before the step's first collective).
@@ -102,10 +110,14 @@ SHAPE_FAULTS = {
     "moe": ("skip", "size", "dtype", "op", "order"),
     "pipeline": ("skip", "op"),
     "multigroup": ("skip", "size", "dtype", "op", "order"),
+    "fsdp2dcp": ("write-error",),
 }
 
 # torch 2.13 deprecates reduce_scatter_tensor in favour of reduce_scatter_single.
 reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+PP_MICROBATCHES = 4  # pp1f1b: micro-batches per schedule step
+DCP_EVERY = 3  # fsdp2dcp: a checkpoint every this many steps (and at the last)
 
 
 class Runtime:
@@ -122,6 +134,7 @@ class Runtime:
         self._dumped_idle = False  # the watchdog dumped since the last progress
         self.armed = False  # hangs are judged during the training steps, not the set-up
         self._touched = 0.0
+        self.dumped_at_end = False  # the shape wrote its end-of-run dump itself
         self.hb = Path(args.heartbeat_dir) / f"rank_{self.rank}.hb" if args.heartbeat_dir else None
 
     def arm(self) -> None:
@@ -521,12 +534,136 @@ def run_multigroup(rt: Runtime) -> None:
             dist.broadcast(schedule, src=0)
 
 
+def run_pp1f1b(rt: Runtime) -> None:
+    """``torch.distributed.pipelining``: one stage per rank, ``Schedule1F1B`` over
+    ``PP_MICROBATCHES`` micro-batches (its P2P by ``batch_isend_irecv``), then the loss
+    broadcast from the last stage as training scripts log it. Each step the stages reach that
+    broadcast in reverse stage order (the last stage's backward ends first, stage 0's last):
+    the schedule draining, not a slow rank."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.set_num_threads(1)  # 4 ranks share the machine's cores; stage compute stays serial
+    stage_index, last = rt.rank, rt.world - 1
+    torch.manual_seed(stage_index)
+    width = 512  # enough compute per micro-batch that the drain shows (tens of ms per stage)
+    module = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh())
+    stage = PipelineStage(module, stage_index, rt.world, torch.device("cpu"))
+    # every stage passes the loss function: without it a stage's schedule runs no backward
+    schedule = Schedule1F1B(stage, n_microbatches=PP_MICROBATCHES, loss_fn=nn.functional.mse_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)  # every stage draws the same batch and targets
+    for _ in rt.steps():
+        x = torch.randn(32 * PP_MICROBATCHES, width, generator=gen)
+        y = torch.randn(32 * PP_MICROBATCHES, width, generator=gen)
+        losses: list[torch.Tensor] = []
+        with rt.coll():  # the schedule's forward sends/recvs and backward recvs/sends
+            if stage_index == 0:
+                schedule.step(x)
+            elif stage_index == last:
+                schedule.step(target=y, losses=losses)
+            else:
+                schedule.step()
+        opt.step()
+        opt.zero_grad()
+        loss = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1)
+        with rt.coll():
+            dist.broadcast(loss, src=last)
+
+
+def run_fsdp2dcp(rt: Runtime) -> None:
+    """FSDP2 (as ``fsdp2``) saving its sharded state with ``torch.distributed.checkpoint.save``
+    every ``DCP_EVERY`` steps and at the last. ``--fault write-error``: at ``--fault-step``'s
+    save, the fault rank's storage write fails with ``OSError(ENOSPC)``; DCP gathers every
+    rank's write result and raises one ``CheckpointException`` naming that rank on all ranks,
+    which exit with it."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class Writer(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):  # noqa: ANN001, ANN202 - DCP's signature
+            if rt.now("write-error"):
+                print(f"rank {rt.rank}: injecting write-error at step {rt.step}", file=sys.stderr)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write_data(plan, planner)
+
+    ckpt = Path(rt.args.ckpt_dir) if rt.args.ckpt_dir else ckpt_dir_default(rt)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (rt.world,))
+    model = mlp()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(rt.rank)
+    for step in rt.steps():
+        x = torch.randn(16, 32, generator=gen)
+        y = torch.randn(16, 8, generator=gen)
+        with rt.coll():
+            out = model(x)
+        loss = nn.functional.mse_loss(out, y)
+        with rt.coll():
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        log_metrics(rt, loss, out)
+        if step % DCP_EVERY == 0 or step == rt.args.steps:
+            try:
+                with rt.coll():  # DCP's plan gather, write-result gather and broadcasts
+                    dcp.save(
+                        {"model": model.state_dict()}, storage_writer=Writer(ckpt / f"step_{step}")
+                    )
+            except CheckpointException as exc:  # a BaseException: main's handler misses it
+                rt.done()
+                rt.dump(f"checkpoint failed: {str(exc).splitlines()[0][:200]}")
+                raise
+
+
+def ckpt_dir_default(rt: Runtime) -> Path:
+    """Beside the heartbeat folder (the harness's work folder), else a temporary folder
+    shared by the job's ranks (keyed by its rendezvous port)."""
+    if rt.args.heartbeat_dir:
+        return Path(rt.args.heartbeat_dir).parent / "ckpt"
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"corpus-ckpt-{os.environ['MASTER_PORT']}"
+
+
+def run_tiny300(rt: Runtime) -> None:
+    """A long healthy run of tiny collectives (``--steps``, 300 in the corpus): each step
+    all-reduces a 1-element loss, every 10th broadcasts a 1-element learning rate and
+    all-gathers a 1-element counter; then a ``barrier`` and, right after it, the Flight
+    Recorder dump, no pause (Gloo may not have retired the barrier on every rank yet)."""
+    lr = torch.zeros(1)
+    for step in rt.steps():
+        loss = torch.tensor([float(rt.rank + step)])
+        with rt.coll():
+            dist.all_reduce(loss)
+        if step % 10 == 0:
+            with rt.coll():
+                dist.broadcast(lr, src=0)
+            counts = [torch.zeros(1) for _ in range(rt.world)]
+            with rt.coll():
+                dist.all_gather(counts, torch.tensor([float(step)]))
+    with rt.coll():
+        dist.barrier()
+    rt.dump("finished (right after the final barrier)")
+    rt.dumped_at_end = True
+
+
 RUNNERS = {
     "ddp": run_ddp,
     "fsdp2": run_fsdp2,
     "moe": run_moe,
     "pipeline": run_pipeline,
     "multigroup": run_multigroup,
+    "pp1f1b": run_pp1f1b,
+    "fsdp2dcp": run_fsdp2dcp,
+    "tiny300": run_tiny300,
 }
 
 
@@ -547,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--straggle-ms", type=float, default=30.0)
     parser.add_argument("--fr-dir", default=None, help="PyTorch Flight Recorder dumps go here")
     parser.add_argument("--hang-seconds", type=float, default=4.0)
+    parser.add_argument(
+        "--ckpt-dir", default=None, help="fsdp2dcp: checkpoints go here (default: beside hb)"
+    )
     parser.add_argument("--heartbeat-dir", default=None)
     parser.add_argument("--pg-timeout", type=float, default=120.0)
     parser.add_argument(
@@ -570,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import faulthandler
 
-    if args.shape == "fsdp2":  # seconds on a loaded machine: imported during set-up
+    if args.shape in ("fsdp2", "fsdp2dcp"):  # seconds on a loaded machine: during set-up
         import importlib
 
         importlib.import_module("torch.distributed.fsdp")
@@ -599,10 +739,11 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.linger_on_error)
         raise
     rt.done()
-    # Gloo marks a work completed from a callback that may run just after wait() returned;
-    # give it a moment so that a healthy run's last op does not read as pending.
-    time.sleep(0.2)
-    rt.dump("finished")
+    if not rt.dumped_at_end:
+        # Gloo marks a work completed from a callback that may run just after wait()
+        # returned; give it a moment so that a healthy run's last op does not read as pending.
+        time.sleep(0.2)
+        rt.dump("finished")
     dist.barrier()  # leave together: an early exit resets the peers' connections
     dist.destroy_process_group()
     return 0
