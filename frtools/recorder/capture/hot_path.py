@@ -26,6 +26,7 @@ the op is still forwarded.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import sys
 import weakref
@@ -397,8 +398,9 @@ class ArgShape(enum.Enum):
 
     TENSORS = "(tensors, opts): in place"  # allreduce, broadcast, reduce
     OUT_IN = "(output, input, opts)"  # _allgather_base, reduce_scatter_single …
-    SPLITS = "(output, input, output splits, input splits, opts)"  # all_to_all_single
-    OUT_IN_SPLIT_LISTS = "(output tensors, input tensors, opts)"  # alltoall: one per member
+    # all_to_all_single (output, input, output splits, input splits, opts); alltoall (output
+    # tensors, input tensors, opts): one per member
+    SPLITS = "(output, input, ...): all_to_all, splits kept"
     OUT_LISTS_IN = "(output lists, input tensors, opts)"  # allgather, gather
     OUT_IN_LISTS = "(output tensors, input lists, opts)"  # scatter, reduce_scatter
     NO_TENSORS = "(opts)"  # barrier
@@ -444,64 +446,20 @@ def _tensors(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Call
     return override
 
 
-def _out_in(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
-    def override(
-        self: Any, output: Any, input: Any, opts: Any = _NO, *args: Any, **kwargs: Any
-    ) -> Any:
-        st = self._frs
-        rid = st.coll(op, input, output)
-        try:
-            issue = st.issue[slot] or getattr(st.pick(input), forward)
-            if opts is _NO or args or kwargs:
-                work = issue(*_args((output, input), opts, args), **kwargs)
-            else:
-                work = issue(output, input, opts)
-        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = base(self, *_args((output, input), opts, args), **kwargs)
-        if rid >= 0:
-            st.done(rid, work, input)
-        return work
-
-    return override
-
-
-def _splits(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
-    """_out_in for all_to_all_single, which also keeps the split sizes."""
+def _out_in(
+    op: int, slot: int, forward: str, base: Callable[..., Any], splits: bool = False
+) -> Callable[..., Any]:
+    """``splits``: an all_to_all, whose split sizes are kept too (ArgShape.SPLITS)."""
 
     def override(
         self: Any, output: Any, input: Any, opts: Any = _NO, *args: Any, **kwargs: Any
     ) -> Any:
         st = self._frs
         rid = st.coll(op, input, output)
-        if rid >= 0:  # opts, args[0]: output_split_sizes, input_split_sizes
+        if splits and rid >= 0:  # all_to_all_single: opts, args[0] are the output/input splits
             out_splits = kwargs.get("output_split_sizes") if opts is _NO else opts
             in_splits = args[0] if args else kwargs.get("input_split_sizes")
             st.splits(rid, output, input, out_splits, in_splits, False)
-        try:
-            issue = st.issue[slot] or getattr(st.pick(input), forward)
-            if opts is _NO or args or kwargs:
-                work = issue(*_args((output, input), opts, args), **kwargs)
-            else:
-                work = issue(output, input, opts)
-        except (TypeError, AttributeError):  # not in this backend's binding: the group's path
-            work = base(self, *_args((output, input), opts, args), **kwargs)
-        if rid >= 0:
-            st.done(rid, work, input)
-        return work
-
-    return override
-
-
-def _split_lists(op: int, slot: int, forward: str, base: Callable[..., Any]) -> Callable[..., Any]:
-    """_out_in for the list all_to_all, which also keeps each member's element count."""
-
-    def override(
-        self: Any, output: Any, input: Any, opts: Any = _NO, *args: Any, **kwargs: Any
-    ) -> Any:
-        st = self._frs
-        rid = st.coll(op, input, output)
-        if rid >= 0:
-            st.splits(rid, output, input, None, None, False)
         try:
             issue = st.issue[slot] or getattr(st.pick(input), forward)
             if opts is _NO or args or kwargs:
@@ -621,8 +579,7 @@ def _any_source(op: int, slot: int, forward: str, base: Callable[..., Any]) -> C
 _TEMPLATES: dict[ArgShape, Callable[..., Callable[..., Any]]] = {
     ArgShape.TENSORS: _tensors,
     ArgShape.OUT_IN: _out_in,
-    ArgShape.SPLITS: _splits,
-    ArgShape.OUT_IN_SPLIT_LISTS: _split_lists,
+    ArgShape.SPLITS: functools.partial(_out_in, splits=True),
     ArgShape.OUT_LISTS_IN: _out_lists_in,
     ArgShape.OUT_IN_LISTS: _out_in_lists,
     ArgShape.NO_TENSORS: _no_tensors,

@@ -60,7 +60,7 @@ OPS = (
         "reduce_scatter_tensor_coalesced",
     ),
     Op("all_to_all_single", "all_to_all", ArgShape.SPLITS, "alltoall_base"),
-    Op("alltoall", "all_to_all", ArgShape.OUT_IN_SPLIT_LISTS, "alltoall"),
+    Op("alltoall", "all_to_all", ArgShape.SPLITS, "alltoall"),
     Op("barrier", "barrier", ArgShape.NO_TENSORS, "barrier"),
     Op("send", "send", ArgShape.PEER, "send"),
     Op("recv", "recv", ArgShape.PEER, "recv"),
