@@ -454,7 +454,9 @@ def packed_to_arrow(
         arrays[name] = _text_column(codes, texts, empty if empty.any() else None)
     columns = []
     for f in ENTRY_SCHEMA:
-        array = arrays[f.name]
+        array = arrays.get(f.name)
+        if array is None:  # a column summaries do not keep (all_to_all split sizes)
+            array = pa.nulls(n_total, f.type)
         columns.append(array if array.type == f.type else array.cast(f.type))
     assert all(len(c) == n_total for c in columns)
     return pa.Table.from_arrays(columns, schema=ENTRY_SCHEMA), all_dumps, all_rows
