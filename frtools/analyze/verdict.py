@@ -14,7 +14,9 @@ from frtools import __version__
 from frtools.analyze.stacks import StacksSummary
 from frtools.model.trace import InputFile, ProcessGroup
 
-SCHEMA_VERSION = "1.4"  # 1.1: "stacks"; 1.2: "inconclusive", "decide"; 1.3: "exclusion"; 1.4: "stacks.native"
+SCHEMA_VERSION = (
+    "1.4"  # 1.1: "stacks"; 1.2: "inconclusive", "decide"; 1.3: "exclusion"; 1.4: "stacks.native"
+)
 
 KINDS = ("healthy", "missing", "dead", "mismatch", "order", "stuck", "straggler", "inconclusive")
 # Kinds whose guilty ranks a job should go on without (a dead or hung rank, a collective
