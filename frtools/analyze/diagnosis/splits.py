@@ -16,7 +16,9 @@ Worked example, group ranks 0-3, rank 1 sends 6 elements more to rank 3 than ran
 
 Where one rank disagrees with several peers and they with nobody else, that rank is the
 one to blame. An empty split list is the even split (NCCL writes none where every split is
-equal): the tensor's elements over the group size. A member without splits is not judged.
+equal): the tensor's elements over the group size. A member without splits is not judged,
+nor an all_to_all its members issued from different call sites: that is not one exchange
+but a rank that skipped one (its next call took the seq), which the skip rule names.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import pyarrow.compute as pc
 from frtools.model.ops import OpFamily, family_of
 from frtools.model.trace import Trace
 
-_COLUMNS = ("rank", "pg_name", "collective_seq_id", "op", "time_created_ns")
+_COLUMNS = ("rank", "pg_name", "collective_seq_id", "op", "time_created_ns", "call_site")
 _COLUMNS += ("input_sizes", "output_sizes", "input_split_sizes", "output_split_sizes")
 
 
@@ -124,6 +126,9 @@ def _pylist(table: pa.Table) -> list[dict]:
 def _check(
     key: tuple[str, int], by_rank: dict[int, dict], members: list[int]
 ) -> SplitMismatch | None:
+    sites = {row["call_site"] for row in by_rank.values()} - {None}
+    if len(sites) > 1:  # not one exchange: a rank skipped one (the skip rule's), not splits
+        return None
     n = len(members)
     position = {r: i for i, r in enumerate(members)}
     sends: dict[int, list[int]] = {}
