@@ -128,6 +128,24 @@ def test_one_rank_sending_a_peer_more_than_it_expects_is_named_with_the_pair(
     assert "cannot tell whose split sizes are wrong" in evidence  # one pair: a tie
 
 
+@pytest.mark.timeout(300)
+def test_the_pair_is_named_after_frtools_dump_too(jobs: dict, tmp_path: Path) -> None:
+    # what a user runs: frtools dump collects the boxes and writes the host summary the
+    # analysis reads; the summary keeps the split sizes
+    job = jobs["bad"]
+    out = tmp_path / "dumped"
+    proc = subprocess.run(
+        [sys.executable, "-m", "frtools", "dump", job.name, "--dir", str(job.parent), "-o",
+         str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert list(out.glob("*.summary"))
+    rc, verdict = analyze_json(out)
+    assert rc == 1 and [g["rank"] for g in verdict["guilty"]] == [1, 3]
+    assert "rank 1 sends 18 elements to rank 3, rank 3 expects 12" in verdict["headline"]
+
+
 # --- PyTorch FR dumps ---------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from frtools.formats.blackbox import splits_text
 from frtools.formats.summary import (
     MAX_ENTRIES,
     MAX_GROUPS,
@@ -207,6 +208,7 @@ def rank_summary(
                 retired=None if retired is None else int(bool(retired)),
                 timeout_ms=col["timeout_ms"][i],
                 call_site=_text(col["call_site"][i]),
+                splits=_splits(col["input_split_sizes"][i], col["output_split_sizes"][i]),
             )
         )
     rid = table.column("record_id")
@@ -256,6 +258,14 @@ def _int(value: object, null: int) -> int:
 
 def _text(value: object) -> str:
     return "" if value is None else str(value)[:MAX_STRING_CHARS]
+
+
+def _splits(sent: object, received: object) -> str:
+    """An all_to_all's split sizes as the black box keeps them ("" : none, or too long)."""
+    if sent is None or received is None:
+        return ""
+    text = splits_text(sent, received)
+    return text if len(text) <= MAX_STRING_CHARS else ""
 
 
 def summarize_path(

@@ -109,6 +109,7 @@ ENTRY_COLUMNS = (
     ("retired", "n"),  # 0/1, null: unknown
     ("timeout_ms", "n"),
     ("call_site", "s"),
+    ("splits", "s"),  # all_to_all split sizes as the black box keeps them ("3,6/6,3"; optional)
 )
 _COLUMN_NAMES = tuple(name for name, _ in ENTRY_COLUMNS)
 _IDENTITY_KEYS = (
@@ -175,6 +176,7 @@ class SummaryEntry:
     retired: int | None = None
     timeout_ms: int | None = None
     call_site: str = ""
+    splits: str = ""  # all_to_all: formats.blackbox.splits_text of its split sizes
 
 
 @dataclass

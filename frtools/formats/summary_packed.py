@@ -116,6 +116,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("retired", "i1?"),
     ("timeout_ms", "i8?"),
     ("call_site", "s4"),
+    ("splits", "s4"),
 )
 _NUMPY = {"d8": "<i8", "r8": "<i8", "i1": "<i1", "i2": "<i2", "i4": "<i4", "i8": "<i8",
           "u1": "<u1", "s4": "<u4", "f8": "<f8"}  # fmt: skip
@@ -657,6 +658,7 @@ def to_summaries(packed: PackedHost) -> list[RankSummary]:
                 retired=c["retired"][i],
                 timeout_ms=c["timeout_ms"][i],
                 call_site=t["call_site"][i],
+                splits=t["splits"][i],
             )
             for i in range(lo, hi)
         ]

@@ -187,9 +187,10 @@ def _take(dictionary: pa.Array, indices: np.ndarray, valid: np.ndarray | None = 
 _SPLITS = pa.list_(pa.int64())
 
 
-def _splits(texts: list[str], idx: np.ndarray) -> dict[str, pa.Array]:
-    """The all_to_all split columns from each slot's interned splits text (null elsewhere:
-    other ops, boxes older than the field, a text that is not two lists of counts)."""
+def split_columns(texts: list[str], idx: np.ndarray) -> dict[str, pa.Array]:
+    """The all_to_all split columns from each row's splits text (``texts[idx]``; null
+    elsewhere: other ops, records older than the field, a text that is not two lists of
+    counts). Also what host summaries keep (readers.summary)."""
     parsed = [parse_splits(t) for t in texts]
     if not any(parsed):
         return {}
@@ -270,7 +271,7 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
         # never completed); null for every op that did not fail
         "error": column("error", text_dict, none_is_null=True),
     }
-    arrays.update(_splits(texts, col_index["splits"]))
+    arrays.update(split_columns(texts, col_index["splits"]))
     columns = []
     for f in ENTRY_SCHEMA:
         array = arrays.get(f.name)

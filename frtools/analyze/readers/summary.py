@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from frtools.formats import limits
+from frtools.formats.blackbox import parse_splits
 from frtools.formats.summary import (
     RankSummary,
     SummaryError,
@@ -42,7 +43,7 @@ from frtools.model.ops import op_name
 from frtools.model.trace import ENTRY_SCHEMA, STATES, ProcessGroup, RankInfo, entries_table
 
 from .base import DumpError, RankDump, read_content
-from .frtools_snapshot import ALL_RANKS_ABOVE, call_site_of
+from .frtools_snapshot import ALL_RANKS_ABOVE, call_site_of, split_columns
 
 FORMAT = "frtools-summary"
 
@@ -149,6 +150,7 @@ def summary_to_rank_dump(summary: RankSummary, source: str) -> RankDump:
         "stack": [e.stack or None for e in es],
         "error": [e.error or None for e in es],
     }
+    columns.update(_split_lists([e.splits for e in es]))
     created = columns["time_created_ns"]
     return RankDump(
         rank_info=info,
@@ -159,6 +161,17 @@ def summary_to_rank_dump(summary: RankSummary, source: str) -> RankDump:
         default_pg_all=default_pg_all,
         unmapped_peer_groups={g.name for g in summary.groups if g.local_peers},
     )
+
+
+def _split_lists(texts: list[str]) -> dict[str, list[Any]]:
+    """The all_to_all split columns of a rank summary's entries (their ``splits`` texts)."""
+    parsed = [parse_splits(t) if t else None for t in texts]
+    if not any(parsed):
+        return {}
+    return {
+        "input_split_sizes": [p[0] if p else None for p in parsed],
+        "output_split_sizes": [p[1] if p else None for p in parsed],
+    }
 
 
 def _rank_info(
@@ -279,7 +292,8 @@ def packed_to_arrow(
     n_host = np.array([h.n_entries for h in hosts], dtype=np.int64)
     n_total = int(n_host.sum())
     string_cols = ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes",
-                   "thread_id", "thread_name", "stack", "error", "op", "call_site")  # fmt: skip
+                   "thread_id", "thread_name", "stack", "error", "op", "call_site",
+                   "splits")  # fmt: skip
     group_index: dict[tuple[str, str], int] = {}
     group_names: list[str] = []
     group_descs: list[str] = []
@@ -452,10 +466,12 @@ def packed_to_arrow(
         codes = text_codes[name]
         empty = codes == 0
         arrays[name] = _text_column(codes, texts, empty if empty.any() else None)
+    codes, inverse = np.unique(text_codes["splits"], return_inverse=True)
+    arrays.update(split_columns([texts[c] for c in codes.tolist()], inverse))
     columns = []
     for f in ENTRY_SCHEMA:
         array = arrays.get(f.name)
-        if array is None:  # a column summaries do not keep (all_to_all split sizes)
+        if array is None:  # a column summaries do not keep
             array = pa.nulls(n_total, f.type)
         columns.append(array if array.type == f.type else array.cast(f.type))
     assert all(len(c) == n_total for c in columns)
