@@ -331,7 +331,9 @@ def run_ddp(rt: Runtime) -> None:
         log_metrics(rt, loss, out)
 
 
-def run_fsdp2(rt: Runtime) -> None:
+def fsdp2_mlp(rt: Runtime) -> tuple[nn.Module, torch.optim.Optimizer, torch.Generator]:
+    """The FSDP2 shapes' model (every Linear sharded, then the whole), its optimizer and
+    this rank's data generator."""
     from torch.distributed.device_mesh import init_device_mesh  # imported by main()
     from torch.distributed.fsdp import fully_shard
 
@@ -343,7 +345,12 @@ def run_fsdp2(rt: Runtime) -> None:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(rt.rank)
+    return model, opt, torch.Generator().manual_seed(rt.rank)
+
+
+def run_fsdp2(rt: Runtime) -> None:
+
+    model, opt, gen = fsdp2_mlp(rt)
     for _ in rt.steps():
         x = torch.randn(16, 32, generator=gen)
         y = torch.randn(16, 8, generator=gen)
@@ -580,8 +587,6 @@ def run_fsdp2dcp(rt: Runtime) -> None:
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     class Writer(dcp.FileSystemWriter):
         def write_data(self, plan, planner):  # noqa: ANN001, ANN202 - DCP's signature
@@ -591,15 +596,7 @@ def run_fsdp2dcp(rt: Runtime) -> None:
             return super().write_data(plan, planner)
 
     ckpt = Path(rt.args.ckpt_dir) if rt.args.ckpt_dir else ckpt_dir_default(rt)
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (rt.world,))
-    model = mlp()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(rt.rank)
+    model, opt, gen = fsdp2_mlp(rt)
     for step in rt.steps():
         x = torch.randn(16, 32, generator=gen)
         y = torch.randn(16, 8, generator=gen)
