@@ -102,7 +102,7 @@ def _on_nccl(entries: pa.Table, pairs: set[tuple[int, str]]) -> set[tuple[int, s
     return pairs & seen
 
 
-def _counters(al: Alignment) -> pd.DataFrame:
+def counters(al: Alignment) -> pd.DataFrame:
     """(rank, group, last enqueued, last completed) where pg_status gives both."""
     ps = al.counters
     if ps is None or not len(ps):
@@ -159,11 +159,13 @@ def _ops_at(coll: pd.DataFrame, keys: set[tuple[str, int]]) -> dict[tuple[str, i
     return out
 
 
-def device_lags(trace: Trace, al: Alignment) -> dict[int, tuple[DeviceLag, ...]]:
+def device_lags(
+    trace: Trace, al: Alignment, counted: pd.DataFrame
+) -> dict[int, tuple[DeviceLag, ...]]:
     """Per rank, the groups where a peer completed an all-member collective that the rank
     never saw complete (see the module docstring)."""
     coll = al.collectives
-    counters = _comparable(coll, al.p2p, _counters(al))
+    counters = _comparable(coll, al.p2p, counted)
     if len(counters) < 2:
         return {}
     best = counters.groupby("pg_name")["completed"].transform("max")
@@ -201,11 +203,11 @@ def device_lags(trace: Trace, al: Alignment) -> dict[int, tuple[DeviceLag, ...]]
     return {r: tuple(v) for r, v in out.items()}
 
 
-def host_calls(trace: Trace, al: Alignment) -> dict[int, HostCall]:
+def host_calls(trace: Trace, al: Alignment, counted: pd.DataFrame) -> dict[int, HostCall]:
     """Per rank, a collective an NCCL engine recorded past the rank's ``last_enqueued``
     on that group (the earliest, where several)."""
     coll = al.collectives
-    counters = _counters(al)
+    counters = counted
     if not len(counters) or not len(coll):
         return {}
     mine = coll[coll["rank"].isin(counters["rank"].unique()).to_numpy()]

@@ -26,7 +26,7 @@ import pandas as pd
 from frtools.analyze.align import Alignment
 from frtools.model.trace import ABNORMAL_EXITS, ProcessGroup, Trace
 
-from .device import DeviceLag, HostCall, device_lags, host_calls
+from .device import DeviceLag, HostCall, counters, device_lags, host_calls
 
 # A rank whose record was written (or whose heartbeat stopped) this much earlier than the
 # others' is a stale record of a process that was already gone.
@@ -186,6 +186,7 @@ def gather_facts(trace: Trace, al: Alignment) -> JobFacts:
     }
     if any(e.gone for e in endings.values()):
         dump_ns = {}  # a member's process is gone: nothing it owes can still arrive
+    counted = counters(al)  # pg_status counters, read once for both NCCL questions
     return JobFacts(
         trace=trace,
         al=al,
@@ -203,8 +204,8 @@ def gather_facts(trace: Trace, al: Alignment) -> JobFacts:
         oldest_ns={int(r): int(t) for r, t in oldest.items()},
         dump_ns=dump_ns,
         has_completion_info=completion_known,
-        device_lags=device_lags(trace, al),
-        host_calls=host_calls(trace, al),
+        device_lags=device_lags(trace, al, counted),
+        host_calls=host_calls(trace, al, counted),
     )
 
 
