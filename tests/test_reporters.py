@@ -76,7 +76,7 @@ def test_collapsed_rank_ranges():
 def test_json_report_follows_the_schema(verdicts, kind):
     doc = json.loads(json_report.render(verdicts[kind]))
     jsonschema.Draft202012Validator(SCHEMA).validate(doc)
-    assert doc["schema_version"] == "1.4"
+    assert doc["schema_version"] == "1.5"
     assert doc["verdict"]["kind"] == kind
 
 

@@ -14,14 +14,33 @@ from frtools import __version__
 from frtools.analyze.stacks import StacksSummary
 from frtools.model.trace import InputFile, ProcessGroup
 
-SCHEMA_VERSION = (
-    "1.4"  # 1.1: "stacks"; 1.2: "inconclusive", "decide"; 1.3: "exclusion"; 1.4: "stacks.native"
-)
+# 1.1: "stacks"; 1.2: "inconclusive", "decide"; 1.3: "exclusion"; 1.4: "stacks.native";
+# 1.5: guilty ranks' gpu, gpu_inferred, pci_bus_id, findings (device evidence), "device_sources"
+SCHEMA_VERSION = "1.5"
 
 KINDS = ("healthy", "missing", "dead", "mismatch", "order", "stuck", "straggler", "inconclusive")
 # Kinds whose guilty ranks a job should go on without (a dead or hung rank, a collective
 # stuck on some ranks' devices), for orchestrators that restart or shrink (docs/recovery.md)
 EXCLUDE_KINDS = ("dead", "missing", "stuck")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceFinding:
+    """One abnormal fact about a guilty rank's host, GPU or NIC, read from the device facts
+    collected at dump time (docs/device-evidence.md); ``hardware`` facts count against the
+    host or GPU (the evidence a drain rests on)."""
+
+    host: str
+    source: str  # "nvidia-smi" | "nvml" | "kmsg" | "infiniband" | "ncclras"
+    code: str  # "xid:79", "ecc:dram_uncorrectable", "ib:link_downed", ...
+    text: str  # "GPU 3 (PCI 0000:47:00.0): Xid 79 at 12:03:11 (fell off the bus)"
+    hardware: bool
+    gpu: int | None = None
+    pci_bus_id: str | None = None
+    time: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
@@ -36,6 +55,12 @@ class GuiltyRank:
     device_id: str | None = None
     reason: str = ""
     call_site: str | None = None
+    # the rank's GPU on its host (its device identity, or its local rank's place in the host's
+    # GPU list when the rank had no CUDA device: gpu_inferred) and what is abnormal there
+    gpu: int | None = None
+    gpu_inferred: bool = False
+    pci_bus_id: str | None = None
+    findings: list[DeviceFinding] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,6 +108,9 @@ class Verdict:
     # what would decide the question the records leave open (inconclusive verdicts, and
     # verdicts that rest on a missing dump): one sentence per missing piece
     decide: list[str] = field(default_factory=list)
+    # where the device facts came from: one line per source per host (collected / absent /
+    # failed, and why); empty when the inputs held no device facts
+    device_sources: list[str] = field(default_factory=list)
 
     @property
     def guilty_ranks(self) -> list[int]:
@@ -135,4 +163,5 @@ class Verdict:
             "inputs": [i.to_dict() for i in self.inputs],
             **({"stacks": self.stacks.to_dict()} if self.stacks is not None else {}),
             **({"exclusion": exclusion} if (exclusion := self.exclusion()) else {}),
+            **({"device_sources": list(self.device_sources)} if self.device_sources else {}),
         }
