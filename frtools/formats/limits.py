@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
+import operator
 import os
+import re
 import stat
 import zlib
 from dataclasses import dataclass
@@ -40,6 +43,7 @@ __all__ = [
     "gunzip",
     "open_regular",
     "read_regular",
+    "strict_int",
 ]
 
 KIB = 1 << 10
@@ -116,6 +120,45 @@ class Limits:
     def expanded_cap(self, stored: int) -> int:
         """``expanded_values`` for a file of ``stored`` bytes on disk."""
         return max(self.expanded_values, self.per_stored_byte * stored // 8)
+
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+# a whole number written as text: ASCII digits, an optional sign, at most 19 digits (int64)
+_INT_TEXT = re.compile(r"\s*[-+]?[0-9]{1,19}\s*")
+
+
+def strict_int(value: object, *, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int | None:
+    """The one rule by which a reader turns a value from a file into an int, or ``None``.
+
+    Hostile files put anything where a number belongs, and seven readers used to disagree on
+    it. Accepted: an ``int`` (or a numpy integer), a float with no fractional part (a JSON
+    writer may write ``3.0``), and text of ASCII digits with an optional sign (PyTorch's
+    JSON dumps write counters as ``"-1"``), surrounding blanks allowed. Refused: ``True`` and
+    ``False`` (a flag is not a count), ``1.5``, NaN and infinities, ``"1_000"``, ``"٣"``,
+    ``"0x10"``, and any value outside ``lo … hi`` (by default int64's range).
+
+    >>> strict_int(" -3 "), strict_int(3.0), strict_int(True), strict_int(7, hi=5)
+    (-3, 3, None, None)
+    """
+    if type(value) is int:  # the common case, first
+        n = value
+    elif isinstance(value, bool):
+        return None
+    elif isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            return None
+        n = int(value)
+    elif isinstance(value, str):
+        if len(value) > 64 or not _INT_TEXT.fullmatch(value):
+            return None
+        n = int(value)
+    else:
+        try:  # int subclasses and numpy integers; numpy's bool refuses __index__
+            n = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+    return n if lo <= n <= hi else None
 
 
 DEFAULTS = Limits()
