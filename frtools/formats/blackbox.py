@@ -756,12 +756,6 @@ def _in_order(slots: np.ndarray) -> np.ndarray:
     return slots
 
 
-def _valid_slots(raw: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
-    """Keep slots that are complete and consistent; count the torn ones."""
-    slots, torn = _valid_in(raw, capacity, 0)
-    return _in_order(slots), torn
-
-
 # slots copied and checked at a time (8 MB): a big ring costs one chunk of memory, plus the
 # slots that hold records
 SLOT_CHUNK = 1 << 16

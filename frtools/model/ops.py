@@ -1,4 +1,4 @@
-"""Op names, op kinds and op semantics: the one place that says what an op *is*.
+"""Op names, op families and op semantics: the one place that says what an op *is*.
 
 An op is named backend-neutrally (``all_reduce``, ``send``, ``_allgather_base``): the
 profiling name with its engine prefix (``nccl:``, ``gloo:``, ``nccl2:``, ``c10d:``) removed.
@@ -14,14 +14,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-
-
-class OpKind(enum.Enum):
-    """How an op is matched across ranks: collectives by the group's ``collective_seq_id``,
-    point-to-point ops by (group, sender, receiver, ``p2p_seq_id``)."""
-
-    COLLECTIVE = "collective"
-    P2P = "p2p"
 
 
 class OpFamily(enum.Enum):
@@ -221,10 +213,6 @@ def op_name(profiling_name: str | None) -> str:
     if not profiling_name:
         return ""
     return profiling_name.split(":", 1)[1] if ":" in profiling_name else profiling_name
-
-
-def op_kind(op: str) -> OpKind:
-    return OpKind.P2P if op in P2P_OPS else OpKind.COLLECTIVE
 
 
 def family_of(op: str | None) -> OpFamily:

@@ -210,9 +210,6 @@ class RankInfo:
         }
 
 
-INPUT_STATUSES = ("ok", "skipped", "error", "duplicate")
-
-
 @dataclass
 class InputFile:
     """One file the readers looked at: ``ok``, ``skipped`` (not a dump), ``error``

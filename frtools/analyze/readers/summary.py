@@ -37,7 +37,6 @@ from frtools.formats.summary_packed import (
     decode_packed,
     decode_packed_many,
     looks_packed,
-    to_summaries,
 )
 from frtools.model.ops import op_name
 from frtools.model.trace import ENTRY_SCHEMA, STATES, ProcessGroup, RankInfo, entries_table
@@ -73,18 +72,6 @@ def read_all(path: Path) -> list[RankDump]:
     except (SummaryError, limits.InputRefused) as e:
         raise DumpError(str(e)) from None
     return [summary_to_rank_dump(s, str(path)) for s in summaries]
-
-
-def read_summaries(path: Path) -> list[RankSummary]:
-    """The ``RankSummary`` objects in a file of any summary encoding."""
-    data, stored = read_content(path)
-    try:
-        if looks_packed(data):
-            return to_summaries(decode_packed(data))
-        limits.check_json(data, stored=stored)
-        return decode(data)
-    except (SummaryError, limits.InputRefused) as e:
-        raise DumpError(str(e)) from None
 
 
 def summary_to_rank_dump(summary: RankSummary, source: str) -> RankDump:

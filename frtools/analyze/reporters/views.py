@@ -28,7 +28,6 @@ PENDING = "pending"  # issued the group's latest op, not completed
 UNKNOWN = "unknown"  # issued the group's latest op; completion not recorded
 BEHIND = "behind"  # never issued the group's latest op
 NO_RECORD = "no record"  # no usable record of this rank
-MEMBER_STATES = (DONE, PENDING, UNKNOWN, BEHIND, NO_RECORD)
 
 # an op slice's state, as the timeline colours it
 COMPLETED = "completed"
