@@ -35,6 +35,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Summarize one host's flight records for a fleet analysis.",
     ),
     "run": ("frtools.commands.run", "run", "Run a command with the recorder on."),
+    "top": ("frtools.commands.top", "top", "Watch this host's ranks live: op, stall, lag."),
+    "metrics": (
+        "frtools.commands.metrics",
+        "metrics",
+        "Serve this host's ranks as Prometheus metrics.",
+    ),
     "demo": ("frtools.commands.demo", "demo", "Hang a small local job on purpose and diagnose it."),
     "convert": (
         "frtools.commands.convert",

@@ -243,6 +243,19 @@ def read_job(job_dir: str | os.PathLike[str]) -> JobLive:
     return job
 
 
+def read_jobs(root: str | os.PathLike[str] | None = None, job: str | None = None) -> list[JobLive]:
+    """The jobs under the recorder folder ``root`` (default ``FRTOOLS_DIR``), or the one
+    named ``job`` (empty, with a note, until its first box appears)."""
+    from frtools.collect.local import find_jobs
+
+    jobs = find_jobs(root)
+    if job is None:
+        return [read_job(path) for path in jobs.values()]
+    if job in jobs:
+        return [read_job(jobs[job])]
+    return [JobLive(job=job, notes=[f"no boxes of job {job!r} under this host's recorder folder"])]
+
+
 def _settle(job: JobLive) -> None:
     readable = [r for r in job.ranks.values() if r.error is None]
     mark_lagging(readable)
