@@ -1,0 +1,392 @@
+"""The step diff: what the failing training step did differently from the last good one.
+
+Training repeats one step, so each rank's records are a period: the same sequence of
+(group, op, peer, shapes, dtypes, call site) again and again, until the fault. The last
+complete step before the fault is a reference the developer can read: "rank 5 issued
+all_to_all_single on group 7 from model.py:88, which no rank issued in step 2".
+
+Per rank, over its last ``WINDOW`` records (bounded work at any world size):
+
+* **Tokens.** Each record becomes one integer from its group, op, peer, dtypes, call site
+  and, where the op's sizes repeat step to step, its sizes (an all_to_all's splits and an
+  object collective's byte counts change every step by design: not part of the token).
+* **Period.** The step length ``p`` is the distance whose repetition ``S[i] == S[i-p]``
+  spans the most records (ties: the shortest); at least two whole copies. Candidate
+  distances are the ones at which the window's middle token recurs.
+* **Divergence.** The first record after that periodic run, if any, lies in the failing
+  step; the step before it is the last good one. A rank whose records simply stop inside
+  the step (blocked, waiting) did nothing different: it has no change.
+
+The change at the divergence, in the failing step's position ``k`` against the good step:
+
+* same group, op and call site, other sizes or dtypes: ``shape`` / ``dtype``;
+* the token sits later in the good step, after ops on the same group: those were skipped
+  (``missing_op``); after ops on other groups only: ``order`` (the rank went ahead of them);
+* otherwise ``new_op``, with whether any rank issued it in its last good step.
+
+This module decides nothing about guilt: the verdict's rules do; the diff is evidence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from frtools.model.ops import OpFamily, family_of
+from frtools.model.trace import Trace
+
+WINDOW = 512  # a rank's last records looked at: bounded work per rank at any world size
+CANDIDATES = 32  # step lengths tried per rank
+MAX_CHANGES = 16  # ranks whose change is listed (the rest counted)
+_TOKEN_COLUMNS = (
+    "pg_name",
+    "op",
+    "peer",
+    "input_sizes",
+    "output_sizes",
+    "input_dtypes",
+    "output_dtypes",
+    "call_site",
+)
+# sizes that change every step by design (MoE splits, pickled objects)
+_FREE_SIZES = (OpFamily.ALL_TO_ALL, OpFamily.OBJECT)
+CHANGE_KINDS = ("new_op", "missing_op", "order", "shape", "dtype")
+
+
+@dataclass(kw_only=True)
+class StepOp:
+    """One recorded op as the step diff shows it."""
+
+    pg_name: str
+    op: str
+    peer: int | None = None
+    input_sizes: str = ""
+    input_dtypes: str = ""
+    call_site: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pg_name": self.pg_name,
+            "op": self.op,
+            "peer": self.peer,
+            "input_sizes": self.input_sizes,
+            "input_dtypes": self.input_dtypes,
+            "call_site": self.call_site,
+        }
+
+
+@dataclass(kw_only=True)
+class StepChange:
+    """What one rank did differently in the failing step, at its first difference."""
+
+    rank: int
+    change: str  # one of CHANGE_KINDS
+    step: int  # the failing step, counted from the first recorded step (1-based)
+    position: int  # the op's place in the step (0-based)
+    now: StepOp | None  # what it issued there (None: nothing, for a skip at the end)
+    before: StepOp | None  # what it issued there in the last good step
+    skipped: list[StepOp] = field(default_factory=list)  # missing_op / order: passed over
+    issued_by_any: bool = False  # new_op: some rank issued it in its last good step
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "change": self.change,
+            "step": self.step,
+            "position": self.position,
+            "now": self.now.to_dict() if self.now else None,
+            "before": self.before.to_dict() if self.before else None,
+            "skipped": [s.to_dict() for s in self.skipped],
+            "issued_by_any": self.issued_by_any,
+        }
+
+
+@dataclass(kw_only=True)
+class StepDiff:
+    """The step diff of a trace: the step length per rank and every rank's change."""
+
+    ranks_examined: int = 0
+    ranks_repeating: int = 0  # ranks whose records repeat a step
+    step_length: int | None = None  # the most common step length, in ops
+    changes: list[StepChange] = field(default_factory=list)
+    more_changes: int = 0  # ranks with a change beyond MAX_CHANGES
+
+    @property
+    def repeats(self) -> bool:
+        return self.ranks_repeating > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "repeats": self.repeats,
+            "ranks_examined": self.ranks_examined,
+            "ranks_repeating": self.ranks_repeating,
+            "step_length": self.step_length,
+            "changes": [c.to_dict() for c in self.changes],
+            "more_changes": self.more_changes,
+            "lines": step_diff_lines(self),
+        }
+
+
+def _op_text(op: StepOp, group_word: bool = True) -> str:
+    peer = (
+        f" {'to' if op.op.endswith('send') else 'with'} rank {op.peer}"
+        if op.peer is not None
+        else ""
+    )
+    where = f" from {op.call_site}" if op.call_site else ""
+    group = f" on group {op.pg_name}" if group_word else ""
+    return f"{op.op}{peer}{group}{where}"
+
+
+def change_line(c: StepChange) -> str:
+    """One sentence per change, naming both call sites."""
+    good = c.step - 1
+    if c.change in ("shape", "dtype") and c.now and c.before:
+        what = "sizes" if c.change == "shape" else "dtypes"
+        was = c.before.input_sizes if c.change == "shape" else c.before.input_dtypes
+        now = c.now.input_sizes if c.change == "shape" else c.now.input_dtypes
+        return (
+            f"rank {c.rank} issued {_op_text(c.now)} with {what} {now} in step {c.step}, "
+            f"{was} in step {good}"
+        )
+    if c.change == "missing_op":
+        skipped = "; ".join(_op_text(s) for s in c.skipped)
+        tail = f", and went on to {_op_text(c.now)}" if c.now else ""
+        return f"rank {c.rank} did not issue {skipped} in step {c.step}, as it did in step {good}{tail}"
+    if c.change == "order" and c.now:
+        ahead = "; ".join(_op_text(s) for s in c.skipped)
+        return (
+            f"rank {c.rank} issued {_op_text(c.now)} before {ahead} in step {c.step}; "
+            f"in step {good} it came after"
+        )
+    now = _op_text(c.now) if c.now else "nothing"
+    who = (
+        "it was issued in step {g} by other ranks"
+        if c.issued_by_any
+        else "which no rank issued in step {g}"
+    )
+    was = f"; in step {good} it issued {_op_text(c.before)} there" if c.before else ""
+    return f"rank {c.rank} issued {now}, {who.format(g=good)}{was}"
+
+
+def step_diff_lines(diff: StepDiff) -> list[str]:
+    """The diff in words: one line per change, or one line saying why there is none."""
+    if not diff.repeats:
+        return [f"no step repeats in the records ({diff.ranks_examined} ranks looked at)"]
+    if not diff.changes:
+        return [
+            f"every rank repeated its step ({diff.step_length} ops) until it stopped: "
+            "no rank did anything different in the failing step"
+        ]
+    lines = [change_line(c) for c in diff.changes]
+    if diff.more_changes:
+        lines.append(f"... and {diff.more_changes} more ranks with a change")
+    return lines
+
+
+def _rank_blocks(ranks: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """Each rank's row positions, in record order (readers write a rank's rows together)."""
+    if not len(ranks):
+        return []
+    bounds = np.flatnonzero(np.diff(ranks)) + 1
+    starts = np.concatenate(([0], bounds))
+    ends = np.concatenate((bounds, [len(ranks)]))
+    if len(np.unique(ranks[starts])) == len(starts):
+        return [
+            (int(ranks[s]), np.arange(max(s, e - WINDOW), e))
+            for s, e in zip(starts, ends, strict=True)
+        ]
+    order = np.argsort(ranks, kind="stable")
+    sorted_ranks = ranks[order]
+    bounds = np.flatnonzero(np.diff(sorted_ranks)) + 1
+    starts = np.concatenate(([0], bounds))
+    parts = np.split(order, bounds)
+    return [(int(sorted_ranks[s]), part[-WINDOW:]) for s, part in zip(starts, parts, strict=True)]
+
+
+def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[Any]]:
+    """Dictionary codes (one dictionary for all chunks; -1 for null) and the values."""
+    if not pa.types.is_dictionary(col.type):
+        if pa.types.is_integer(col.type):
+            values = col.fill_null(-1).to_numpy().astype(np.int64)
+            return values, []
+        col = col.dictionary_encode()
+    col = col.unify_dictionaries() if col.num_chunks > 1 else col
+    if col.num_chunks == 0:
+        return np.zeros(0, dtype=np.int64), []
+    dictionary = col.chunks[0].dictionary.to_pylist()
+    indices = pa.chunked_array([c.indices for c in col.chunks], type=col.type.index_type)
+    return indices.fill_null(-1).to_numpy().astype(np.int64), dictionary
+
+
+def _min_run(p: int) -> int:
+    return max(2, (p + 1) // 2)
+
+
+def _period(tokens: np.ndarray, hint: int | None) -> tuple[int, int, int] | None:
+    """(step length p, first index of the periodic stretch, index after it): p is the
+    distance whose repetition spans the most records, the stretch the first run of it that
+    holds one whole step, then at least half of it (two ops) again; None if none."""
+    n = len(tokens)
+    if n < 3:
+        return None
+
+    def runs(p: int) -> tuple[int, int, int]:
+        """(longest run, start and length of the first long enough run) of S[i] == S[i-p]."""
+        eq = tokens[p:] == tokens[:-p]
+        padded = np.concatenate(([False], eq, [False]))
+        edges = np.flatnonzero(padded[1:] != padded[:-1])
+        lengths = edges[1::2] - edges[::2]
+        enough = np.flatnonzero(lengths >= _min_run(p))
+        if not enough.size:
+            return 0, 0, 0
+        first = int(enough[0])
+        return int(lengths.max()), int(edges[2 * first]) + p, int(lengths[first])
+
+    if hint is not None and hint < n:
+        _, start, length = runs(hint)
+        if length:
+            return hint, start - hint, start + length
+    dists: set[int] = set()
+    for anchor in (n // 4, n // 2, (3 * n) // 4, n - 2):
+        same = np.flatnonzero(tokens == tokens[anchor])
+        dists.update(np.abs(same - anchor).tolist())
+    candidates = sorted(d for d in dists if 0 < d <= n // 2 + 1 and d < n)[:CANDIDATES]
+    best: tuple[int, int, int] | None = None
+    best_span = 0
+    for p in candidates:
+        longest, start, length = runs(p)
+        if length and longest + p > best_span:
+            best_span, best = longest + p, (p, start - p, start + length)
+    return best
+
+
+def step_diff(trace: Trace) -> StepDiff:
+    """Every rank's step and what its failing step did differently (module docstring)."""
+    table = trace.entries
+    if table.num_rows == 0:
+        return StepDiff()
+    ranks = table.column("rank").to_numpy()
+    blocks = _rank_blocks(ranks)
+    rows = np.concatenate([idx for _, idx in blocks]) if blocks else np.zeros(0, dtype=np.int64)
+    window = table.select(list(_TOKEN_COLUMNS)).take(pa.array(rows))
+    codes = {}
+    values: dict[str, list[Any]] = {}
+    for name in _TOKEN_COLUMNS:
+        codes[name], values[name] = _codes(window.column(name))
+    free = np.array([family_of(op) in _FREE_SIZES for op in values["op"]] + [False])
+    sized = ~free[codes["op"]]
+    token = np.zeros(len(rows), dtype=np.uint64)
+    for name in _TOKEN_COLUMNS:
+        part = codes[name]
+        if name in ("input_sizes", "output_sizes"):
+            part = np.where(sized, part, -2)
+        if name == "call_site":  # the same op from another line: for moves, not for periods
+            moved = token.copy()
+        token = token * np.uint64(1_000_003) ^ (part + 3).astype(np.uint64)
+
+    def op_at(i: int) -> StepOp:
+        def text(name: str) -> str:
+            c = int(codes[name][i])
+            return "" if c < 0 else str(values[name][c])
+
+        peer = int(codes["peer"][i])
+        return StepOp(
+            pg_name=text("pg_name"),
+            op=text("op"),
+            peer=peer if peer >= 0 and family_of(text("op")) is OpFamily.P2P else None,
+            input_sizes=text("input_sizes"),
+            input_dtypes=text("input_dtypes"),
+            call_site=text("call_site") or None,
+        )
+
+    diff = StepDiff(ranks_examined=len(blocks))
+    lengths: dict[int, int] = {}
+    good_tokens: set[int] = set()  # ops some rank issued in its last good step (no line)
+    found: list[tuple[int, int, int, int, np.ndarray]] = []  # rank, p, first, end, rows
+    offset = 0
+    hint: int | None = None
+    for rank, idx in blocks:
+        positions = np.arange(offset, offset + len(idx))
+        offset += len(idx)
+        seq = token[positions]
+        period = _period(seq, hint)
+        if period is None:
+            continue
+        p, first, end = period
+        hint = p
+        diff.ranks_repeating += 1
+        lengths[p] = lengths.get(p, 0) + 1
+        fail_start = first + ((end - first) // p) * p
+        good_tokens.update(moved[positions[max(first, fail_start - p) : fail_start]].tolist())
+        if end < len(seq):
+            found.append((rank, p, first, end, positions))
+    diff.step_length = max(lengths, key=lambda k: lengths[k]) if lengths else None
+    for rank, p, first, end, positions in found:
+        change = _change(rank, p, first, end, positions, (token, moved), op_at, good_tokens)
+        if change is None:
+            continue
+        if len(diff.changes) < MAX_CHANGES:
+            diff.changes.append(change)
+        else:
+            diff.more_changes += 1
+    return diff
+
+
+def _change(
+    rank: int,
+    p: int,
+    first: int,
+    end: int,
+    positions: np.ndarray,
+    tokens: tuple[np.ndarray, np.ndarray],
+    op_at: Any,
+    good_tokens: set[int],
+) -> StepChange | None:
+    """The change at the first record after the periodic run (module docstring)."""
+    token, moved = tokens
+    seq = token[positions]
+    fail_start = first + ((end - first) // p) * p
+    k = end - fail_start  # the divergence's place in the failing step
+    good = seq[fail_start - p : fail_start]
+    fail = seq[fail_start:]
+    step = (fail_start - first) // p + 1
+    now_i = int(positions[end])
+    now, before = op_at(now_i), op_at(int(positions[fail_start - p + k]))
+    later = np.flatnonzero(good[k + 1 :] == fail[k])
+    if not later.size:  # the same op from another line, issued earlier than last step
+        shifted = moved[positions]
+        later = np.flatnonzero(shifted[fail_start - p + k + 1 : fail_start] == shifted[end])
+    if later.size:
+        m = k + 1 + int(later[0])
+        passed = [op_at(int(positions[fail_start - p + j])) for j in range(k, m)]
+        same_group = any(s.pg_name == now.pg_name for s in passed)
+        return StepChange(
+            rank=rank,
+            change="missing_op" if same_group else "order",
+            step=step,
+            position=k,
+            now=now,
+            before=before,
+            skipped=[s for s in passed if s.pg_name == now.pg_name] if same_group else passed,
+        )
+    if (now.pg_name, now.op, now.call_site, now.peer) == (
+        before.pg_name,
+        before.op,
+        before.call_site,
+        before.peer,
+    ):
+        kind = "dtype" if now.input_dtypes != before.input_dtypes else "shape"
+        return StepChange(rank=rank, change=kind, step=step, position=k, now=now, before=before)
+    return StepChange(
+        rank=rank,
+        change="new_op",
+        step=step,
+        position=k,
+        now=now,
+        before=before,
+        issued_by_any=int(moved[now_i]) in good_tokens,
+    )
