@@ -306,6 +306,60 @@ HISTORY: Setting[str | None] = Setting(
     _text,
 )
 
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``7d``, ``12h``, ``30m``, ``2w``, ``90s`` or plain seconds -> seconds (positive)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", text.strip().lower())
+    if m is None:
+        raise ValueError("is not a duration (7d, 12h, 30m, 2w, or seconds)")
+    seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2) or "s"]
+    if seconds <= 0:
+        raise ValueError("must be longer than 0")
+    return seconds
+
+
+def _at_least_one(text: str) -> int:
+    value = _non_negative(int)(text)
+    if value < 1:
+        raise ValueError("must be 1 or more")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _non_negative(float)(text)
+    if value > 1:
+        raise ValueError("must be between 0 and 1")
+    return value
+
+
+DRAIN_INCIDENTS: Setting[int] = Setting(
+    "FRTOOLS_DRAIN_INCIDENTS",
+    2,
+    "`2`",
+    "a host guilty in this many incidents of the catalog's window (`FRTOOLS_DRAIN_WINDOW`) is a "
+    "repeat offender: a verdict that would restart or investigate asks to drain it, and "
+    "`frtools history` lists it to drain (its `--min-incidents` default); docs/actions.md",
+    _at_least_one,
+)
+DRAIN_WINDOW: Setting[float] = Setting(
+    "FRTOOLS_DRAIN_WINDOW",
+    7 * 86400.0,
+    "`7d`",
+    "how far back `frtools analyze --history` counts a guilty host's incidents (7d, 12h, 2w, "
+    "or seconds)",
+    parse_duration,
+)
+ACTION_MIN_CONFIDENCE: Setting[float] = Setting(
+    "FRTOOLS_ACTION_MIN_CONFIDENCE",
+    0.7,
+    "`0.7`",
+    "a dead or stuck rank without device evidence is `restart` at this verdict confidence or "
+    "more, `investigate` below it (docs/actions.md)",
+    _fraction,
+)
+
 CAPTURE_MODES = ("hooks", "wrap")
 
 
@@ -364,6 +418,31 @@ CACHE_DIR: Setting[str | None] = Setting(
     _text,
 )
 
+DEVICE_FACTS: Setting[bool] = Setting(
+    "FRTOOLS_DEVICE_FACTS",
+    True,
+    "`1`",
+    "`0`: `frtools dump` and the stall hand-off collect no device facts (nvidia-smi/NVML, "
+    "Xid lines of the kernel log, InfiniBand ports, ncclras; docs/device-evidence.md)",
+    flag_off,
+)
+KMSG: Setting[str] = Setting(
+    "FRTOOLS_KMSG",
+    "/dev/kmsg",
+    "`/dev/kmsg`",
+    "the kernel log device facts read Xid/SXid lines from (`/dev/kmsg`, else `dmesg`); a "
+    "regular file (a saved `dmesg` or journal) is read as such",
+    _text,
+)
+INFINIBAND_SYSFS: Setting[str] = Setting(
+    "FRTOOLS_INFINIBAND_SYSFS",
+    "/sys/class/infiniband",
+    "`/sys/class/infiniband`",
+    "where device facts read InfiniBand/RoCE port state and error counters "
+    "(`<dev>/ports/<n>/state`, `counters/link_downed`, ...)",
+    _text,
+)
+
 SETTINGS: tuple[Setting[Any], ...] = (
     RECORD,
     DIR,
@@ -384,10 +463,16 @@ SETTINGS: tuple[Setting[Any], ...] = (
     NATIVE_PICKLE,
     LIMITS,
     HISTORY,
+    DRAIN_INCIDENTS,
+    DRAIN_WINDOW,
+    ACTION_MIN_CONFIDENCE,
     CAPTURE,
     NATIVE_HOOKS,
     CACHE_DIR,
     JOB_SECRET,
+    DEVICE_FACTS,
+    KMSG,
+    INFINIBAND_SYSFS,
 )
 ENV_VARS = tuple(s.name for s in SETTINGS)
 

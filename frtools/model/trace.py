@@ -37,6 +37,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from frtools.model.devices import HostDevices
+
 STATES = ("scheduled", "started", "completed")
 
 # How a rank's process ended (RankInfo.exit_kind), as its recorder saw it:
@@ -150,6 +152,17 @@ def stack_text(frames: Sequence[Mapping[str, Any]] | None) -> str | None:
     return "\n".join(format_frame(f) for f in frames)
 
 
+DEFAULT_PG_NAME = "0"
+DEFAULT_PG_DESC = "default_pg"
+
+
+def is_default(name: str | None, desc: str | None = None) -> bool:
+    """Whether a group is the job's default (world) group: every process's first group is
+    named "0" (NCCL and Gloo alike), and PyTorch describes it as "default_pg". The one test
+    of it; a file may give either sign alone."""
+    return name == DEFAULT_PG_NAME or desc == DEFAULT_PG_DESC
+
+
 @dataclass
 class ProcessGroup:
     """A process group as the analysis knows it; ``ranks`` are global ranks, sorted."""
@@ -158,6 +171,11 @@ class ProcessGroup:
     desc: str = ""
     ranks: tuple[int, ...] = ()
     inferred: bool = False
+
+    @property
+    def is_default(self) -> bool:
+        """The job's default (world) group (``is_default``)."""
+        return is_default(self.name, self.desc)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -198,6 +216,8 @@ class RankInfo:
     last_heartbeat_ns: int | None = None  # the process was last seen alive (wall clock)
     # one of STARTUP_PHASES: how far its start-up got (None: not recorded, e.g. PyTorch FR)
     startup_phase: str | None = None
+    # ``host`` was read from the file's name, not from the record: a guess
+    host_guessed: bool = False
 
     def identity(self) -> dict[str, Any]:
         return {
@@ -241,6 +261,8 @@ class Trace:
     world_size: int | None = None  # best knowledge: pg_config, manifest, or max rank + 1
     # a file, a manifest or the caller (--world-size) stated world_size: not a guess
     world_stated: bool = False
+    # host -> what its GPUs, kernel log and NICs showed at dump time (device_<host>.json)
+    devices: dict[str, HostDevices] = field(default_factory=dict)
 
     @property
     def expected_ranks(self) -> range:
