@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from pathlib import Path
@@ -96,9 +97,7 @@ def _run(
     except OSError as exc:
         fail(PREFIX, f"error: cannot listen on {host}:{port}: {exc.strerror or exc}")
     click.echo(f"serving http://{host}:{server.server_port}/metrics", err=True)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends serving: not an error
         stop.wait()
-    except KeyboardInterrupt:
-        pass
     server.shutdown()
     return 0
