@@ -253,6 +253,10 @@ class Finding:
     point: Point | None = None
     notes: tuple[Note, ...] = ()
     decide: tuple[Decide, ...] = ()
+    # HEALTHY: the records say which ops completed (the headline says so, or that they cannot)
+    completion_info: bool = True
+    # absent ranks this finding does not explain (confidence.settle: they cost confidence)
+    unexplained: tuple[int, ...] = ()
 
     @property
     def guilty(self) -> tuple[int, ...]:

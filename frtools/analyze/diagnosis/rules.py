@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .confidence import settle
 from .facts import CompletionSource, JobFacts
 from .graph import WaitForGraph, collective_point, is_stuck, sink_core
 from .model import (
@@ -494,7 +495,7 @@ def healthy(ev: Evidence) -> Finding:
     in_flight = sum(1 for p in g.points.values() if p.blockers)
     notes = (Note(NoteKind.IN_FLIGHT, count=in_flight),) if in_flight else ()
     conf = Confidence.HEALTHY if f.has_completion_info else Confidence.HEALTHY_NO_COMPLETION
-    return Finding(VerdictKind.HEALTHY, conf, notes=notes)
+    return Finding(VerdictKind.HEALTHY, conf, notes=notes, completion_info=f.has_completion_info)
 
 
 PRIORITY: tuple[Rule, ...] = (
@@ -517,10 +518,12 @@ PRIORITY: tuple[Rule, ...] = (
 
 
 def first_finding(ev: Evidence) -> Finding:
+    """The first rule's answer, its confidence settled (confidence.py): what the wording
+    renders, with nothing left to decide."""
     for rule in PRIORITY:
         finding = rule(ev)
         if finding is not None:
-            return finding
+            return settle(finding, ev.facts)
     raise AssertionError("the healthy rule always answers")
 
 

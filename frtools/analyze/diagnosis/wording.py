@@ -1,7 +1,11 @@
 """Findings in words: the Verdict's headline, the guilty ranks' reasons, the evidence lines
-and what would decide an inconclusive verdict. No decision is taken here."""
+and what would decide an inconclusive verdict. No decision is taken here: the Finding comes
+with its final confidence and every choice made (rules.py, confidence.py); each Reason and
+each NoteKind has its text in one table (REASON_TEXT, NOTE_TEXT)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pandas as pd
 
@@ -13,7 +17,6 @@ from frtools.model.ranks import format_ranks
 from .facts import Ending, JobFacts
 from .model import (
     Blame,
-    Confidence,
     Decide,
     Finding,
     MemberState,
@@ -52,7 +55,7 @@ def verdict_of(finding: Finding, facts: JobFacts) -> Verdict:
     verdict = Verdict(
         kind=finding.kind.value,
         headline="",
-        confidence=float(finding.confidence),
+        confidence=finding.confidence,
         guilty=guilty,
         waiting=sorted(finding.waiting),
         decide=[DECIDE_TEXT[d] for d in finding.decide],
@@ -61,7 +64,7 @@ def verdict_of(finding: Finding, facts: JobFacts) -> Verdict:
         w.fill_point(verdict, finding.point)
     verdict.headline = w.headline(finding, guilty)
     verdict.evidence = w.evidence(finding, guilty)
-    w.finish(verdict)
+    w.finish(verdict, finding)
     return verdict
 
 
@@ -118,80 +121,9 @@ class _Wording:
         return g
 
     def reason(self, b: Blame) -> str:
+        """Why this rank is blamed, in words (REASON_TEXT)."""
         where = self.point_name(b.point) if b.point is not None else ""
-        r = b.reason
-        if r is Reason.ABSENT:
-            blockers = format_ranks(list(b.point.blockers)) if b.point else "-"
-            return f"no usable dump; ranks {blockers} wait for it in {where}"
-        if r is Reason.GONE:
-            return (
-                f"{self.ended(b.ending, b.stale)}; it never issued {where}"
-                if b.point and (b.rank not in b.point.of(MemberState.GONE))
-                else f"{self.ended(b.ending, b.stale)} before completing {where}"
-            )
-        if r in (Reason.MISMATCH, Reason.DISAGREES):
-            attrs = ", ".join(b.point.mismatch_attrs) if b.point else ""
-            return f"issued a different {attrs or 'signature'} than its peers at {where}"
-        if r is Reason.MISSING:
-            return f"alive but never issued {where}, where its peers wait"
-        if r is Reason.SKIPPED and b.point is not None:
-            rows = b.point.rows
-            mine = rows[rows["rank"] == b.rank] if rows is not None else None
-            site = mine["call_site"].iloc[0] if mine is not None and len(mine) else None
-            return (
-                f"skipped {where}: its entry at that seq comes from {site or 'another call'}, "
-                "the call its peers make next"
-            )
-        if r is Reason.ORDER:
-            others = " / ".join(self.point_name(q) for q in b.others)
-            text = f"entered {where} before " + (others or "the op its peers wait in")
-            if b.deviation == SKIP:
-                text += "; its recent ops are its peers' order with one collective left out"
-            elif b.deviation == REORDER:
-                text += "; no peer issued its recent ops in this order"
-            return text
-        if r is Reason.NEVER_STARTED:
-            return f"issued {where} but never started it while its peers did"
-        if r is Reason.DEVICE_STOPPED:
-            at = b.point.pg_name if b.point is not None else None
-            lag = next((x for x in self.f.device_lags.get(b.rank, ()) if x.pg_name == at), None)
-            peer = f"rank {lag.peer}" if lag is not None else "a peer"
-            return (
-                f"its GPU stopped: {where} completed on {peer} but never on it, although "
-                "every member's kernel must run it (a poisoned CUDA context: a device-side "
-                "error or an Xid)"
-            )
-        if r is Reason.IN_HOST_CALL:
-            return (
-                f"inside the NCCL call of {where}: the op is recorded but its group's "
-                "last_enqueued never reached it"
-            )
-        if r is Reason.STUCK:
-            return f"issued {where}; it never completed on any member"
-        if r is Reason.UNLISTED_MEMBER:
-            blockers = format_ranks(list(b.point.blockers)) if b.point else "-"
-            return (
-                f"no usable dump; ranks {blockers} wait in {where}, whose members the dumps "
-                "do not list"
-            )
-        if r is Reason.STRAGGLER and b.lateness is not None:
-            share, late, n = b.lateness
-            return (
-                f"late into {share:.0%} of its {n} collectives, median {late / 1e6:.1f} ms "
-                "behind its peers"
-            )
-        if r is Reason.ENDED:
-            return f"{self.ended(b.ending, False)}; no recorded op of its peers waits for it"
-        if r is Reason.NO_DUMP:
-            return "no usable dump, while the others show no hang; it may have died"
-        if r is Reason.NEVER_ARRIVED:
-            return _never_arrived(self.f, b)
-        if r is Reason.SPLITS:
-            return (
-                f"its split sizes at {where} disagree with what its peers send or expect "
-                "(pairs below)"
-            )
-        return r.value
+        return REASON_TEXT[b.reason](self, b, where)
 
     @staticmethod
     def ended(ending: Ending | None, stale: bool) -> str:
@@ -216,7 +148,7 @@ class _Wording:
         reasons = {b.reason for b in finding.blames}
         if kind is VerdictKind.HEALTHY:
             n = len(self.f.present)
-            if finding.confidence == Confidence.HEALTHY:
+            if finding.completion_info:
                 return f"Healthy: {n} rank(s) consistent, no op left incomplete"
             return f"Healthy: {n} rank(s) reached the same collectives (no completion info)"
         if kind is VerdictKind.STRAGGLER:
@@ -355,165 +287,13 @@ class _Wording:
         return lines
 
     def note(self, n: Note) -> str:
-        k = n.kind
-        p = n.point
-        where = self.point_name(p) if p is not None else ""
-        if k is NoteKind.BLOCKED and p is not None:
-            return (
-                f"Ranks {format_ranks(list(p.blockers), 60)} blocked in {where}, "
-                f"waiting for {format_ranks(sorted(p.targets), 60)}."
-            )
-        if k is NoteKind.ALSO_CYCLE:
-            return (
-                f"Also a wait cycle among ranks {format_ranks(list(n.ranks))} "
-                "(a cross-group ordering problem)."
-            )
-        if k is NoteKind.CYCLE_CORE:
-            return f"Ranks {format_ranks(list(n.ranks))} wait for each other."
-        if k is NoteKind.WHOLE_CYCLE:
-            return "No rank's order differs from its peers' history; blaming the whole cycle."
-        if k is NoteKind.STUCK_OPS:
-            return (
-                f"{n.count} op(s) issued by every member with one signature and completed by none."
-            )
-        if k is NoteKind.DISAGREEING_OPS:
-            return f"{n.count} collective(s) where members disagree."
-        if k is NoteKind.STRAGGLER_RULE:
-            return (
-                f"Rule: at least T late in >= {LAST_SHARE:.0%} of >= {MIN_COLLECTIVES} "
-                f"matched collectives and median lateness >= T, T = max("
-                f"{MIN_LATE_NS / 1e6:.0f} ms, {SPREAD_FACTOR:g} x the typical jitter)."
-            )
-        if k is NoteKind.NOBODY_WAITS:
-            return (
-                "Nobody is recorded waiting for the missing rank(s); the verdict rests on the "
-                "missing dump alone (a Gloo op that failed on a dead peer is recorded as "
-                "completed)."
-            )
-        if k is NoteKind.UNLISTED_GROUP and p is not None:
-            return (
-                f"Ranks {format_ranks(list(p.blockers))} issued {where} and it never completed; "
-                f"the group's membership ({format_ranks(list(n.ranks))}) is inferred from the "
-                "files present."
-            )
-        if k is NoteKind.PLACED_MEMBER and p is not None:
-            pg = self.f.process_group(p.pg_name)
-            return (
-                f"No file lists the members of group {pg.name}; it has fewer recorded members "
-                f"than its sibling groups ({pg.desc or 'same kind'}), and rank(s) "
-                f"{format_ranks(list(n.ranks))} complete it the way its siblings are shaped."
-            )
-        if k is NoteKind.BEYOND_FILES:
-            groups = ", ".join(self._group_label(g) for g in n.groups)
-            return (
-                f"No file names rank(s) {format_ranks(list(n.ranks))} and no dump states the "
-                f"world size, but group(s) {groups} have fewer recorded members than their "
-                "sibling groups: the job had more ranks than files."
-            )
-        if k is NoteKind.FAILED_COMPLETION and p is not None:
-            return (
-                f"Ranks {format_ranks(list(n.ranks))} left {where} without every member: "
-                "an error, which Gloo records as completion (victims, not healthy)."
-            )
-        if k is NoteKind.SPLIT_COMPLETION and p is not None:
-            return (
-                f"Ranks {format_ranks(list(n.ranks))} are blocked in {where} while ranks "
-                f"{format_ranks(list(n.others))} left it: a collective completes on no member "
-                "before every member issued it, so they left it with an error, or the dump "
-                "caught the moment after it completed."
-            )
-        if k is NoteKind.ALL_PENDING and p is not None:
-            return (
-                f"Every rank with a record issued {where}; none completed it. A member of "
-                f"group {p.pg_name} without a record would explain it: no file lists the "
-                "group's members."
-            )
-        if k is NoteKind.UNSEEN_MEMBERS:
-            groups = ", ".join(n.groups)
-            return (
-                f"Group(s) {groups} lack {n.count} member(s) compared with their sibling "
-                "groups; no file names them."
-            )
-        if k is NoteKind.WRAPPED_MEMBERS and p is not None:
-            return (
-                f"The records of ranks {format_ranks(list(n.ranks))} do not reach back to "
-                f"{where} (ring buffer wrapped): whether they issued it is unknown."
-            )
-        if k is NoteKind.UNRECORDED_OP:
-            return (
-                f"pg_status of ranks {format_ranks(list(n.ranks))} counts an op on group(s) "
-                f"{', '.join(n.groups)} past every recorded entry that did not complete: an "
-                "unrecorded op (send/recv on Gloo) holds them."
-            )
-        if k is NoteKind.NO_OPS:
-            return "No rank's record holds any op."
-        if k is NoteKind.ENDINGS:
-            return f"The process(es) of rank(s) {format_ranks(list(n.ranks))} ended by their own failure."
-        if k is NoteKind.VICTIMS:
-            return (
-                f"Rank(s) {format_ranks(list(n.ranks))} failed in a collective because a peer "
-                "went away (victims, not healthy and not guilty)."
-            )
-        if k is NoteKind.CASUALTIES:
-            return (
-                f"Rank(s) {format_ranks(list(n.ranks))} issued the op as the majority did and "
-                "ended there: casualties of the disagreement (Gloo aborts a rank that receives "
-                "a payload of another size), not its cause."
-            )
-        if k is NoteKind.IN_FLIGHT:
-            return f"{n.count} in-flight op(s) that every member issued."
-        if k is NoteKind.DEVICE_LAGS:
-            lines = []
-            for r in n.ranks:
-                for lag in self.f.device_lags.get(r, ())[:3]:
-                    lines.append(
-                        f"rank {r} completed group {self._group_label(lag.pg_name)} up to "
-                        f"#{lag.completed}, rank {lag.peer} up to #{lag.peer_completed} "
-                        f"(#{lag.completed + 1} is {lag.op})"
-                    )
-            return (
-                "Completion counters (pg_status) behind a peer's on the same group: "
-                + "; ".join(lines)
-                + ". A collective completes on no member before every member's kernel ran it."
-            )
-        if k is NoteKind.RERAISED:
-            return (
-                f"Rank(s) {format_ranks(list(n.ranks))} ended with the same error, which names "
-                f"rank(s) {format_ranks(list(n.others))} as where it failed: they re-raised it "
-                "(casualties, not causes)."
-            )
-        if k is NoteKind.STARTUP_WAIT:
-            phase = n.groups[0] if n.groups else ""
-            who = "Rank" if len(n.ranks) == 1 else "Ranks"
-            verb = "waits" if len(n.ranks) == 1 else "wait"
-            return (
-                f"{who} {format_ranks(list(n.ranks), 60)} {verb} inside init_process_group, "
-                f"{_STARTUP_WAIT_TEXT.get(phase, phase)}."
-            )
-        if k is NoteKind.SPLIT_PAIR and len(n.ranks) == 2 and len(n.values) == 2:
-            (i, j), (sent, expected) = n.ranks, n.values
-            return (
-                f"Split sizes of {where}: rank {i} sends {sent} elements to rank {j}; rank {j} "
-                f"expects {expected} from rank {i}."
-            )
-        if k is NoteKind.SPLIT_TIE:
-            return (
-                f"Ranks {format_ranks(list(n.ranks))} each disagree with as many peers: the "
-                "records cannot tell whose split sizes are wrong."
-            )
-        if k is NoteKind.HOST_CALL:
-            calls = [self.f.host_calls[r] for r in n.ranks if r in self.f.host_calls]
-            return "Inside an NCCL host call (entry recorded, last_enqueued not reached): " + (
-                "; ".join(
-                    f"rank {c.rank} at {c.op} #{c.seq} on group {self._group_label(c.pg_name)} "
-                    f"(last_enqueued {c.enqueued})"
-                    for c in calls
-                )
-                + "."
-            )
-        return ""
+        """One evidence line (NOTE_TEXT); none for a note without the point its text names."""
+        if n.point is None and n.kind in _NEEDS_POINT:
+            return ""
+        where = self.point_name(n.point) if n.point is not None else ""
+        return NOTE_TEXT[n.kind](self, n, where)
 
-    def _group_label(self, pg_name: str) -> str:
+    def group_label(self, pg_name: str) -> str:
         pg = self.f.process_group(pg_name)
         return f"{pg.name} ({pg.desc})" if pg.desc else pg.name
 
@@ -570,20 +350,17 @@ class _Wording:
 
     # ----- common ----------------------------------------------------------------------
 
-    def finish(self, verdict: Verdict) -> None:
+    def finish(self, verdict: Verdict, finding: Finding) -> None:
         f = self.f
         verdict.ranks_expected = len(f.expected)
         verdict.ranks_found = len(f.present)
         verdict.ranks_missing = sorted(f.absent)
         verdict.inputs = list(f.trace.inputs)
-        blamed = set(verdict.guilty_ranks)
-        unexplained = sorted(f.absent - blamed)
-        if unexplained:
+        if finding.unexplained:
             verdict.evidence.append(
-                f"No usable record for rank(s) {format_ranks(unexplained, 60)}; nobody waits "
-                "for them in the recorded ops."
+                f"No usable record for rank(s) {format_ranks(list(finding.unexplained), 60)}; "
+                "nobody waits for them in the recorded ops."
             )
-            verdict.confidence -= Confidence.UNEXPLAINED_ABSENT
         bad = [i for i in f.trace.inputs if i.status == "error"]
         if bad:
             verdict.evidence.append(f"{len(bad)} input file(s) could not be used.")
@@ -592,9 +369,397 @@ class _Wording:
                 f"Ring buffer wrapped on rank(s) {format_ranks(sorted(f.wrapped), 60)}: "
                 "older ops were dropped; ops before their oldest entry are not judged."
             )
-        verdict.confidence = float(
-            min(Confidence.CEILING, max(Confidence.FLOOR, verdict.confidence))
+
+
+# ----- why a rank is blamed, per Reason -------------------------------------------------
+
+# (wording, blame, its point's name) -> the reason in words
+ReasonText = Callable[[_Wording, Blame, str], str]
+
+
+def _why_absent(w: _Wording, b: Blame, where: str) -> str:
+    blockers = format_ranks(list(b.point.blockers)) if b.point else "-"
+    return f"no usable dump; ranks {blockers} wait for it in {where}"
+
+
+def _why_gone(w: _Wording, b: Blame, where: str) -> str:
+    return (
+        f"{w.ended(b.ending, b.stale)}; it never issued {where}"
+        if b.point and (b.rank not in b.point.of(MemberState.GONE))
+        else f"{w.ended(b.ending, b.stale)} before completing {where}"
+    )
+
+
+def _why_mismatch(w: _Wording, b: Blame, where: str) -> str:
+    attrs = ", ".join(b.point.mismatch_attrs) if b.point else ""
+    return f"issued a different {attrs or 'signature'} than its peers at {where}"
+
+
+def _why_missing(w: _Wording, b: Blame, where: str) -> str:
+    return f"alive but never issued {where}, where its peers wait"
+
+
+def _why_skipped(w: _Wording, b: Blame, where: str) -> str:
+    if b.point is None:
+        return b.reason.value
+    rows = b.point.rows
+    mine = rows[rows["rank"] == b.rank] if rows is not None else None
+    site = mine["call_site"].iloc[0] if mine is not None and len(mine) else None
+    return (
+        f"skipped {where}: its entry at that seq comes from {site or 'another call'}, "
+        "the call its peers make next"
+    )
+
+
+def _why_order(w: _Wording, b: Blame, where: str) -> str:
+    others = " / ".join(w.point_name(q) for q in b.others)
+    text = f"entered {where} before " + (others or "the op its peers wait in")
+    if b.deviation == SKIP:
+        text += "; its recent ops are its peers' order with one collective left out"
+    elif b.deviation == REORDER:
+        text += "; no peer issued its recent ops in this order"
+    return text
+
+
+def _why_never_started(w: _Wording, b: Blame, where: str) -> str:
+    return f"issued {where} but never started it while its peers did"
+
+
+def _why_device_stopped(w: _Wording, b: Blame, where: str) -> str:
+    at = b.point.pg_name if b.point is not None else None
+    lag = next((x for x in w.f.device_lags.get(b.rank, ()) if x.pg_name == at), None)
+    peer = f"rank {lag.peer}" if lag is not None else "a peer"
+    return (
+        f"its GPU stopped: {where} completed on {peer} but never on it, although "
+        "every member's kernel must run it (a poisoned CUDA context: a device-side "
+        "error or an Xid)"
+    )
+
+
+def _why_in_host_call(w: _Wording, b: Blame, where: str) -> str:
+    return (
+        f"inside the NCCL call of {where}: the op is recorded but its group's "
+        "last_enqueued never reached it"
+    )
+
+
+def _why_stuck(w: _Wording, b: Blame, where: str) -> str:
+    return f"issued {where}; it never completed on any member"
+
+
+def _why_unlisted_member(w: _Wording, b: Blame, where: str) -> str:
+    blockers = format_ranks(list(b.point.blockers)) if b.point else "-"
+    return f"no usable dump; ranks {blockers} wait in {where}, whose members the dumps do not list"
+
+
+def _why_straggler(w: _Wording, b: Blame, where: str) -> str:
+    if b.lateness is None:
+        return b.reason.value
+    share, late, n = b.lateness
+    return (
+        f"late into {share:.0%} of its {n} collectives, median {late / 1e6:.1f} ms behind its peers"
+    )
+
+
+def _why_ended(w: _Wording, b: Blame, where: str) -> str:
+    return f"{w.ended(b.ending, False)}; no recorded op of its peers waits for it"
+
+
+def _why_no_dump(w: _Wording, b: Blame, where: str) -> str:
+    return "no usable dump, while the others show no hang; it may have died"
+
+
+def _why_never_arrived(w: _Wording, b: Blame, where: str) -> str:
+    """A guilty rank of the start-up rule: what its record says of it."""
+    if b.rank not in w.f.trace.ranks:
+        return "left no record, while the others' records state the world size: it never joined"
+    if b.ending is not None and b.ending.gone:
+        return "its process is gone; its record ends at process start (never called init)"
+    return "alive, never called init_process_group (its record ends at process start)"
+
+
+def _why_splits(w: _Wording, b: Blame, where: str) -> str:
+    return f"its split sizes at {where} disagree with what its peers send or expect (pairs below)"
+
+
+REASON_TEXT: dict[Reason, ReasonText] = {
+    Reason.ABSENT: _why_absent,
+    Reason.GONE: _why_gone,
+    Reason.MISMATCH: _why_mismatch,
+    Reason.DISAGREES: _why_mismatch,
+    Reason.MISSING: _why_missing,
+    Reason.SKIPPED: _why_skipped,
+    Reason.ORDER: _why_order,
+    Reason.NEVER_STARTED: _why_never_started,
+    Reason.DEVICE_STOPPED: _why_device_stopped,
+    Reason.IN_HOST_CALL: _why_in_host_call,
+    Reason.STUCK: _why_stuck,
+    Reason.UNLISTED_MEMBER: _why_unlisted_member,
+    Reason.STRAGGLER: _why_straggler,
+    Reason.ENDED: _why_ended,
+    Reason.NO_DUMP: _why_no_dump,
+    Reason.NEVER_ARRIVED: _why_never_arrived,
+    Reason.SPLITS: _why_splits,
+}
+
+
+# ----- evidence lines, per NoteKind -------------------------------------------------------
+
+# (wording, note, its point's name) -> one evidence line
+NoteText = Callable[[_Wording, Note, str], str]
+
+
+def _note_blocked(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"Ranks {format_ranks(list(n.point.blockers), 60)} blocked in {where}, "
+        f"waiting for {format_ranks(sorted(n.point.targets), 60)}."
+    )
+
+
+def _note_also_cycle(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"Also a wait cycle among ranks {format_ranks(list(n.ranks))} "
+        "(a cross-group ordering problem)."
+    )
+
+
+def _note_cycle_core(w: _Wording, n: Note, where: str) -> str:
+    return f"Ranks {format_ranks(list(n.ranks))} wait for each other."
+
+
+def _note_whole_cycle(w: _Wording, n: Note, where: str) -> str:
+    return "No rank's order differs from its peers' history; blaming the whole cycle."
+
+
+def _note_stuck_ops(w: _Wording, n: Note, where: str) -> str:
+    return f"{n.count} op(s) issued by every member with one signature and completed by none."
+
+
+def _note_disagreeing_ops(w: _Wording, n: Note, where: str) -> str:
+    return f"{n.count} collective(s) where members disagree."
+
+
+def _note_straggler_rule(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"Rule: at least T late in >= {LAST_SHARE:.0%} of >= {MIN_COLLECTIVES} "
+        f"matched collectives and median lateness >= T, T = max("
+        f"{MIN_LATE_NS / 1e6:.0f} ms, {SPREAD_FACTOR:g} x the typical jitter)."
+    )
+
+
+def _note_nobody_waits(w: _Wording, n: Note, where: str) -> str:
+    return (
+        "Nobody is recorded waiting for the missing rank(s); the verdict rests on the "
+        "missing dump alone (a Gloo op that failed on a dead peer is recorded as "
+        "completed)."
+    )
+
+
+def _note_unlisted_group(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"Ranks {format_ranks(list(n.point.blockers))} issued {where} and it never completed; "
+        f"the group's membership ({format_ranks(list(n.ranks))}) is inferred from the "
+        "files present."
+    )
+
+
+def _note_placed_member(w: _Wording, n: Note, where: str) -> str:
+    pg = w.f.process_group(n.point.pg_name)
+    return (
+        f"No file lists the members of group {pg.name}; it has fewer recorded members "
+        f"than its sibling groups ({pg.desc or 'same kind'}), and rank(s) "
+        f"{format_ranks(list(n.ranks))} complete it the way its siblings are shaped."
+    )
+
+
+def _note_beyond_files(w: _Wording, n: Note, where: str) -> str:
+    groups = ", ".join(w.group_label(g) for g in n.groups)
+    return (
+        f"No file names rank(s) {format_ranks(list(n.ranks))} and no dump states the "
+        f"world size, but group(s) {groups} have fewer recorded members than their "
+        "sibling groups: the job had more ranks than files."
+    )
+
+
+def _note_failed_completion(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"Ranks {format_ranks(list(n.ranks))} left {where} without every member: "
+        "an error, which Gloo records as completion (victims, not healthy)."
+    )
+
+
+def _note_split_completion(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"Ranks {format_ranks(list(n.ranks))} are blocked in {where} while ranks "
+        f"{format_ranks(list(n.others))} left it: a collective completes on no member "
+        "before every member issued it, so they left it with an error, or the dump "
+        "caught the moment after it completed."
+    )
+
+
+def _note_all_pending(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"Every rank with a record issued {where}; none completed it. A member of "
+        f"group {n.point.pg_name} without a record would explain it: no file lists the "
+        "group's members."
+    )
+
+
+def _note_unseen_members(w: _Wording, n: Note, where: str) -> str:
+    groups = ", ".join(n.groups)
+    return (
+        f"Group(s) {groups} lack {n.count} member(s) compared with their sibling "
+        "groups; no file names them."
+    )
+
+
+def _note_wrapped_members(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"The records of ranks {format_ranks(list(n.ranks))} do not reach back to "
+        f"{where} (ring buffer wrapped): whether they issued it is unknown."
+    )
+
+
+def _note_unrecorded_op(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"pg_status of ranks {format_ranks(list(n.ranks))} counts an op on group(s) "
+        f"{', '.join(n.groups)} past every recorded entry that did not complete: an "
+        "unrecorded op (send/recv on Gloo) holds them."
+    )
+
+
+def _note_no_ops(w: _Wording, n: Note, where: str) -> str:
+    return "No rank's record holds any op."
+
+
+def _note_endings(w: _Wording, n: Note, where: str) -> str:
+    return f"The process(es) of rank(s) {format_ranks(list(n.ranks))} ended by their own failure."
+
+
+def _note_victims(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"Rank(s) {format_ranks(list(n.ranks))} failed in a collective because a peer "
+        "went away (victims, not healthy and not guilty)."
+    )
+
+
+def _note_casualties(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"Rank(s) {format_ranks(list(n.ranks))} issued the op as the majority did and "
+        "ended there: casualties of the disagreement (Gloo aborts a rank that receives "
+        "a payload of another size), not its cause."
+    )
+
+
+def _note_in_flight(w: _Wording, n: Note, where: str) -> str:
+    return f"{n.count} in-flight op(s) that every member issued."
+
+
+def _note_device_lags(w: _Wording, n: Note, where: str) -> str:
+    lines = []
+    for r in n.ranks:
+        for lag in w.f.device_lags.get(r, ())[:3]:
+            lines.append(
+                f"rank {r} completed group {w.group_label(lag.pg_name)} up to "
+                f"#{lag.completed}, rank {lag.peer} up to #{lag.peer_completed} "
+                f"(#{lag.completed + 1} is {lag.op})"
+            )
+    return (
+        "Completion counters (pg_status) behind a peer's on the same group: "
+        + "; ".join(lines)
+        + ". A collective completes on no member before every member's kernel ran it."
+    )
+
+
+def _note_reraised(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"Rank(s) {format_ranks(list(n.ranks))} ended with the same error, which names "
+        f"rank(s) {format_ranks(list(n.others))} as where it failed: they re-raised it "
+        "(casualties, not causes)."
+    )
+
+
+def _note_startup_wait(w: _Wording, n: Note, where: str) -> str:
+    phase = n.groups[0] if n.groups else ""
+    who = "Rank" if len(n.ranks) == 1 else "Ranks"
+    verb = "waits" if len(n.ranks) == 1 else "wait"
+    return (
+        f"{who} {format_ranks(list(n.ranks), 60)} {verb} inside init_process_group, "
+        f"{_STARTUP_WAIT_TEXT.get(phase, phase)}."
+    )
+
+
+def _note_split_pair(w: _Wording, n: Note, where: str) -> str:
+    if not (len(n.ranks) == 2 and len(n.values) == 2):
+        return ""
+    (i, j), (sent, expected) = n.ranks, n.values
+    return (
+        f"Split sizes of {where}: rank {i} sends {sent} elements to rank {j}; rank {j} "
+        f"expects {expected} from rank {i}."
+    )
+
+
+def _note_split_tie(w: _Wording, n: Note, where: str) -> str:
+    return (
+        f"Ranks {format_ranks(list(n.ranks))} each disagree with as many peers: the "
+        "records cannot tell whose split sizes are wrong."
+    )
+
+
+def _note_host_call(w: _Wording, n: Note, where: str) -> str:
+    calls = [w.f.host_calls[r] for r in n.ranks if r in w.f.host_calls]
+    return "Inside an NCCL host call (entry recorded, last_enqueued not reached): " + (
+        "; ".join(
+            f"rank {c.rank} at {c.op} #{c.seq} on group {w.group_label(c.pg_name)} "
+            f"(last_enqueued {c.enqueued})"
+            for c in calls
         )
+        + "."
+    )
+
+
+NOTE_TEXT: dict[NoteKind, NoteText] = {
+    NoteKind.BLOCKED: _note_blocked,
+    NoteKind.ALSO_CYCLE: _note_also_cycle,
+    NoteKind.CYCLE_CORE: _note_cycle_core,
+    NoteKind.WHOLE_CYCLE: _note_whole_cycle,
+    NoteKind.STUCK_OPS: _note_stuck_ops,
+    NoteKind.DISAGREEING_OPS: _note_disagreeing_ops,
+    NoteKind.STRAGGLER_RULE: _note_straggler_rule,
+    NoteKind.NOBODY_WAITS: _note_nobody_waits,
+    NoteKind.UNLISTED_GROUP: _note_unlisted_group,
+    NoteKind.PLACED_MEMBER: _note_placed_member,
+    NoteKind.BEYOND_FILES: _note_beyond_files,
+    NoteKind.FAILED_COMPLETION: _note_failed_completion,
+    NoteKind.SPLIT_COMPLETION: _note_split_completion,
+    NoteKind.ALL_PENDING: _note_all_pending,
+    NoteKind.UNSEEN_MEMBERS: _note_unseen_members,
+    NoteKind.WRAPPED_MEMBERS: _note_wrapped_members,
+    NoteKind.UNRECORDED_OP: _note_unrecorded_op,
+    NoteKind.NO_OPS: _note_no_ops,
+    NoteKind.ENDINGS: _note_endings,
+    NoteKind.VICTIMS: _note_victims,
+    NoteKind.CASUALTIES: _note_casualties,
+    NoteKind.IN_FLIGHT: _note_in_flight,
+    NoteKind.DEVICE_LAGS: _note_device_lags,
+    NoteKind.RERAISED: _note_reraised,
+    NoteKind.STARTUP_WAIT: _note_startup_wait,
+    NoteKind.SPLIT_PAIR: _note_split_pair,
+    NoteKind.SPLIT_TIE: _note_split_tie,
+    NoteKind.HOST_CALL: _note_host_call,
+}
+# Notes whose text names their point: without one there is no line.
+_NEEDS_POINT = frozenset(
+    {
+        NoteKind.BLOCKED,
+        NoteKind.UNLISTED_GROUP,
+        NoteKind.PLACED_MEMBER,
+        NoteKind.FAILED_COMPLETION,
+        NoteKind.SPLIT_COMPLETION,
+        NoteKind.ALL_PENDING,
+        NoteKind.WRAPPED_MEMBERS,
+    }
+)
 
 
 # Reasons whose call site is the rank's own entry at the verdict's op.
@@ -627,15 +792,6 @@ _STARTUP_WAIT_TEXT = {
     "rendezvous": "in rendezvous: connecting to the store, whose master waits for every rank",
     "connect": "in the backend's connect to its peers (their addresses come through the store)",
 }
-
-
-def _never_arrived(f: JobFacts, b: Blame) -> str:
-    """A guilty rank of the start-up rule: what its record says of it."""
-    if b.rank not in f.trace.ranks:
-        return "left no record, while the others' records state the world size: it never joined"
-    if b.ending is not None and b.ending.gone:
-        return "its process is gone; its record ends at process start (never called init)"
-    return "alive, never called init_process_group (its record ends at process start)"
 
 
 def _who(g: GuiltyRank) -> str:
