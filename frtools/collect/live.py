@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -265,20 +267,36 @@ def _settle(job: JobLive) -> None:
         job.notes.append("no rank files yet")
 
 
-def read_job_wide(
-    store_addr: str, *, prefix: str | None = None, timeout: float = 5.0, root: str | None = None
-) -> JobLive:
-    """Every rank registered in the job's store, read only (``check``/``get``, never a
-    request: the job is not asked to do anything). The store is not authenticated: what it
-    says is shown, never used as a path; a rank on this host is read from the box in this
-    user's own recorder folder (``FRTOOLS_DIR``) of the job it names."""
+def connect(store_addr: str, timeout: float = 5.0) -> Any:
+    """A client of the job's store (``collect.jobwide.connect_store``) with c10d's own
+    C++ log lines kept off stderr: the failure is the one line ``StoreUnavailable`` says,
+    and a live screen is not torn by a retry message."""
     from frtools.collect.jobwide import connect_store
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        return connect_store(store_addr, timeout)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def read_job_wide(
+    store: Any, store_addr: str, *, prefix: str | None = None, root: str | None = None
+) -> JobLive:
+    """Every rank registered in the job's store (a ``connect``ed client), read only
+    (``check``/``get``, never a request: the job is not asked to do anything). The store is
+    not authenticated: what it says is shown, never used as a path; a rank on this host is
+    read from the box in this user's own recorder folder (``FRTOOLS_DIR``) of the job it
+    names."""
     from frtools.collect.local import find_jobs
     from frtools.config import STORE_PREFIX
     from frtools.formats import store_protocol as protocol
 
     prefix = prefix if prefix is not None else STORE_PREFIX.read()
-    store = connect_store(store_addr, timeout)
     job = JobLive(job=store_addr)
     key = protocol.world_size_key(prefix)
     world = None

@@ -84,19 +84,17 @@ def _reader(
     if not job_wide:
         return lambda: read_jobs(root, job)
     from frtools.collect.jobwide import StoreUnavailable, parse_address
-    from frtools.collect.live import read_job_wide
+    from frtools.collect.live import connect, read_job_wide
 
     assert store_addr is not None
     try:
         parse_address(store_addr)
-    except ValueError as exc:
+        store = connect(store_addr)
+    except (ValueError, StoreUnavailable) as exc:
         fail(PREFIX, f"error: {exc}")
 
     def read() -> list[JobLive]:
-        try:
-            return [read_job_wide(store_addr, prefix=prefix, root=root)]
-        except StoreUnavailable as exc:
-            fail(PREFIX, f"error: {exc}")
+        return [read_job_wide(store, store_addr, prefix=prefix, root=root)]
 
     return read
 
