@@ -22,6 +22,8 @@ KINDS = ("healthy", "missing", "dead", "mismatch", "order", "stuck", "straggler"
 # Kinds whose guilty ranks a job should go on without (a dead or hung rank, a collective
 # stuck on some ranks' devices), for orchestrators that restart or shrink (docs/recovery.md)
 EXCLUDE_KINDS = ("dead", "missing", "stuck")
+# The next action a verdict asks for (docs/actions.md; decided in frtools.analyze.action)
+ACTIONS = ("drain", "fix code", "restart", "investigate", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +66,52 @@ class GuiltyRank:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActionGpu:
+    """A GPU a drain names: its host, index and PCI bus id as far as the evidence says."""
+
+    host: str
+    gpu: int | None = None
+    pci_bus_id: str | None = None
+    inferred: bool = False  # the index stands in from the rank's local rank (no CUDA device)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Action:
+    """What to do next: one of ``ACTIONS``, the rule that chose it and its reasons in words.
+
+    ``hosts`` are the hosts it is about (only ``drain`` asks to take them out, with ``gpus``);
+    ``call_sites``/``files`` where the code to fix is (``fix code``); ``missing`` what would
+    settle an ``investigate``.
+    """
+
+    kind: str
+    rule: str
+    reasons: list[str]
+    hosts: list[str] = field(default_factory=list)
+    gpus: list[ActionGpu] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    call_sites: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "rule": self.rule,
+            "reasons": list(self.reasons),
+            "hosts": list(self.hosts),
+            "gpus": [g.to_dict() for g in self.gpus],
+            "ranks": list(self.ranks),
+            "call_sites": list(self.call_sites),
+            "files": list(self.files),
+            "missing": list(self.missing),
+        }
 
 
 @dataclass
@@ -111,6 +159,8 @@ class Verdict:
     # where the device facts came from: one line per source per host (collected / absent /
     # failed, and why); empty when the inputs held no device facts
     device_sources: list[str] = field(default_factory=list)
+    # the next action (drain, fix code, restart, investigate, none): frtools.analyze.action
+    action: Action | None = None
 
     @property
     def guilty_ranks(self) -> list[int]:
@@ -147,6 +197,7 @@ class Verdict:
             "groups": [g.to_dict() for g in self.groups],
             "evidence": list(self.evidence),
             **({"decide": list(self.decide)} if self.decide else {}),
+            **({"action": self.action.to_dict()} if self.action is not None else {}),
         }
 
     def to_document(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from frtools.analyze.action import decide_action
 from frtools.analyze.align import Alignment, align
 from frtools.analyze.stacks import stacks_summary
 from frtools.analyze.verdict import Verdict
@@ -32,4 +33,6 @@ def diagnose(trace: Trace, alignment: Alignment | None = None) -> Verdict:
     summary = stacks_summary(trace, verdict.guilty_ranks)
     if summary.ranks_with_stacks:
         verdict.stacks = summary
+    causes = {b.rank: (b.reason.value, b.ending.kind if b.ending else None) for b in finding.blames}
+    verdict.action = decide_action(verdict, causes)  # last: it reads the whole verdict
     return verdict

@@ -82,8 +82,23 @@ def _message(verdict: Verdict, g: GuiltyRank | None) -> str:
     if verdict.waiting:
         lines.append(f"waiting: {format_ranks(verdict.waiting, 200)}")
     lines += [f"to decide: {d}" for d in verdict.decide]
+    lines += action_lines(verdict)
     lines.append(f"confidence {verdict.confidence:.0%}")
     return "\n".join(lines)
+
+
+def action_lines(verdict: Verdict) -> list[str]:
+    """The next action in an annotation (docs/actions.md): kind, what it names, its first
+    reasons; nothing for a healthy verdict."""
+    action = verdict.action
+    if action is None or action.kind == "none":
+        return []
+    named = action.hosts if action.kind == "drain" else action.files
+    gpus = [f"{g.host} GPU {g.gpu}" for g in action.gpus if g.gpu is not None]
+    what = ", ".join([*gpus, *named][:6])
+    lines = [f"next action: {action.kind}" + (f" ({what})" if what else "")]
+    lines += [f"  {r}" for r in action.reasons[:3]]
+    return lines
 
 
 def render(verdict: Verdict, env: Mapping[str, str] | None = None) -> str:

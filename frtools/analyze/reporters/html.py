@@ -391,6 +391,7 @@ def _verdict_section(verdict: Verdict, source: str | None) -> str:
                 f"<td>{_e(grp.output_sizes or '-')}</td><td>{_e(grp.state or '-')}</td></tr>"
             )
         out.append("</tbody></table>")
+    out.append(_action_html(verdict))
     if verdict.decide:
         out.append('<div class="decide"><b>To decide</b><ul>')
         out.extend(f"<li>{_e(d)}</li>" for d in verdict.decide)
@@ -407,6 +408,41 @@ def _verdict_section(verdict: Verdict, source: str | None) -> str:
     )
     out.append("</section>")
     return "\n".join(out)
+
+
+def _action_html(verdict: Verdict) -> str:
+    """The next action (docs/actions.md): kind, what it names, reasons, what is missing."""
+    action = verdict.action
+    if action is None:
+        return ""
+    kind = _e(action.kind)
+    out = [
+        f'<div id="action" class="action action-{kind.replace(" ", "-")}" data-kind="{kind}">',
+        f'<p><b>Next:</b> <span class="badge">{_e(action.kind.upper())}</span> ',
+    ]
+    if action.kind == "drain":
+        named = [
+            " ".join(
+                x
+                for x in (
+                    f"<b>{_e(g.host)}</b>",
+                    f"GPU {g.gpu}" if g.gpu is not None else None,
+                    f"(PCI <code>{_e(g.pci_bus_id)}</code>)" if g.pci_bus_id else None,
+                    "(inferred)" if g.inferred else None,
+                )
+                if x
+            )
+            for g in action.gpus
+        ]
+        named += [f"<b>{_e(h)}</b>" for h in action.hosts if h not in {g.host for g in action.gpus}]
+        out.append(", ".join(named))
+    elif action.kind == "fix code":
+        out.append(", ".join(f"<code>{_e(s)}</code>" for s in action.call_sites[:10]))
+    out.append(f' <span class="dim">({_e(action.rule)})</span></p><ul>')
+    out.extend(f"<li>{_e(r)}</li>" for r in action.reasons)
+    out.extend(f'<li class="dim">missing: {_e(m)}</li>' for m in action.missing)
+    out.append("</ul></div>")
+    return "".join(out)
 
 
 def _map_section(verdict: Verdict, pmap: views.ProgressMap) -> str:

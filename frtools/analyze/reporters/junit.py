@@ -23,6 +23,23 @@ def _clean(text: object) -> str:
     return _NOT_XML.sub("", "" if text is None else str(text))
 
 
+def action_properties(verdict: Verdict) -> list[tuple[str, str]]:
+    """The next action as test-suite properties (docs/actions.md); the report text in the
+    failure carries its reasons."""
+    action = verdict.action
+    if action is None:
+        return []
+    gpus = [f"{g.host}:{g.gpu}" for g in action.gpus if g.gpu is not None]
+    return [
+        ("action.kind", action.kind),
+        ("action.rule", action.rule),
+        ("action.hosts", ",".join(action.hosts)),
+        ("action.gpus", ",".join(gpus)),
+        ("action.files", ",".join(action.files)),
+        ("action.reason", action.reasons[0] if action.reasons else ""),
+    ]
+
+
 def render(verdict: Verdict, name: str = "frtools analyze", time_s: float | None = None) -> str:
     """The JUnit XML document; ``name`` names the test case (e.g. the dump folder)."""
     failed = verdict.kind != "healthy"
@@ -56,6 +73,7 @@ def render(verdict: Verdict, name: str = "frtools analyze", time_s: float | None
         ("verdict.collective_seq_id", verdict.collective_seq_id),
         ("ranks.found", verdict.ranks_found),
         ("ranks.expected", verdict.ranks_expected),
+        *action_properties(verdict),
     ):
         if value not in (None, ""):
             ET.SubElement(props, "property", name=key, value=_clean(value))

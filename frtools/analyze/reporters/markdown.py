@@ -20,6 +20,36 @@ def _cell(value: object) -> str:
     return markdown_text("" if value is None else value)
 
 
+def action_section(verdict: Verdict) -> list[str]:
+    """The next action (docs/actions.md): its kind, what it names, its reasons, what is
+    missing."""
+    action = verdict.action
+    if action is None:
+        return []
+    out = [f"### Next action: `{action.kind}` ({markdown_code(action.rule)})", ""]
+    if action.kind == "drain":
+        named = [
+            " ".join(
+                x
+                for x in (
+                    markdown_code(g.host),
+                    f"GPU {g.gpu}" if g.gpu is not None else None,
+                    f"PCI {markdown_code(g.pci_bus_id)}" if g.pci_bus_id else None,
+                    "(inferred)" if g.inferred else None,
+                )
+                if x
+            )
+            for g in action.gpus
+        ]
+        named += [markdown_code(h) for h in action.hosts if h not in {g.host for g in action.gpus}]
+        out += [f"Drain: {', '.join(named)}", ""]
+    elif action.kind == "fix code" and action.call_sites:
+        out += ["Fix: " + ", ".join(markdown_code(s) for s in action.call_sites[:10]), ""]
+    out += [f"- {_cell(r)}" for r in action.reasons]
+    out += [f"- missing: {_cell(m)}" for m in action.missing]
+    return [*out, ""]
+
+
 def render(verdict: Verdict, verbose: bool = False) -> str:
     """Headline, guilty ranks, the rank groups at the collective, and bad inputs."""
     icon = _ICON.get(verdict.kind, "❌")
@@ -64,6 +94,7 @@ def render(verdict: Verdict, verbose: bool = False) -> str:
                 f"| {_cell(g.input_dtypes)} | {_cell(g.state)} |"
             )
         out.append("")
+    out += action_section(verdict)
     if verdict.decide:
         out += ["### To decide", ""] + [f"- {_cell(d)}" for d in verdict.decide] + [""]
     if verdict.stacks is not None and (verdict.kind in STACK_KINDS or verbose):

@@ -87,6 +87,8 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
                     style = "red"
                 parts.append(Text(f"  {terminal(line)}", style=style))
 
+    parts.extend(action_lines(verdict, verbose))
+
     if verdict.decide:
         parts.append(Text("To decide", style="bold"))
         for d in verdict.decide:
@@ -114,6 +116,56 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
         if len(bad) > len(shown):
             parts.append(Text(f"  … {len(bad) - len(shown)} more (-v lists all)", style="dim"))
     return Group(*parts)
+
+
+ACTION_STYLE = {
+    "drain": "bold white on red",
+    "fix code": "bold white on magenta",
+    "restart": "bold black on yellow",
+    "investigate": "bold black on yellow",
+    "none": "bold white on green",
+}
+SHOWN_REASONS = 4  # reasons of the action shown without -v
+
+
+def action_lines(verdict: Verdict, verbose: bool = False) -> list[Text]:
+    """The next action (docs/actions.md): its kind, what it names, its reasons and what is
+    missing; nothing for a verdict without one."""
+    action = verdict.action
+    if action is None:
+        return []
+    head = Text("Next: ", style="bold")
+    head.append(f" {action.kind.upper()} ", style=ACTION_STYLE.get(action.kind, "bold"))
+    targets = [
+        " ".join(
+            x
+            for x in (
+                g.host,
+                f"GPU {g.gpu}" if g.gpu is not None else None,
+                f"(PCI {g.pci_bus_id})" if g.pci_bus_id else None,
+                "(inferred)" if g.inferred else None,
+            )
+            if x
+        )
+        for g in action.gpus
+    ]
+    if action.kind == "drain":
+        named = {g.host for g in action.gpus}
+        targets += [h for h in action.hosts if h not in named]
+    elif action.kind == "fix code":
+        targets = list(action.files or action.call_sites)
+    if targets:
+        head.append(" " + terminal(", ".join(targets[:6])), style="bold")
+        if len(targets) > 6:
+            head.append(f" +{len(targets) - 6}", style="dim")
+    head.append(f"  ({action.rule})", style="dim")
+    lines = [head]
+    shown = action.reasons if verbose else action.reasons[:SHOWN_REASONS]
+    lines += [Text(f"  • {terminal(r)}") for r in shown]
+    if len(action.reasons) > len(shown):
+        lines.append(Text(f"  … {len(action.reasons) - len(shown)} more (-v)", style="dim"))
+    lines += [Text(f"  missing: {terminal(m)}", style="dim") for m in action.missing]
+    return lines
 
 
 def _groups_table(verdict: Verdict, verbose: bool) -> Table:
