@@ -37,6 +37,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from frtools.analyze import membership
 from frtools.model.ops import OP, P2P_OPS, OpFamily, family_of, parts_must_agree
 from frtools.model.trace import ProcessGroup, Trace
 
@@ -186,46 +187,22 @@ def _categorical(col: pa.ChunkedArray, null_as: str | None) -> pd.Categorical:
 
 
 def group_members(trace: Trace, seen: pd.DataFrame | None = None) -> dict[str, tuple[int, ...]]:
-    """Global member ranks of every group: the readers' membership, else who recorded on it."""
-    members: dict[str, set[int]] = {}
-    listed = {n for n, pg in trace.process_groups.items() if pg.ranks}
-    if seen is not None and len(seen):
-        codes, index = _codes(seen["pg_name"])
-        names = [str(n) for n in index]  # not Index lookups one by one (~10^5 groups)
-        # the codes of the groups some entry is on (-1, no group, left out)
-        used = np.flatnonzero(np.bincount(codes + 1, minlength=len(names) + 1)[1:]).tolist()
-        # who recorded on a group matters only where no file lists its members
-        unknown = {c for c in used if names[c] not in listed}
-        for c in used:
-            if c not in unknown:
-                members[names[c]] = set()
-        if unknown:
-            sub = seen[np.isin(codes, sorted(unknown))]
-            for pg_name, ranks in (
-                sub.groupby("pg_name", sort=False, observed=True)["rank"].unique().items()
-            ):
-                members[str(pg_name)] = set(int(r) for r in ranks)
-    # the groups a rank's counters name: who names them counts only where no file lists them
-    for info in trace.ranks.values():
-        for pg_name in info.pg_status:
-            got = members.get(pg_name)
-            if got is None:
-                got = members[pg_name] = set()
-            if pg_name not in listed:
-                got.add(info.rank)
-    result: dict[str, tuple[int, ...]] = {}
-    for pg_name, ranks in members.items():
-        pg = trace.process_groups.get(pg_name)
-        if pg is not None and pg.ranks:
-            result[pg_name] = tuple(sorted(pg.ranks))
-        elif pg is not None and pg.desc == "default_pg" and trace.world_size:
-            result[pg_name] = tuple(range(trace.world_size))
-        else:
-            result[pg_name] = tuple(sorted(ranks))
-    for pg_name, pg in trace.process_groups.items():
-        if pg_name not in result and pg.ranks:
-            result[pg_name] = tuple(sorted(pg.ranks))
-    return result
+    """Global member ranks of every group (``frtools.analyze.membership.members``), who
+    recorded on a group read from ``seen`` (rank and pg_name of every entry)."""
+    if seen is None or not len(seen):
+        return membership.members(trace, (), dict)
+    codes, index = _codes(seen["pg_name"])
+    names = [str(n) for n in index]  # not Index lookups one by one (~10^5 groups)
+    # the codes of the groups some entry is on (-1, no group, left out)
+    used = np.flatnonzero(np.bincount(codes + 1, minlength=len(names) + 1)[1:]).tolist()
+
+    def recorded_on(unknown: set[str]) -> dict[str, list[int]]:
+        wanted = [c for c in used if names[c] in unknown]
+        sub = seen[np.isin(codes, wanted)]
+        by_group = sub.groupby("pg_name", sort=False, observed=True)["rank"].unique()
+        return {str(name): [int(r) for r in ranks] for name, ranks in by_group.items()}
+
+    return membership.members(trace, [names[c] for c in used], recorded_on)
 
 
 def _pg_status_frame(trace: Trace) -> pd.DataFrame:

@@ -41,7 +41,7 @@ from frtools.formats.summary import (
     last_stacks,
 )
 from frtools.formats.summary_packed import DEFAULT_HOST_WINDOW, encode_packed
-from frtools.model.trace import InputFile, Trace, empty_entries
+from frtools.model.trace import InputFile, Trace, empty_entries, is_default
 
 from .readers.base import RankDump
 from .readers.loader import read_rank_dumps
@@ -158,7 +158,12 @@ def rank_summary(
     for name in names:
         pg = dump.process_groups.get(name)
         ranks = pg.ranks if pg is not None else ()
-        if not ranks and dump.default_pg_all and world and (name == "0" or _is_default(pg)):
+        if (
+            not ranks
+            and dump.default_pg_all
+            and world
+            and is_default(name, getattr(pg, "desc", None))
+        ):
             ranks = tuple(range(world))
         st = info.pg_status.get(name, {})
 
@@ -246,10 +251,6 @@ def rank_summary(
         dump_time_ns=info.dump_time_ns,
         startup_phase=info.startup_phase,
     )
-
-
-def _is_default(pg: object) -> bool:
-    return getattr(pg, "desc", "") == "default_pg"
 
 
 def _int(value: object, null: int) -> int:

@@ -2,16 +2,8 @@
 expected, how each rank ended, which groups have which members, whose completion marks
 can be trusted. Gathered once per diagnosis, then only read.
 
-Group membership (``membership``): a group a file lists keeps that list. A group whose
-members were inferred from who recorded on it (Gloo dumps list none) is compared with its
-*siblings*, the groups of the same description: pairwise disjoint groups that every rank of
-a layout belongs to one of (tensor-parallel pairs, data-parallel groups). A group with fewer
-recorded members than its siblings is short of a member that left no record. The absent
-ranks are named when the arithmetic allows it — a gap in the file names, or, when the world
-size is not known, as many ranks above the highest file as the shortest family is short —
-and placed in a short group when exactly one completion of that group fits its siblings'
-shape; otherwise the group keeps an anonymous shortfall (``unseen``) and the verdict says
-what is missing instead of naming a rank.
+Group membership (``membership``) is ``frtools.analyze.membership``'s: stated, recorded,
+then inferred from sibling groups.
 """
 
 from __future__ import annotations
@@ -24,7 +16,8 @@ import numpy as np
 import pandas as pd
 
 from frtools.analyze.align import Alignment
-from frtools.model.trace import ABNORMAL_EXITS, ProcessGroup, Trace
+from frtools.analyze.membership import Membership, from_siblings
+from frtools.model.trace import ABNORMAL_EXITS, DEFAULT_PG_DESC, ProcessGroup, Trace
 
 from .device import DeviceLag, HostCall, counters, device_lags, host_calls
 
@@ -76,19 +69,6 @@ class Ending:
     gone: bool  # the process is known not to run any more
     abnormal: bool  # it ended by a failure of its own (exit facts), not cleanly
     victim: bool  # it ended because a collective failed on it (a peer went away)
-
-
-@dataclass(frozen=True)
-class Membership:
-    members: Mapping[str, tuple[int, ...]]  # global member ranks, inferred ones included
-    listed: frozenset[str]  # groups whose members a file lists
-    added: Mapping[str, tuple[int, ...]]  # absent ranks placed in a short group
-    unseen: Mapping[str, int]  # members a short group lacks that cannot be named
-    beyond: tuple[int, ...] = ()  # ranks above every file that short groups reveal
-    short: Mapping[str, int] = field(default_factory=dict)  # group -> members it lacks
-    # groups whose every member is known: listed, the default group of a job whose world
-    # size is stated, or an inferred group as large as the largest of its siblings
-    complete: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -147,7 +127,7 @@ class JobFacts:
         pg = self.al.process_groups.get(pg_name)
         desc = pg.desc if pg else ""
         size = len(self.members(pg_name))
-        if desc and desc not in ("undefined", "default_pg"):
+        if desc and desc not in ("undefined", DEFAULT_PG_DESC):
             return f"{desc}/{size}"
         return f"{desc or 'group'}/{size}"
 
@@ -163,7 +143,7 @@ def gather_facts(trace: Trace, al: Alignment) -> JobFacts:
         name for name, pg in trace.process_groups.items() if pg.ranks and not pg.inferred
     )
     world_certain = _world_certain(trace, present)
-    membership, expected = _membership(trace, al, present, listed, world_certain)
+    membership, expected = from_siblings(trace, al.members, present, listed, world_certain)
     absent = expected - present
     wrapped = frozenset(r for r, info in trace.ranks.items() if info.wrapped)
     endings = {r: _ending(info, coll, p2p) for r, info in trace.ranks.items()}
@@ -254,7 +234,7 @@ def _world_certain(trace: Trace, present: set[int]) -> bool:
     if trace.world_stated:
         return True
     listed = [pg for pg in trace.process_groups.values() if pg.ranks and not pg.inferred]
-    if any(pg.desc == "default_pg" or pg.name == "0" for pg in listed):
+    if any(pg.is_default for pg in listed):
         return True
     if any(info.format == "frtools" for info in trace.ranks.values()):
         return True  # a black box's header states the world size
@@ -263,141 +243,6 @@ def _world_certain(trace: Trace, present: set[int]) -> bool:
         known.update(pg.ranks)
     top = max(known) + 1 if known else 0
     return bool(trace.world_size and trace.world_size > top)
-
-
-def _membership(
-    trace: Trace,
-    al: Alignment,
-    present: set[int],
-    listed: frozenset[str],
-    world_certain: bool,
-) -> tuple[Membership, set[int]]:
-    members = {name: tuple(ranks) for name, ranks in al.members.items()}
-    expected = set(trace.expected_ranks) | present
-    for ranks in members.values():
-        expected |= set(ranks)
-    short = _short_groups(trace, members, listed)
-    needed = max((sum(lacking.values()) for _, lacking in short.values()), default=0)
-    absent = expected - present
-    extra: set[int] = set()
-    if needed > len(absent) and not world_certain:
-        # a Gloo dump states no world size: the files cannot show missing top ranks, the
-        # short sibling groups can
-        top = max(expected) + 1 if expected else 0
-        extra = set(range(top, top + needed - len(absent)))
-        expected |= extra
-        absent |= extra
-        default = _default_group(trace, members)
-        if default is not None:
-            members[default] = tuple(sorted(set(members[default]) | extra))
-    beyond = tuple(sorted(extra))
-    added: dict[str, tuple[int, ...]] = {}
-    unseen: dict[str, int] = {}
-    for siblings, lacking in short.values():
-        for name, lack in lacking.items():
-            fit = _completion_of(name, lack, members, siblings, absent)
-            if fit:
-                added[name] = fit
-                members[name] = tuple(sorted(set(members[name]) | set(fit)))
-            else:
-                unseen[name] = lack
-    lacking = {name: lack for _, family in short.values() for name, lack in family.items()}
-    complete = set(listed) | {n for n in _families(trace, members, listed).get("full", [])}
-    default = _default_group(trace, members)
-    if default is not None and world_certain:
-        complete.add(default)
-    complete |= set(added) - set(unseen)
-    return (
-        Membership(members, listed, added, unseen, beyond, lacking, frozenset(complete)),
-        expected,
-    )
-
-
-def _default_group(trace: Trace, members: Mapping[str, tuple[int, ...]]) -> str | None:
-    for name in members:
-        pg = trace.process_groups.get(name)
-        if pg is not None and pg.desc == "default_pg":
-            return name
-    return "0" if "0" in members else None
-
-
-def _short_groups(
-    trace: Trace, members: Mapping[str, tuple[int, ...]], listed: frozenset[str]
-) -> dict[str, tuple[list[str], dict[str, int]]]:
-    """Per family of sibling groups (same description, inferred membership, pairwise
-    disjoint, at least two): its groups, and those with fewer members than the largest,
-    by how many."""
-    return _families(trace, members, listed)["short"]  # type: ignore[return-value]
-
-
-def _families(
-    trace: Trace, members: Mapping[str, tuple[int, ...]], listed: frozenset[str]
-) -> dict[str, object]:
-    """Sibling families of inferred groups: ``short`` (desc -> (groups, lacking)) and
-    ``full`` (groups as large as the largest of their family)."""
-    families: dict[str, list[str]] = {}
-    for name in members:
-        pg = trace.process_groups.get(name)
-        desc = pg.desc if pg is not None else ""
-        if name in listed or desc == "default_pg" or name == "0":
-            continue
-        families.setdefault(desc, []).append(name)
-    short: dict[str, tuple[list[str], dict[str, int]]] = {}
-    full: list[str] = []
-    for desc, names in families.items():
-        if len(names) < 2:
-            continue
-        sizes = [len(members[n]) for n in names]
-        seen: set[int] = set()
-        disjoint = True
-        for n in names:
-            if seen & set(members[n]):
-                disjoint = False
-                break
-            seen |= set(members[n])
-        top = max(sizes)
-        if not disjoint or top < 2:
-            continue
-        if desc in ("", "undefined") and top - min(sizes) > 1:
-            continue  # undescribed groups of different kinds are no family
-        lacking = {n: top - len(members[n]) for n in names if len(members[n]) < top}
-        if len(lacking) < len(names):
-            full += [n for n in names if n not in lacking]
-            if lacking:
-                short[desc] = (names, lacking)
-    return {"short": short, "full": full}
-
-
-def _completion_of(
-    name: str,
-    lack: int,
-    members: Mapping[str, tuple[int, ...]],
-    siblings: list[str],
-    absent: set[int],
-) -> tuple[int, ...]:
-    """The absent ranks that complete group ``name`` the way its full siblings are shaped
-    (the same offsets from their first member), when exactly one completion fits."""
-    have = set(members[name])
-    shapes = set()
-    for other in siblings:
-        ranks = members[other]
-        if len(ranks) == len(have) + lack:
-            shapes.add(tuple(r - ranks[0] for r in ranks))
-    if not shapes or not have:
-        # no full sibling to copy the shape from: a single absent rank still fits
-        return tuple(sorted(absent)) if len(absent) == lack == 1 else ()
-    fits: set[tuple[int, ...]] = set()
-    for shape in shapes:
-        for r in have:
-            for offset in shape:
-                base = r - offset
-                group = {base + o for o in shape}
-                if base < 0 or not have <= group:
-                    continue
-                extra = group - have
-                if len(extra) == lack and extra <= absent:
-                    fits.add(tuple(sorted(extra)))
-    return next(iter(fits)) if len(fits) == 1 else ()
 
 
 def _ending(info, coll: pd.DataFrame, p2p: pd.DataFrame) -> Ending | None:  # noqa: ANN001

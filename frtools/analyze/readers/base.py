@@ -1,10 +1,6 @@
-"""What every reader shares: the ``RankDump`` it returns, the error it raises for an
-unusable file, and the rank/host that a dump's file name tells.
-
-A reader module exposes ``FORMAT: str``, ``sniff(path, head) -> bool`` (``head`` is the
-first bytes of the file, already gunzipped when the file is gzip'd) and
-``read(path) -> RankDump``. ``read`` raises ``DumpError`` with a one-line reason when the
-file is a dump of its format but cannot be used.
+"""What every reader shares: the ``Reader`` protocol and the capabilities a reader
+declares, the ``RankDump`` it returns, the error it raises for an unusable file, and the
+rank/host that a dump's file name tells.
 """
 
 from __future__ import annotations
@@ -14,6 +10,7 @@ import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import pyarrow as pa
 
@@ -28,6 +25,46 @@ HEAD_BYTES = 4096
 class DumpError(Exception):
     """A file that is a dump (or claims to be) but cannot be used; the message is the
     reason, one line, shown to the user next to the file name."""
+
+
+class Reader(Protocol):
+    """A reader module, as the loader uses it (``registry.READERS``).
+
+    ``sniff(path, head)``: whether the file is of this format (``head`` is its first bytes,
+    already gunzipped when the file is gzip'd). ``read(path)``: its ``RankDump``, or
+    ``DumpError`` with a one-line reason when the file is a dump of this format but cannot
+    be used. Optional: ``read_all(path) -> list[RankDump]`` (a file of several ranks) and
+    ``read_many(paths)`` (many files at once), and the capability flags of ``Capabilities``
+    as upper-case module constants (``LISTS_ALL_GROUPS = True``); the loader asks them
+    through ``registry.capabilities``, never a format's name."""
+
+    FORMAT: str
+
+    def sniff(self, path: Path, head: bytes) -> bool: ...
+
+    def read(self, path: Path) -> RankDump: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a reader's format can tell, beyond the entries every format has."""
+
+    # its group table names every group its ops are on (a black box, a summary): who
+    # recorded on a group no file lists need not be looked for in its entries
+    lists_all_groups: bool = False
+    # one file may hold several ranks (``read_all``: a host summary)
+    several_ranks: bool = False
+    # many files are read in one call (``read_many``: packed host summaries)
+    batches: bool = False
+
+    @classmethod
+    def of(cls, reader: object) -> Capabilities:
+        """A reader module's declared flags; what it leaves out it cannot do."""
+        return cls(
+            lists_all_groups=bool(getattr(reader, "LISTS_ALL_GROUPS", False)),
+            several_ranks=callable(getattr(reader, "read_all", None)),
+            batches=callable(getattr(reader, "read_many", None)),
+        )
 
 
 @dataclass

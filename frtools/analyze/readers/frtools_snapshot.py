@@ -26,11 +26,13 @@ from frtools.formats.blackbox import (
     read_snapshot,
 )
 from frtools.model.ops import op_name
-from frtools.model.trace import ENTRY_SCHEMA, ProcessGroup, RankInfo, is_user_frame
+from frtools.model.trace import ENTRY_SCHEMA, ProcessGroup, RankInfo, is_default, is_user_frame
 
 from .base import DumpError, RankDump, rank_from_filename
 
 FORMAT = "frtools"
+# a black box's group table names every group its ops are on
+LISTS_ALL_GROUPS = True
 # default groups of jobs larger than this are passed as "all ranks" (RankDump.default_pg_all)
 ALL_RANKS_ABOVE = 1024
 
@@ -140,9 +142,13 @@ def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
     process_groups = {}
     for g in groups:
         ranks = g.ranks
-        is_default = g.name == "0" or g.desc == "default_pg"
         big = world is not None and world > ALL_RANKS_ABOVE
-        if is_default and big and len(ranks) == world and ranks == _all_ranks(world):
+        if (
+            is_default(g.name, g.desc)
+            and big
+            and len(ranks) == world
+            and ranks == _all_ranks(world)
+        ):
             default_pg_all = True
             ranks = ()
         process_groups[g.name] = ProcessGroup(name=g.name, desc=g.desc, ranks=ranks)

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 from . import torch_json, torch_pickle
+from .base import Capabilities, Reader
 
 # reader modules that exist but failed to import: name -> reason (shown by the loader)
 UNAVAILABLE: dict[str, str] = {}
@@ -36,6 +37,17 @@ def _readers() -> tuple[ModuleType, ...]:
 
 
 READERS: tuple[ModuleType, ...] = _readers()
+# each format's declared capabilities, by the name its dumps carry (``RankInfo.format``)
+_CAPABILITIES: dict[str, Capabilities] = {r.FORMAT: Capabilities.of(r) for r in READERS}
+_NONE = Capabilities()
+
+
+def capabilities(reader: Reader | str) -> Capabilities:
+    """What a reader (or the reader of a format name, as a dump's ``RankInfo.format`` gives
+    it) declares it can do; a format no reader knows can do nothing beyond entries."""
+    if isinstance(reader, str):
+        return _CAPABILITIES.get(reader, _NONE)
+    return _CAPABILITIES.get(reader.FORMAT) or Capabilities.of(reader)
 
 
 def reader_for(path: Path, head: bytes) -> ModuleType | None:

@@ -39,12 +39,21 @@ from frtools.formats.summary_packed import (
     looks_packed,
 )
 from frtools.model.ops import op_name
-from frtools.model.trace import ENTRY_SCHEMA, STATES, ProcessGroup, RankInfo, entries_table
+from frtools.model.trace import (
+    ENTRY_SCHEMA,
+    STATES,
+    ProcessGroup,
+    RankInfo,
+    entries_table,
+    is_default,
+)
 
 from .base import DumpError, RankDump, read_content
 from .frtools_snapshot import ALL_RANKS_ABOVE, call_site_of, split_columns
 
 FORMAT = "frtools-summary"
+# a summary's group table names every group its ops are on
+LISTS_ALL_GROUPS = True
 
 
 def sniff(path: Path, head: bytes) -> bool:
@@ -197,7 +206,7 @@ def _all_ranks_of(name: str, desc: str, ranks: tuple[int, ...], world: int | Non
     snapshot reader does), checked without comparing 100,000-int tuples (members are sorted
     and distinct, so first, last and count decide)."""
     return (
-        (name == "0" or desc == "default_pg")
+        is_default(name, desc)
         and world is not None
         and world > ALL_RANKS_ABOVE
         and len(ranks) == world

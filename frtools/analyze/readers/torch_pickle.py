@@ -30,6 +30,8 @@ except ImportError:  # not built (no compiler at install): the Python path reads
     _frpickle = None
 
 FORMAT = "torch-pickle"
+# Gloo's dumps record ops on groups their pg_config does not list
+LISTS_ALL_GROUPS = False
 
 
 _PICKLE_NAMES = (".pkl", ".pickle", ".pkl.gz", ".pickle.gz")

@@ -30,6 +30,7 @@ from frtools.model.trace import (
     ProcessGroup,
     call_site,
     format_frame,
+    is_default,
     sizes_key,
 )
 
@@ -326,7 +327,7 @@ def _top_level(
                     nameless = ranks
                 continue
             if ranks == "all":
-                default_pg_all = default_pg_all or desc == "default_pg" or name == "0"
+                default_pg_all = default_pg_all or is_default(name, desc)
                 ranks = ()
             members += len(ranks or ())
             if members > max_members:
