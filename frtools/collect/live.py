@@ -23,6 +23,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ class GroupLive:
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
         """Groups are one group across ranks by name and member set (names can repeat)."""
-        return self.name, self.ranks
+        return (self.name, self.ranks)
 
 
 @dataclass(kw_only=True)
@@ -86,8 +87,8 @@ class RankLive:
     ending: str | None = None  # running, clean, exit, exception, os_exit, signal, killed
     startup_phase: str | None = None
     groups: list[GroupLive] = field(default_factory=list)
-    finished: np.ndarray | None = None  # (record_id, op index, failed) of finished slots
-    op_names: list[str] = field(default_factory=list)  # op index -> name (``finished``)
+    finished: np.ndarray | None = None  # (record_id, op string id, failed) of finished slots
+    op_name: Callable[[int], str] | None = None  # an op string id of ``finished`` -> its name
     oldest_record: int = 0  # the oldest record id still in the ring
     error: str | None = None  # the box cannot be read: file and reason
     note: str | None = None
@@ -206,11 +207,9 @@ def _read_ops(live: RankLive, snap: Snapshot) -> None:
     pg = int(slot["pg"])
     if 0 <= pg < len(snap.groups):
         live.group = snap.groups[pg].name
-    ops, index = np.unique(slots["op"][done], return_inverse=True)
-    names = snap.strings(ops[:MAX_OPS])
-    live.op_names = names + (["other"] if len(ops) > MAX_OPS else [])
+    live.op_name = snap.string
     live.finished = np.rec.fromarrays(
-        [slots["record_id"][done], np.minimum(index, MAX_OPS), failed[done]],
+        [slots["record_id"][done], slots["op"][done], failed[done]],
         names="record_id,op,failed",
     )
 

@@ -23,7 +23,8 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from frtools.collect.live import JobLive, RankLive
+from frtools.collect.live import MAX_OPS, JobLive, RankLive
+from frtools.formats.blackbox import SnapshotError
 
 RANK_LABELS = ("job", "rank", "host")
 # every name this exporter serves (the dashboard and the alert rules may use these only)
@@ -48,6 +49,20 @@ class _OpCounts:
         self.upto = -1
         self.above: set[int] = set()
         self.counts: Counter[tuple[str, str]] = Counter()
+        self.names: dict[int, str] = {}  # op string id -> label (ids are stable in a box)
+
+    def _name(self, rank: RankLive, op: int) -> str:
+        """The op's label: its name, or ``other`` past ``MAX_OPS`` distinct names."""
+        name = self.names.get(op)
+        if name is None:
+            try:  # the box's own text (hostile: bounded, escaped by the client)
+                text = rank.op_name(op)[:64] if rank.op_name is not None else ""
+            except SnapshotError:
+                text = "other"
+            known = set(self.names.values())
+            name = text if text in known or len(known) < MAX_OPS else "other"
+            self.names[op] = name
+        return name
 
     def update(self, rank: RankLive) -> None:
         finished = rank.finished
@@ -67,7 +82,7 @@ class _OpCounts:
         for (op, failed), n in Counter(
             zip(fresh["op"].tolist(), fresh["failed"].tolist(), strict=True)
         ).items():
-            self.counts[(rank.op_names[op], "failed" if failed else "completed")] += n
+            self.counts[(self._name(rank, op), "failed" if failed else "completed")] += n
         self.above.update(int(i) for i in fresh["record_id"])
         while self.upto + 1 in self.above:
             self.upto += 1
