@@ -191,7 +191,7 @@ def group_members(trace: Trace, seen: pd.DataFrame | None = None) -> dict[str, t
     recorded on a group read from ``seen`` (rank and pg_name of every entry)."""
     if seen is None or not len(seen):
         return membership.members(trace, (), dict)
-    codes, index = _codes(seen["pg_name"])
+    codes, index = category_codes(seen["pg_name"])
     names = [str(n) for n in index]  # not Index lookups one by one (~10^5 groups)
     # the codes of the groups some entry is on (-1, no group, left out)
     used = np.flatnonzero(np.bincount(codes + 1, minlength=len(names) + 1)[1:]).tolist()
@@ -254,7 +254,7 @@ def _duplicated_units(coll: pd.DataFrame) -> np.ndarray:
     if isinstance(names.dtype, pd.CategoricalDtype):
         pg = names.cat.codes.to_numpy()  # the codes themselves, not an int64 copy
     else:
-        pg = _codes(names)[0]
+        pg = category_codes(names)[0]
     rank = coll["rank"].to_numpy()
     seq = coll["collective_seq_id"].to_numpy()
     if not (rank.min() >= 0 and rank.max() < 2**22 and pg.max() < 2**16 - 1 and seq.max() < 2**25):
@@ -395,7 +395,7 @@ def _rank_slots(rank: np.ndarray, ranks: np.ndarray | None = None) -> tuple[np.n
     return np.searchsorted(ranks, rank), ranks
 
 
-def _codes(values: pd.Series) -> tuple[np.ndarray, pd.Index]:
+def category_codes(values: pd.Series) -> tuple[np.ndarray, pd.Index]:
     """int64 codes (-1 for missing) and the distinct values of a column."""
     if isinstance(values.dtype, pd.CategoricalDtype):
         return values.cat.codes.to_numpy().astype(np.int64), values.cat.categories
@@ -415,7 +415,7 @@ def _signature_ids(coll: pd.DataFrame) -> np.ndarray:
     no second copy of every column)."""
     if not len(coll):
         return np.zeros(0, dtype=np.int64)
-    op_codes, op_cats = _codes(coll["op"])
+    op_codes, op_cats = category_codes(coll["op"])
     op_rules = [parts_must_agree(str(c)) for c in op_cats] + [frozenset()]
     # per op category (+ one slot for code -1): family id and the attributes it compares
     fam_of_cat = np.array([_FAMILIES[family_of(str(c))] for c in op_cats] + [0], dtype=np.int64)
@@ -443,7 +443,7 @@ def _signature_ids(coll: pd.DataFrame) -> np.ndarray:
             frame["p"] = parts_key
         for attr in columns:
             frame[attr] = np.where(
-                _checked(attr, op_rules, op_codes, blocks), _codes(coll[attr])[0] + 1, 0
+                _checked(attr, op_rules, op_codes, blocks), category_codes(coll[attr])[0] + 1, 0
             )
         return frame.groupby(list(frame.columns), sort=False).ngroup().to_numpy(np.int64)
     key = fam_of_cat[op_codes]
@@ -452,7 +452,7 @@ def _signature_ids(coll: pd.DataFrame) -> np.ndarray:
         key += parts_key * radix
         radix *= int(parts_key.max()) + 1
     for attr, n in zip(columns, sizes, strict=True):
-        codes, _ = _codes(coll[attr])
+        codes, _ = category_codes(coll[attr])
         codes += 1
         codes[~_checked(attr, op_rules, op_codes, blocks)] = 0
         codes *= radix
@@ -496,7 +496,7 @@ def _status(coll: pd.DataFrame, ps: pd.DataFrame) -> pd.DataFrame:
     if len(coll):
         # group by one int64 (rank, group code) key: a two-column group-by with a
         # categorical costs several times more on millions of units
-        codes, cats = _codes(coll["pg_name"])
+        codes, cats = category_codes(coll["pg_name"])
         rank = coll["rank"].to_numpy().astype(np.int64)
         key = rank * (len(cats) + 1) + codes + 1  # code -1 (no group) shifted to 0
         # one factorization, then the three reductions by index (pandas' group-by hashes the

@@ -14,7 +14,7 @@ from collections import Counter
 
 import numpy as np
 
-from frtools.analyze.align import _codes
+from frtools.analyze.align import category_codes
 
 from .facts import JobFacts
 from .graph import WaitForGraph
@@ -40,8 +40,8 @@ def skipped(facts: JobFacts, graph: WaitForGraph) -> dict[int, tuple[str, int]]:
     if not len(near):
         return {}
     # columns as codes and plain ints (131,072 ranks: ~10^6 rows, not one string each)
-    group_codes, group_names = _codes(near["pg_name"])
-    site_codes, site_texts = _codes(near["call_site"])
+    group_codes, group_names = category_codes(near["pg_name"])
+    site_codes, site_texts = category_codes(near["call_site"])
     names = [str(g) for g in group_names]
     texts = [str(t) for t in site_texts]
     seq_of = near["seq"].to_numpy()
