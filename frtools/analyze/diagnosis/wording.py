@@ -123,7 +123,7 @@ class _Wording:
     def reason(self, b: Blame) -> str:
         """Why this rank is blamed, in words (REASON_TEXT)."""
         where = self.point_name(b.point) if b.point is not None else ""
-        return REASON_TEXT[b.reason](self, b, where)
+        return _render(REASON_TEXT[b.reason], self, b, where, _Fields(where, b.point))
 
     @staticmethod
     def ended(ending: Ending | None, stale: bool) -> str:
@@ -291,7 +291,7 @@ class _Wording:
         if n.point is None and n.kind in _NEEDS_POINT:
             return ""
         where = self.point_name(n.point) if n.point is not None else ""
-        return NOTE_TEXT[n.kind](self, n, where)
+        return _render(NOTE_TEXT[n.kind], self, n, where, _Fields(where, n.point, n))
 
     def group_label(self, pg_name: str) -> str:
         pg = self.f.process_group(pg_name)
@@ -371,32 +371,58 @@ class _Wording:
             )
 
 
-# ----- why a rank is blamed, per Reason -------------------------------------------------
+# ----- the texts: one table per Reason and per NoteKind -------------------------------------
+#
+# An entry is a template or, where the text needs more than the fields below, a function of
+# (wording, blame or note, the name of its point). Template fields, computed when named:
+# where, ranks, others, count, groups, blockers, blockers_60, targets_60, pg_name.
 
-# (wording, blame, its point's name) -> the reason in words
-ReasonText = Callable[[_Wording, Blame, str], str]
+
+class _Fields(dict):
+    """What a text template names, of one blame or note: computed only when named (a
+    group's blockers may be 131,072 ranks)."""
+
+    def __init__(self, where: str, point: Point | None, note: Note | None = None) -> None:
+        super().__init__(where=where)
+        self.point, self.n = point, note
+
+    def __missing__(self, key: str) -> object:
+        p, n = self.point, self.n
+        if key == "blockers":
+            value: object = format_ranks(list(p.blockers)) if p is not None else "-"
+        elif key == "blockers_60":
+            value = format_ranks(list(p.blockers), 60)
+        elif key == "targets_60":
+            value = format_ranks(sorted(p.targets), 60)
+        elif key == "pg_name":
+            value = p.pg_name
+        elif key == "groups":
+            value = ", ".join(n.groups)
+        elif key == "count":
+            value = n.count
+        elif key in ("ranks", "others"):
+            value = format_ranks(list(getattr(n, key)))
+        else:
+            raise KeyError(key)
+        self[key] = value
+        return value
 
 
-def _why_absent(w: _Wording, b: Blame, where: str) -> str:
-    blockers = format_ranks(list(b.point.blockers)) if b.point else "-"
-    return f"no usable dump; ranks {blockers} wait for it in {where}"
+def _render(text: str | Callable[..., str], w: _Wording, item: Blame | Note, where: str,
+            fields: _Fields) -> str:  # fmt: skip
+    return text.format_map(fields) if isinstance(text, str) else text(w, item, where)
 
 
 def _why_gone(w: _Wording, b: Blame, where: str) -> str:
-    return (
-        f"{w.ended(b.ending, b.stale)}; it never issued {where}"
-        if b.point and (b.rank not in b.point.of(MemberState.GONE))
-        else f"{w.ended(b.ending, b.stale)} before completing {where}"
-    )
+    ended = w.ended(b.ending, b.stale)
+    if b.point and (b.rank not in b.point.of(MemberState.GONE)):
+        return f"{ended}; it never issued {where}"
+    return f"{ended} before completing {where}"
 
 
 def _why_mismatch(w: _Wording, b: Blame, where: str) -> str:
     attrs = ", ".join(b.point.mismatch_attrs) if b.point else ""
     return f"issued a different {attrs or 'signature'} than its peers at {where}"
-
-
-def _why_missing(w: _Wording, b: Blame, where: str) -> str:
-    return f"alive but never issued {where}, where its peers wait"
 
 
 def _why_skipped(w: _Wording, b: Blame, where: str) -> str:
@@ -421,10 +447,6 @@ def _why_order(w: _Wording, b: Blame, where: str) -> str:
     return text
 
 
-def _why_never_started(w: _Wording, b: Blame, where: str) -> str:
-    return f"issued {where} but never started it while its peers did"
-
-
 def _why_device_stopped(w: _Wording, b: Blame, where: str) -> str:
     at = b.point.pg_name if b.point is not None else None
     lag = next((x for x in w.f.device_lags.get(b.rank, ()) if x.pg_name == at), None)
@@ -434,22 +456,6 @@ def _why_device_stopped(w: _Wording, b: Blame, where: str) -> str:
         "every member's kernel must run it (a poisoned CUDA context: a device-side "
         "error or an Xid)"
     )
-
-
-def _why_in_host_call(w: _Wording, b: Blame, where: str) -> str:
-    return (
-        f"inside the NCCL call of {where}: the op is recorded but its group's "
-        "last_enqueued never reached it"
-    )
-
-
-def _why_stuck(w: _Wording, b: Blame, where: str) -> str:
-    return f"issued {where}; it never completed on any member"
-
-
-def _why_unlisted_member(w: _Wording, b: Blame, where: str) -> str:
-    blockers = format_ranks(list(b.point.blockers)) if b.point else "-"
-    return f"no usable dump; ranks {blockers} wait in {where}, whose members the dumps do not list"
 
 
 def _why_straggler(w: _Wording, b: Blame, where: str) -> str:
@@ -465,10 +471,6 @@ def _why_ended(w: _Wording, b: Blame, where: str) -> str:
     return f"{w.ended(b.ending, False)}; no recorded op of its peers waits for it"
 
 
-def _why_no_dump(w: _Wording, b: Blame, where: str) -> str:
-    return "no usable dump, while the others show no hang; it may have died"
-
-
 def _why_never_arrived(w: _Wording, b: Blame, where: str) -> str:
     """A guilty rank of the start-up rule: what its record says of it."""
     if b.rank not in w.f.trace.ranks:
@@ -478,89 +480,28 @@ def _why_never_arrived(w: _Wording, b: Blame, where: str) -> str:
     return "alive, never called init_process_group (its record ends at process start)"
 
 
-def _why_splits(w: _Wording, b: Blame, where: str) -> str:
-    return f"its split sizes at {where} disagree with what its peers send or expect (pairs below)"
-
-
-REASON_TEXT: dict[Reason, ReasonText] = {
-    Reason.ABSENT: _why_absent,
+REASON_TEXT: dict[Reason, str | Callable[[_Wording, Blame, str], str]] = {
+    Reason.ABSENT: "no usable dump; ranks {blockers} wait for it in {where}",
     Reason.GONE: _why_gone,
     Reason.MISMATCH: _why_mismatch,
     Reason.DISAGREES: _why_mismatch,
-    Reason.MISSING: _why_missing,
+    Reason.MISSING: "alive but never issued {where}, where its peers wait",
     Reason.SKIPPED: _why_skipped,
     Reason.ORDER: _why_order,
-    Reason.NEVER_STARTED: _why_never_started,
+    Reason.NEVER_STARTED: "issued {where} but never started it while its peers did",
     Reason.DEVICE_STOPPED: _why_device_stopped,
-    Reason.IN_HOST_CALL: _why_in_host_call,
-    Reason.STUCK: _why_stuck,
-    Reason.UNLISTED_MEMBER: _why_unlisted_member,
+    Reason.IN_HOST_CALL: "inside the NCCL call of {where}: the op is recorded but its group's "
+    "last_enqueued never reached it",
+    Reason.STUCK: "issued {where}; it never completed on any member",
+    Reason.UNLISTED_MEMBER: "no usable dump; ranks {blockers} wait in {where}, whose members "
+    "the dumps do not list",
     Reason.STRAGGLER: _why_straggler,
     Reason.ENDED: _why_ended,
-    Reason.NO_DUMP: _why_no_dump,
+    Reason.NO_DUMP: "no usable dump, while the others show no hang; it may have died",
     Reason.NEVER_ARRIVED: _why_never_arrived,
-    Reason.SPLITS: _why_splits,
+    Reason.SPLITS: "its split sizes at {where} disagree with what its peers send or expect "
+    "(pairs below)",
 }
-
-
-# ----- evidence lines, per NoteKind -------------------------------------------------------
-
-# (wording, note, its point's name) -> one evidence line
-NoteText = Callable[[_Wording, Note, str], str]
-
-
-def _note_blocked(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"Ranks {format_ranks(list(n.point.blockers), 60)} blocked in {where}, "
-        f"waiting for {format_ranks(sorted(n.point.targets), 60)}."
-    )
-
-
-def _note_also_cycle(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"Also a wait cycle among ranks {format_ranks(list(n.ranks))} "
-        "(a cross-group ordering problem)."
-    )
-
-
-def _note_cycle_core(w: _Wording, n: Note, where: str) -> str:
-    return f"Ranks {format_ranks(list(n.ranks))} wait for each other."
-
-
-def _note_whole_cycle(w: _Wording, n: Note, where: str) -> str:
-    return "No rank's order differs from its peers' history; blaming the whole cycle."
-
-
-def _note_stuck_ops(w: _Wording, n: Note, where: str) -> str:
-    return f"{n.count} op(s) issued by every member with one signature and completed by none."
-
-
-def _note_disagreeing_ops(w: _Wording, n: Note, where: str) -> str:
-    return f"{n.count} collective(s) where members disagree."
-
-
-def _note_straggler_rule(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"Rule: at least T late in >= {LAST_SHARE:.0%} of >= {MIN_COLLECTIVES} "
-        f"matched collectives and median lateness >= T, T = max("
-        f"{MIN_LATE_NS / 1e6:.0f} ms, {SPREAD_FACTOR:g} x the typical jitter)."
-    )
-
-
-def _note_nobody_waits(w: _Wording, n: Note, where: str) -> str:
-    return (
-        "Nobody is recorded waiting for the missing rank(s); the verdict rests on the "
-        "missing dump alone (a Gloo op that failed on a dead peer is recorded as "
-        "completed)."
-    )
-
-
-def _note_unlisted_group(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"Ranks {format_ranks(list(n.point.blockers))} issued {where} and it never completed; "
-        f"the group's membership ({format_ranks(list(n.ranks))}) is inferred from the "
-        "files present."
-    )
 
 
 def _note_placed_member(w: _Wording, n: Note, where: str) -> str:
@@ -581,89 +522,13 @@ def _note_beyond_files(w: _Wording, n: Note, where: str) -> str:
     )
 
 
-def _note_failed_completion(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"Ranks {format_ranks(list(n.ranks))} left {where} without every member: "
-        "an error, which Gloo records as completion (victims, not healthy)."
-    )
-
-
-def _note_split_completion(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"Ranks {format_ranks(list(n.ranks))} are blocked in {where} while ranks "
-        f"{format_ranks(list(n.others))} left it: a collective completes on no member "
-        "before every member issued it, so they left it with an error, or the dump "
-        "caught the moment after it completed."
-    )
-
-
-def _note_all_pending(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"Every rank with a record issued {where}; none completed it. A member of "
-        f"group {n.point.pg_name} without a record would explain it: no file lists the "
-        "group's members."
-    )
-
-
-def _note_unseen_members(w: _Wording, n: Note, where: str) -> str:
-    groups = ", ".join(n.groups)
-    return (
-        f"Group(s) {groups} lack {n.count} member(s) compared with their sibling "
-        "groups; no file names them."
-    )
-
-
-def _note_wrapped_members(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"The records of ranks {format_ranks(list(n.ranks))} do not reach back to "
-        f"{where} (ring buffer wrapped): whether they issued it is unknown."
-    )
-
-
-def _note_unrecorded_op(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"pg_status of ranks {format_ranks(list(n.ranks))} counts an op on group(s) "
-        f"{', '.join(n.groups)} past every recorded entry that did not complete: an "
-        "unrecorded op (send/recv on Gloo) holds them."
-    )
-
-
-def _note_no_ops(w: _Wording, n: Note, where: str) -> str:
-    return "No rank's record holds any op."
-
-
-def _note_endings(w: _Wording, n: Note, where: str) -> str:
-    return f"The process(es) of rank(s) {format_ranks(list(n.ranks))} ended by their own failure."
-
-
-def _note_victims(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"Rank(s) {format_ranks(list(n.ranks))} failed in a collective because a peer "
-        "went away (victims, not healthy and not guilty)."
-    )
-
-
-def _note_casualties(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"Rank(s) {format_ranks(list(n.ranks))} issued the op as the majority did and "
-        "ended there: casualties of the disagreement (Gloo aborts a rank that receives "
-        "a payload of another size), not its cause."
-    )
-
-
-def _note_in_flight(w: _Wording, n: Note, where: str) -> str:
-    return f"{n.count} in-flight op(s) that every member issued."
-
-
 def _note_device_lags(w: _Wording, n: Note, where: str) -> str:
-    lines = []
-    for r in n.ranks:
-        for lag in w.f.device_lags.get(r, ())[:3]:
-            lines.append(
-                f"rank {r} completed group {w.group_label(lag.pg_name)} up to "
-                f"#{lag.completed}, rank {lag.peer} up to #{lag.peer_completed} "
-                f"(#{lag.completed + 1} is {lag.op})"
-            )
+    lines = [
+        f"rank {r} completed group {w.group_label(lag.pg_name)} up to #{lag.completed}, "
+        f"rank {lag.peer} up to #{lag.peer_completed} (#{lag.completed + 1} is {lag.op})"
+        for r in n.ranks
+        for lag in w.f.device_lags.get(r, ())[:3]
+    ]
     return (
         "Completion counters (pg_status) behind a peer's on the same group: "
         + "; ".join(lines)
@@ -671,26 +536,18 @@ def _note_device_lags(w: _Wording, n: Note, where: str) -> str:
     )
 
 
-def _note_reraised(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"Rank(s) {format_ranks(list(n.ranks))} ended with the same error, which names "
-        f"rank(s) {format_ranks(list(n.others))} as where it failed: they re-raised it "
-        "(casualties, not causes)."
-    )
-
-
 def _note_startup_wait(w: _Wording, n: Note, where: str) -> str:
     phase = n.groups[0] if n.groups else ""
-    who = "Rank" if len(n.ranks) == 1 else "Ranks"
-    verb = "waits" if len(n.ranks) == 1 else "wait"
+    one = len(n.ranks) == 1
     return (
-        f"{who} {format_ranks(list(n.ranks), 60)} {verb} inside init_process_group, "
+        f"{'Rank' if one else 'Ranks'} {format_ranks(list(n.ranks), 60)} "
+        f"{'waits' if one else 'wait'} inside init_process_group, "
         f"{_STARTUP_WAIT_TEXT.get(phase, phase)}."
     )
 
 
 def _note_split_pair(w: _Wording, n: Note, where: str) -> str:
-    if not (len(n.ranks) == 2 and len(n.values) == 2):
+    if len(n.ranks) != 2 or len(n.values) != 2:
         return ""
     (i, j), (sent, expected) = n.ranks, n.values
     return (
@@ -699,17 +556,11 @@ def _note_split_pair(w: _Wording, n: Note, where: str) -> str:
     )
 
 
-def _note_split_tie(w: _Wording, n: Note, where: str) -> str:
-    return (
-        f"Ranks {format_ranks(list(n.ranks))} each disagree with as many peers: the "
-        "records cannot tell whose split sizes are wrong."
-    )
-
-
 def _note_host_call(w: _Wording, n: Note, where: str) -> str:
     calls = [w.f.host_calls[r] for r in n.ranks if r in w.f.host_calls]
-    return "Inside an NCCL host call (entry recorded, last_enqueued not reached): " + (
-        "; ".join(
+    return (
+        "Inside an NCCL host call (entry recorded, last_enqueued not reached): "
+        + "; ".join(
             f"rank {c.rank} at {c.op} #{c.seq} on group {w.group_label(c.pg_name)} "
             f"(last_enqueued {c.enqueued})"
             for c in calls
@@ -718,36 +569,58 @@ def _note_host_call(w: _Wording, n: Note, where: str) -> str:
     )
 
 
-NOTE_TEXT: dict[NoteKind, NoteText] = {
-    NoteKind.BLOCKED: _note_blocked,
-    NoteKind.ALSO_CYCLE: _note_also_cycle,
-    NoteKind.CYCLE_CORE: _note_cycle_core,
-    NoteKind.WHOLE_CYCLE: _note_whole_cycle,
-    NoteKind.STUCK_OPS: _note_stuck_ops,
-    NoteKind.DISAGREEING_OPS: _note_disagreeing_ops,
-    NoteKind.STRAGGLER_RULE: _note_straggler_rule,
-    NoteKind.NOBODY_WAITS: _note_nobody_waits,
-    NoteKind.UNLISTED_GROUP: _note_unlisted_group,
+NOTE_TEXT: dict[NoteKind, str | Callable[[_Wording, Note, str], str]] = {
+    NoteKind.BLOCKED: "Ranks {blockers_60} blocked in {where}, waiting for {targets_60}.",
+    NoteKind.ALSO_CYCLE: "Also a wait cycle among ranks {ranks} (a cross-group ordering problem).",
+    NoteKind.CYCLE_CORE: "Ranks {ranks} wait for each other.",
+    NoteKind.WHOLE_CYCLE: "No rank's order differs from its peers' history; blaming the whole "
+    "cycle.",
+    NoteKind.STUCK_OPS: "{count} op(s) issued by every member with one signature and "
+    "completed by none.",
+    NoteKind.DISAGREEING_OPS: "{count} collective(s) where members disagree.",
+    NoteKind.STRAGGLER_RULE: f"Rule: at least T late in >= {LAST_SHARE:.0%} of >= "
+    f"{MIN_COLLECTIVES} matched collectives and median lateness >= T, T = max("
+    f"{MIN_LATE_NS / 1e6:.0f} ms, {SPREAD_FACTOR:g} x the typical jitter).",
+    NoteKind.NOBODY_WAITS: "Nobody is recorded waiting for the missing rank(s); the verdict "
+    "rests on the missing dump alone (a Gloo op that failed on a dead peer is recorded as "
+    "completed).",
+    NoteKind.UNLISTED_GROUP: "Ranks {blockers} issued {where} and it never completed; the "
+    "group's membership ({ranks}) is inferred from the files present.",
     NoteKind.PLACED_MEMBER: _note_placed_member,
     NoteKind.BEYOND_FILES: _note_beyond_files,
-    NoteKind.FAILED_COMPLETION: _note_failed_completion,
-    NoteKind.SPLIT_COMPLETION: _note_split_completion,
-    NoteKind.ALL_PENDING: _note_all_pending,
-    NoteKind.UNSEEN_MEMBERS: _note_unseen_members,
-    NoteKind.WRAPPED_MEMBERS: _note_wrapped_members,
-    NoteKind.UNRECORDED_OP: _note_unrecorded_op,
-    NoteKind.NO_OPS: _note_no_ops,
-    NoteKind.ENDINGS: _note_endings,
-    NoteKind.VICTIMS: _note_victims,
-    NoteKind.CASUALTIES: _note_casualties,
-    NoteKind.IN_FLIGHT: _note_in_flight,
+    NoteKind.FAILED_COMPLETION: "Ranks {ranks} left {where} without every member: an error, "
+    "which Gloo records as completion (victims, not healthy).",
+    NoteKind.SPLIT_COMPLETION: "Ranks {ranks} are blocked in {where} while ranks {others} left "
+    "it: a collective completes on no member before every member issued it, so they left it "
+    "with an error, or the dump caught the moment after it completed.",
+    NoteKind.ALL_PENDING: "Every rank with a record issued {where}; none completed it. A "
+    "member of group {pg_name} without a record would explain it: no file lists the group's "
+    "members.",
+    NoteKind.UNSEEN_MEMBERS: "Group(s) {groups} lack {count} member(s) compared with their "
+    "sibling groups; no file names them.",
+    NoteKind.WRAPPED_MEMBERS: "The records of ranks {ranks} do not reach back to {where} (ring "
+    "buffer wrapped): whether they issued it is unknown.",
+    NoteKind.UNRECORDED_OP: "pg_status of ranks {ranks} counts an op on group(s) {groups} past "
+    "every recorded entry that did not complete: an unrecorded op (send/recv on Gloo) holds "
+    "them.",
+    NoteKind.NO_OPS: "No rank's record holds any op.",
+    NoteKind.ENDINGS: "The process(es) of rank(s) {ranks} ended by their own failure.",
+    NoteKind.VICTIMS: "Rank(s) {ranks} failed in a collective because a peer went away "
+    "(victims, not healthy and not guilty).",
+    NoteKind.CASUALTIES: "Rank(s) {ranks} issued the op as the majority did and ended there: "
+    "casualties of the disagreement (Gloo aborts a rank that receives a payload of another "
+    "size), not its cause.",
+    NoteKind.IN_FLIGHT: "{count} in-flight op(s) that every member issued.",
     NoteKind.DEVICE_LAGS: _note_device_lags,
-    NoteKind.RERAISED: _note_reraised,
+    NoteKind.HOST_CALL: _note_host_call,
+    NoteKind.RERAISED: "Rank(s) {ranks} ended with the same error, which names rank(s) "
+    "{others} as where it failed: they re-raised it (casualties, not causes).",
     NoteKind.STARTUP_WAIT: _note_startup_wait,
     NoteKind.SPLIT_PAIR: _note_split_pair,
-    NoteKind.SPLIT_TIE: _note_split_tie,
-    NoteKind.HOST_CALL: _note_host_call,
+    NoteKind.SPLIT_TIE: "Ranks {ranks} each disagree with as many peers: the records cannot "
+    "tell whose split sizes are wrong.",
 }
+
 # Notes whose text names their point: without one there is no line.
 _NEEDS_POINT = frozenset(
     {
