@@ -15,7 +15,8 @@ from frtools.analyze.stacks import StacksSummary
 from frtools.model.trace import InputFile, ProcessGroup
 
 # 1.1: "stacks"; 1.2: "inconclusive", "decide"; 1.3: "exclusion"; 1.4: "stacks.native";
-# 1.5: guilty ranks' gpu, gpu_inferred, pci_bus_id, findings (device evidence), "device_sources"
+# 1.5: guilty ranks' gpu, gpu_inferred, pci_bus_id, findings (device evidence), host_guessed,
+# "device_sources"
 SCHEMA_VERSION = "1.5"
 
 KINDS = ("healthy", "missing", "dead", "mismatch", "order", "stuck", "straggler", "inconclusive")
@@ -63,6 +64,9 @@ class GuiltyRank:
     gpu_inferred: bool = False
     pci_bus_id: str | None = None
     findings: list[DeviceFinding] = field(default_factory=list)
+    # ``host`` was not in the rank's record: read from its file's name (or the only host with
+    # device facts)
+    host_guessed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

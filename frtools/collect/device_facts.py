@@ -326,7 +326,7 @@ def ib_ports() -> tuple[list[IbPort], str]:
 def ncclras_text() -> tuple[str, str]:
     tool = shutil.which("ncclras")
     if tool is None:
-        raise SourceAbsent("ncclras is not on PATH (NCCL >= 2.24)")
+        raise SourceAbsent("ncclras (NCCL >= 2.24) is not on PATH")
     rc, out = run_bounded([tool], NCCLRAS_DEADLINE_S, fmt.MAX_NCCLRAS_BYTES)
     if rc != 0:
         raise SourceFailed(f"exited with status {rc}: {_first_line(out)}")
@@ -408,11 +408,15 @@ class Collection:
         return facts
 
     def finish(
-        self, out_dir: str | os.PathLike[str], manifest: Manifest | None = None
+        self,
+        out_dir: str | os.PathLike[str],
+        manifest: Manifest | None = None,
+        deadline_s: float = TOTAL_DEADLINE_S,
     ) -> Path | None:
-        """Write ``device_<host>.json`` into ``out_dir``; one manifest note per source that is
+        """Write ``device_<host>.json`` into ``out_dir`` with what came within ``deadline_s``
+        of the start (the dump's own timeout bounds it); one manifest note per source that is
         absent or failed. Never raises: a file that cannot be written is a note too."""
-        facts = self.facts()
+        facts = self.facts(min(deadline_s, TOTAL_DEADLINE_S))
         if manifest is not None:
             for s in facts.sources:
                 if s.status != "collected":

@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from frtools.collect import device_facts
 from frtools.config import DIR, DUMP_DIR, STORE_PREFIX, job_folder_name
 from frtools.formats import store_protocol as protocol
 from frtools.formats.manifest import (
@@ -99,10 +100,14 @@ def dump_job_wide(
         },
     )
     manifest = Manifest(job_id=job_id or store_addr, mode="job-wide")
+    devices = device_facts.start(manifest.host)  # this host's, while the ranks answer
     answers: dict[int, dict[str, Any]] = {}
     protocol.gather_answers(store, prefix, seq, manifest, timeout, answers)
     for rank, answer in sorted(answers.items()):
         _collect_rank(manifest.ranks[rank], answer, out, job_id)
+    _copy_device_files(answers, out, job_id, manifest.host)
+    if devices is not None:
+        devices.finish(out, manifest, deadline_s=timeout)
     _native_stacks_here(manifest, out, timeout)
     unread = [r for r in manifest.ranks_answered if not manifest.ranks[r].files]
     if unread:
@@ -194,6 +199,30 @@ def _collect_rank(entry: RankEntry, answer: dict[str, Any], out: Path, job_id: s
     entry.note = "; ".join(
         x for x in (entry.note, f"wrote into {where[:300]} on {entry.host}, not readable here") if x
     )
+
+
+def _copy_device_files(
+    answers: dict[int, dict[str, Any]], out: Path, job_id: str | None, here: str
+) -> None:
+    """Other hosts' ``device_<host>.json`` from the ranks' dump folders (written there by the
+    recorder's hand-off), checked as the rank files are; this host's is collected here."""
+    from frtools.formats.device_facts import file_name, is_device_file
+
+    own = file_name(here)
+    seen: set[Path] = set()
+    for answer in answers.values():
+        for directory, configured in _candidate_dirs(answer, job_id):
+            owner = _folder_owner(directory, configured)
+            if owner is None or directory in seen or directory.resolve() == out:
+                continue
+            seen.add(directory)
+            try:
+                names = sorted(n for n in os.listdir(directory) if is_device_file(n))[:256]
+            except OSError:
+                continue
+            for name in names:
+                if name != own and not (out / name).exists():
+                    _copy_file_of(owner, directory / name, out / name)
 
 
 def _native_stacks_here(manifest: Manifest, out: Path, timeout: float) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from frtools.collect import native_stacks
+from frtools.collect import device_facts, native_stacks
 from frtools.config import DIR
 from frtools.formats import limits
 from frtools.formats.manifest import Manifest, RankEntry, rank_in_file_name, stacks_path
@@ -94,6 +94,7 @@ def collect_job(
     host = socket.gethostname()
     manifest = Manifest(job_id=job_dir.name, mode="local", host=host)
     started = time.monotonic()
+    devices = device_facts.start(host)  # in the background while the boxes are copied
 
     files: list[_RankFile] = []
     for path in sorted(job_dir.iterdir()):
@@ -197,6 +198,8 @@ def collect_job(
         native_stacks.keep(native.get(rf.rank), entry, out)
     if not files:
         manifest.notes.append(f"no rank files in {job_dir}")
+    if devices is not None:
+        devices.finish(out, manifest, deadline_s=timeout)
     manifest.elapsed_s = time.monotonic() - started
     manifest.write(out)
     return manifest

@@ -93,15 +93,16 @@ def _text(value: object, n: int = MAX_TEXT) -> str | None:
 
 
 def _count(value: object) -> int | None:
-    """A non-negative counter from JSON (an int) or XML (its text); None for 'N/A' or junk."""
-    if isinstance(value, str):
-        value = value.strip()
-        if not value.isdigit() or len(value) > 19:
-            return None
-        value = int(value)
+    """A non-negative counter of the file (a JSON int); None for anything else."""
     if isinstance(value, bool) or not isinstance(value, int):
         return None
     return value if 0 <= value <= _COUNT_MAX else None
+
+
+def _xml_count(text: str | None) -> int | None:
+    """A counter in nvidia-smi's XML (its text); None for 'N/A' or junk."""
+    text = text.strip() if isinstance(text, str) else ""
+    return _count(int(text)) if text.isdigit() and len(text) <= 19 else None
 
 
 def _number(value: object) -> float | None:
@@ -176,10 +177,10 @@ def _gpu_from_xml(index: int, node: Any) -> GpuFacts:
     for scope in ("volatile", "aggregate"):
         counts = {}
         for name in ECC_COUNTERS:
-            value = _count(text(f"ecc_errors/{scope}/{name}"))
+            value = _xml_count(text(f"ecc_errors/{scope}/{name}"))
             if value is None and name == "sram_uncorrectable":  # newer drivers split it
                 parts = [
-                    _count(text(f"ecc_errors/{scope}/sram_uncorrectable_{kind}"))
+                    _xml_count(text(f"ecc_errors/{scope}/sram_uncorrectable_{kind}"))
                     for kind in ("parity", "secded")
                 ]
                 if any(p is not None for p in parts):
@@ -196,7 +197,7 @@ def _gpu_from_xml(index: int, node: Any) -> GpuFacts:
                 throttle.append(_text(name, 60) or "?")
     processes = []
     for proc in node.findall("processes/process_info")[:MAX_PROCESSES]:
-        pid = _count(proc.findtext("pid"))
+        pid = _xml_count(proc.findtext("pid"))
         if pid is not None:
             processes.append((pid, _text(proc.findtext("process_name")) or ""))
     power = text("gpu_power_readings/power_draw") or text("power_readings/power_draw")
@@ -206,14 +207,14 @@ def _gpu_from_xml(index: int, node: Any) -> GpuFacts:
         pci_bus_id=canonical_pci(text("pci/pci_bus_id") or node.get("id")),
         name=_text(text("product_name"), 80),
         ecc=ecc,
-        retired_single_bit=_count(
+        retired_single_bit=_xml_count(
             text("retired_pages/multiple_single_bit_retirement/retired_count")
         ),
-        retired_double_bit=_count(text("retired_pages/double_bit_retirement/retired_count")),
+        retired_double_bit=_xml_count(text("retired_pages/double_bit_retirement/retired_count")),
         retirement_pending=_yes(text("retired_pages/pending_retirement"))
         or _yes(text("retired_pages/pending_blacklist")),
-        remapped_correctable=_count(text("remapped_rows/remapped_row_corr")),
-        remapped_uncorrectable=_count(text("remapped_rows/remapped_row_unc")),
+        remapped_correctable=_xml_count(text("remapped_rows/remapped_row_corr")),
+        remapped_uncorrectable=_xml_count(text("remapped_rows/remapped_row_unc")),
         remap_pending=_yes(text("remapped_rows/remapped_row_pending")),
         remap_failure=_yes(text("remapped_rows/remapped_row_failure")),
         throttle_reasons=throttle[:16],

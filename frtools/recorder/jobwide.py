@@ -32,7 +32,9 @@ import contextlib
 import faulthandler
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -41,7 +43,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from frtools.config import DUMP_DIR, DUMP_INTERVAL, JOBWIDE, JOBWIDE_POLL, STORE_PREFIX
+from frtools.config import (
+    DEVICE_FACTS,
+    DUMP_DIR,
+    DUMP_INTERVAL,
+    JOBWIDE,
+    JOBWIDE_POLL,
+    STORE_PREFIX,
+)
 from frtools.formats import store_protocol as protocol
 from frtools.formats.manifest import BOX_SUFFIX, STACKS_SUFFIX, Manifest, rank_file_name
 from frtools.recorder import private
@@ -53,6 +62,9 @@ STALL_GATHER_S = 5.0
 # a stall seen by another rank less than this long ago is the same episode
 STALL_QUIET_S = 10.0
 _MAX_FAILURES = 20  # consecutive store errors before the watcher gives up (job ending)
+# the device-facts child of a hand-off is killed after this long (its sources have their own,
+# shorter deadlines: frtools.collect.device_facts)
+DEVICE_FACTS_CHILD_S = 20.0
 
 
 _started: JobWideWatcher | None = None
@@ -163,6 +175,7 @@ class JobWideWatcher:
         self.host = socket.gethostname()
         self.last_seq = 0
         self.was_stalled = False
+        self.device_facts_off = False  # FRTOOLS_DEVICE_FACTS=0, or its child failed to start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="frtools-jobwide", daemon=True)
 
@@ -238,7 +251,33 @@ class JobWideWatcher:
         private.prepare_dump_dir(str(self.dump_dir), self.access, named=self.dump_dir_named)
         files = write_rank_dump(self.rank, self.blackbox_path, self.dump_dir, self.access)
         self.copy_seq, self.copy_time, self.copy_files = seq, time.monotonic(), files
+        self._collect_device_facts()
         return files, ""
+
+    def _collect_device_facts(self) -> None:
+        """One rank per host (local rank 0) has the host's device facts written beside its
+        copy: ``python -m frtools.collect.device_facts DIR`` as a detached child (the
+        recorder may not import the collector, and nothing slow runs in this thread). A child
+        that cannot start is one note, once; a child that overruns is killed."""
+        if self.device_facts_off or os.environ.get("LOCAL_RANK", "0").strip() not in ("", "0"):
+            return
+        try:
+            if not DEVICE_FACTS.read():
+                self.device_facts_off = True
+                return
+            child = subprocess.Popen(
+                [sys.executable, "-m", "frtools.collect.device_facts", str(self.dump_dir)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            threading.Thread(
+                target=_reap, args=(child,), name="frtools-device-facts", daemon=True
+            ).start()
+        except Exception as exc:
+            self.device_facts_off = True
+            note(f"rank {self.rank}: device facts not collected: {type(exc).__name__}: {exc}")
 
     def _answer(self, seq: int, request: dict[str, Any]) -> Path:
         # a request is a knock on the door: what it says ("dir" or anything else) chooses
@@ -302,6 +341,19 @@ class JobWideWatcher:
         protocol.gather_answers(self.store, self.prefix, seq, manifest, STALL_GATHER_S)
         manifest.notes.append(f"requested by rank {self.rank} after its watchdog saw a stall")
         manifest.write(directory)
+
+
+def _reap(child: subprocess.Popen[bytes]) -> None:
+    """Wait for the device-facts child (no zombie), killing it past ``DEVICE_FACTS_CHILD_S``."""
+    try:
+        child.wait(DEVICE_FACTS_CHILD_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(child.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            child.wait(5.0)
+    except Exception:
+        pass
 
 
 def _job_running() -> bool:

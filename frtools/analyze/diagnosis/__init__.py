@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from frtools.analyze.action import decide_action
 from frtools.analyze.align import Alignment, align
+from frtools.analyze.hardware import attach_device_evidence
 from frtools.analyze.stacks import stacks_summary
 from frtools.analyze.verdict import Verdict
 from frtools.model.trace import Trace
@@ -30,6 +31,7 @@ def diagnose(trace: Trace, alignment: Alignment | None = None) -> Verdict:
     graph = build_graph(facts)
     finding = first_finding(Evidence(facts, graph))
     verdict = verdict_of(finding, facts)
+    attach_device_evidence(verdict, trace)  # the guilty ranks' GPUs and what was wrong there
     summary = stacks_summary(trace, verdict.guilty_ranks)
     if summary.ranks_with_stacks:
         verdict.stacks = summary

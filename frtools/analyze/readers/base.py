@@ -184,17 +184,19 @@ def strip_suffixes(name: str) -> str:
 
 
 def _host_from_prefix(prefix: str) -> str | None:
-    words = [w for w in re.split(r"[_\-.]", prefix) if w]
-    while words and words[-1].lower() in _KIND_WORDS:
+    """The host in the part of a file name before its rank: its words (split at ``_``, ``-``
+    and ``.``) without the dump-kind words at either end, cut where a kept word ends and
+    keeping the host's own separators: ``gpu-node-a.trace_`` -> ``gpu-node-a``,
+    ``ip-10-0-3-7.ec2.internal_nccl_trace_`` -> ``ip-10-0-3-7.ec2.internal``. A guess: a
+    record's own host wins over it."""
+    words = list(re.finditer(r"[^_\-.]+", prefix))
+    while words and words[-1].group().lower() in _KIND_WORDS:
         words.pop()
-    while words and words[0].lower() in _KIND_WORDS:
+    while words and words[0].group().lower() in _KIND_WORDS:
         words.pop(0)
     if not words:
         return None
-    # keep the host's own separators: cut the prefix where the kept words end
-    start = prefix.find(words[0])
-    end = prefix.rfind(words[-1]) + len(words[-1])
-    return prefix[start:end] or None
+    return prefix[words[0].start() : words[-1].end()] or None
 
 
 def rank_from_filename(name: str) -> tuple[int | None, str | None]:

@@ -1,11 +1,12 @@
-"""Side files of a dump directory: ``rank_<R>.stacks``, ``rank_<R>.native`` and
-``manifest.json``.
+"""Side files of a dump directory: ``rank_<R>.stacks``, ``rank_<R>.native``,
+``manifest.json`` and ``device_<host>.json``.
 
 They are not rank records, so no reader claims them; the loader calls these two functions
 on the finished Trace:
 
 * ``attach_stacks(trace, root)`` puts each rank's faulthandler text on ``RankInfo.stacks``
   (when the record reader did not already find stacks);
+* ``attach_devices(trace, root)`` puts each host's device facts on ``Trace.devices``;
 * ``apply_manifest(trace, root)`` applies what ``frtools dump`` saw at collection time:
   ``RankInfo.alive`` (process gone or not) — and, for an frtools box that recorded no
   ending, ``RankInfo.exit_kind`` ``running``/``killed`` from it —, the host where the record
@@ -24,7 +25,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from frtools.formats import limits
+from frtools.formats import device_facts, limits
 from frtools.formats.manifest import (
     MANIFEST_NAME,
     NATIVE_STACKS_SUFFIX,
@@ -217,8 +218,32 @@ def _short(value: object, n: int = 80) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+def attach_devices(trace: Trace, root: str | os.PathLike[str]) -> None:
+    """Read every ``device_<host>.json`` under ``root`` (``formats.device_facts``, checked
+    field by field) into ``Trace.devices``; of two files of one host the later collection wins.
+    A refused file is its ``InputFile`` reason, never an error of the analysis."""
+    for path in _walk(Path(root), device_facts.is_device_file):
+        try:
+            facts = device_facts.read(path)
+        except device_facts.DeviceFactsError as exc:
+            _set_input(trace, path, "skipped", str(exc), None)
+            continue
+        old = trace.devices.get(facts.host)
+        if old is not None and (old.collected_ns or 0) >= (facts.collected_ns or 0):
+            _set_input(trace, path, "duplicate", f"older device facts of {facts.host}", None)
+            continue
+        if old is not None:
+            _set_input(
+                trace, Path(old.path), "duplicate", f"older device facts of {old.host}", None
+            )
+        trace.devices[facts.host] = facts
+        got = ", ".join(f"{s.source} {s.status}" for s in facts.sources) or "no sources"
+        _set_input(trace, path, "ok", _short(f"device facts of {facts.host} ({got})", 200), None)
+
+
 def apply_side_files(trace: Trace, root: str | os.PathLike[str]) -> None:
-    """Both of the above, in the order the loader should run them."""
+    """All of the above, in the order the loader should run them."""
     apply_manifest(trace, root)
     attach_stacks(trace, root)
     attach_native_stacks(trace, root)
+    attach_devices(trace, root)

@@ -33,7 +33,7 @@ def rank_dump(dump: Any, path: Path, fmt: str) -> RankDump:
         normalized = normalize(dump, name_rank, name_host)
     except TorchDumpError as e:
         raise DumpError(str(e)) from None
-    return _rank_dump(normalized, path, fmt)
+    return _rank_dump(normalized, path, fmt, _host_guessed(dump, name_host))
 
 
 def native_rank_dump(
@@ -46,10 +46,17 @@ def native_rank_dump(
         normalized = normalize_native(top, columns, name_rank, name_host)
     except TorchDumpError as e:
         raise DumpError(str(e)) from None
-    return _rank_dump(normalized, path, fmt)
+    return _rank_dump(normalized, path, fmt, _host_guessed(top, name_host))
 
 
-def _rank_dump(dump: TorchDump, path: Path, fmt: str) -> RankDump:
+def _host_guessed(dump: Any, name_host: str | None) -> bool:
+    """The host came from the file's name: the dump names none of its own (the record's
+    own host wins over the name's, see ``normalize``)."""
+    own = dump.get("host") if isinstance(dump, Mapping) else None
+    return name_host is not None and not (isinstance(own, str) and own)
+
+
+def _rank_dump(dump: TorchDump, path: Path, fmt: str, host_guessed: bool = False) -> RankDump:
     table = dump.entries
     first_id = pc.min(table.column("record_id")).as_py()
     info = RankInfo(
@@ -62,6 +69,7 @@ def _rank_dump(dump: TorchDump, path: Path, fmt: str) -> RankDump:
         comm_lib_version=dump.comm_lib_version,
         pg_status=dump.pg_status,
         wrapped=first_id is not None and first_id > 0,
+        host_guessed=host_guessed and dump.host is not None,
     )
     return RankDump(
         rank_info=info,

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from frtools.analyze.reporters.escape import no_workflow_commands, terminal
 from frtools.analyze.reporters.stacks_text import stack_lines
-from frtools.analyze.verdict import Verdict
+from frtools.analyze.verdict import GuiltyRank, Verdict
 from frtools.model.ranks import format_ranks
 
 # verdicts where the guilty rank is somewhere in its own code: its stack says where
@@ -41,7 +41,8 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
     for g in verdict.guilty:
         line = Text("  ")
         line.append(f"rank {g.rank}", style="bold red")
-        ident = [x for x in (g.host, g.device, f"pid {g.pid}" if g.pid else None) if x]
+        host = f"{g.host}, host from the file name" if g.host and g.host_guessed else g.host
+        ident = [x for x in (host, g.device, f"pid {g.pid}" if g.pid else None) if x]
         if g.local_rank is not None:
             ident.append(f"local rank {g.local_rank}")
         if g.device_id:
@@ -52,6 +53,7 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
         parts.append(line)
         if g.call_site:
             parts.append(Text(f"    at {terminal(g.call_site)}", style="cyan"))
+        parts.extend(_device_lines(g))
 
     pg = verdict.process_group
     if pg is not None:
@@ -116,6 +118,23 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
         if len(bad) > len(shown):
             parts.append(Text(f"  … {len(bad) - len(shown)} more (-v lists all)", style="dim"))
     return Group(*parts)
+
+
+def _device_lines(g: GuiltyRank) -> list[Text]:
+    """The guilty rank's GPU and what its host's device facts showed abnormal there
+    (red: evidence against the hardware; yellow: a hint)."""
+    lines = []
+    if g.gpu is not None:
+        gpu = f"    GPU {g.gpu}" + (f" (PCI {terminal(g.pci_bus_id)})" if g.pci_bus_id else "")
+        if g.host:
+            gpu += f" on {terminal(g.host)}"
+        if g.gpu_inferred:
+            gpu += " — inferred from the rank's local rank (no CUDA device recorded)"
+        lines.append(Text(gpu, style="dim" if g.gpu_inferred else ""))
+    for f in g.findings:
+        style = "bold red" if f.hardware else "yellow"
+        lines.append(Text(f"    ! {terminal(f.text)}", style=style))
+    return lines
 
 
 ACTION_STYLE = {
