@@ -306,7 +306,7 @@ HISTORY: Setting[str | None] = Setting(
     _text,
 )
 
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}  # seconds
 
 
 def parse_duration(text: str) -> float:
@@ -314,7 +314,7 @@ def parse_duration(text: str) -> float:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhdw]?)", text.strip().lower())
     if m is None:
         raise ValueError("is not a duration (7d, 12h, 30m, 2w, or seconds)")
-    seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2) or "s"]
+    seconds = float(m.group(1)) * DURATION_UNITS[m.group(2) or "s"]
     if seconds <= 0:
         raise ValueError("must be longer than 0")
     return seconds

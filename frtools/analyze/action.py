@@ -58,8 +58,10 @@ class HostHistory:
     catalog: str
     window: str  # "the last 7d"
     incidents: Mapping[str, int] = field(default_factory=dict)
+    unreadable: str | None = None  # why the catalog could not be read (then no counts)
 
 
+NO_CATALOG = "no incident catalog (--history, FRTOOLS_HISTORY): repeat offenders not checked"
 Causes = Mapping[int, tuple[str, str | None]]  # rank -> (Reason value, how its process ended)
 
 
@@ -90,6 +92,14 @@ def decide_action(
         return _fix_code(verdict)
     base = _restart_or_investigate(verdict, causes, floor)
     return _with_history(base, verdict, history, n)
+
+
+def with_history(verdict: Verdict, history: HostHistory) -> Action:
+    """The verdict's action once the incident catalog is known (``frtools analyze
+    --history``): the repeat-offender rule applied to what the diagnosis decided."""
+    action = verdict.action or decide_action(verdict)
+    action = _replace(action, reasons=[r for r in action.reasons if r != NO_CATALOG])
+    return _with_history(action, verdict, history, DRAIN_INCIDENTS.read())
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -301,7 +311,12 @@ def _with_history(
         )
         return _replace(action, reasons=[*action.reasons, note])
     if history is None:
-        note = "no incident catalog (--history, FRTOOLS_HISTORY): repeat offenders not checked"
+        return _replace(action, reasons=[*action.reasons, NO_CATALOG])
+    if history.unreadable:
+        note = (
+            f"the incident catalog cannot be read ({history.unreadable}): repeat offenders "
+            "not checked"
+        )
         return _replace(action, reasons=[*action.reasons, note])
     counts = {h: int(history.incidents.get(h, 1)) for h in action.hosts}
     whole_job = bool(verdict.ranks_expected) and len(action.ranks) >= verdict.ranks_expected
@@ -343,3 +358,19 @@ def _replace(action: Action, **changes: object) -> Action:
     import dataclasses
 
     return dataclasses.replace(action, **changes)  # type: ignore[arg-type]
+
+
+def drain_reasons(
+    name: str, incidents: int, hardware_incidents: int, total: int, min_incidents: int
+) -> list[str]:
+    """Why ``frtools history`` lists a host (or GPU) to drain; empty: it does not. Guilty in
+    ``min_incidents`` or more incidents of the window, or hardware evidence against it in any
+    (each evidence incident lists its findings)."""
+    reasons = []
+    if incidents >= min_incidents:
+        reasons.append(
+            f"{name} was guilty in {incidents} of {total} incidents (drain at {min_incidents})"
+        )
+    if hardware_incidents:
+        reasons.append(f"hardware evidence against {name} in {hardware_incidents} incident(s)")
+    return reasons

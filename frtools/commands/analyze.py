@@ -133,7 +133,7 @@ def _run(
     catalog: Path | None = None,
     fleet: tuple[str | None, str | None, int | None, Path | None] = (None, None, None, None),
 ) -> int:
-    from frtools.commands.history import catalog_for, record_verdict
+    from frtools.commands._catalog import catalog_for, host_history, record_verdict
 
     started = time.monotonic()
     catalog = catalog_for(catalog)
@@ -148,6 +148,12 @@ def _run(
             world_size=world_size,
             progress=progress_wanted(path, human=fmt == "terminal"),
         )
+
+    where = path if path is not None else Path.cwd()
+    if catalog is not None:  # the repeat-offender rule (docs/actions.md) reads it first
+        from frtools.analyze.action import with_history
+
+        verdict.action = with_history(verdict, host_history(catalog, verdict, trace, where))
 
     if fmt == "json":
         from frtools.analyze.reporters import json_report
@@ -185,7 +191,7 @@ def _run(
     if text is not None:
         write_text("frtools", text, output)
     if catalog is not None:  # after the verdict is out: a failing catalog only warns
-        record_verdict(catalog, verdict, trace, path if path is not None else Path.cwd())
+        record_verdict(catalog, verdict, trace, where)
     if fleet[0] is None:  # (Ray's own shutdown runs at exit)
         exit_at_once(verdict.exit_code)
     return verdict.exit_code

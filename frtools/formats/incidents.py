@@ -8,7 +8,7 @@ mode, lets readers go on while one writes; DuckDB allows one writing process per
 The catalog lives on a local file system: WAL needs shared memory between the processes that
 open it, which network file systems do not give.
 
-Schema version 1 (``SCHEMA_VERSION``; docs/history.md shows the whole schema):
+Schema version 2 (``SCHEMA_VERSION``; docs/history.md shows the whole schema):
 
 * ``schema_version`` — one row per schema version applied to the file, with the catalog's
   kind (``CATALOG_KIND``). The file's version is the highest. A later frtools migrates a
@@ -26,6 +26,10 @@ Schema version 1 (``SCHEMA_VERSION``; docs/history.md shows the whole schema):
   A host, device or device id that is not a valid name (``valid_host``, ``valid_device``) is
   stored as unknown (NULL: never ranked), the reason saying so; an incident of more than
   ``GUILTY_LIMIT`` guilty ranks is refused by name, never stored in part.
+* ``findings`` (version 2) — what was abnormal on a guilty rank's host, GPU or NIC (the
+  verdict's device findings: source, code, text, whether it counts as hardware evidence),
+  up to ``FINDINGS_LIMIT`` per incident; and ``incidents.action``, the verdict's next action
+  (docs/actions.md), so that ``frtools history`` says why a host is to be drained.
 
 A catalog is data another process wrote: readers open it read-only (``mode=ro``), refuse a
 file that is not SQLite or not a catalog of a known version, use no function or view its
@@ -57,7 +61,7 @@ from typing import Any
 from frtools import __version__
 
 CATALOG_KIND = "frtools-incident-catalog"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 APPLICATION_ID = 0x46524943  # "FRIC" in the SQLite header: `file` and tools can tell
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -66,6 +70,8 @@ QUERY_SECONDS = 20.0  # a reader gives up when its queries together run longer (
 TEXT_LIMIT = 512  # characters kept of any text field a reader lists
 DOCUMENT_LIMIT = 16 << 20  # bytes of a stored verdict document
 GUILTY_LIMIT = 10_000  # guilty ranks stored per incident
+FINDINGS_LIMIT = 1_000  # device findings stored per incident (the rest are left out)
+FINDINGS_PER_EVIDENCE = 10  # findings a reader lists per incident of a host's evidence
 
 HEALTHY = "healthy"
 
@@ -118,8 +124,27 @@ _SCHEMA_V1 = (
     "CREATE INDEX guilty_by_gpu ON guilty (gpu)",
 )
 
+# version 2: the verdict's next action and the guilty ranks' device findings
+_SCHEMA_V2 = (
+    "ALTER TABLE incidents ADD COLUMN action TEXT",
+    """CREATE TABLE findings (
+        incident_id INTEGER NOT NULL REFERENCES incidents (id) ON DELETE CASCADE,
+        rank INTEGER NOT NULL,
+        host TEXT,
+        source TEXT NOT NULL,
+        code TEXT NOT NULL,
+        text TEXT NOT NULL,
+        hardware INTEGER NOT NULL,
+        gpu INTEGER,
+        pci_bus_id TEXT,
+        time TEXT
+    )""",
+    "CREATE INDEX findings_by_incident ON findings (incident_id, rank)",
+)
+_SCHEMA = _SCHEMA_V1 + _SCHEMA_V2  # what a new file gets
+
 # version -> statements that bring a file of the version before it up to it
-_MIGRATIONS: dict[int, tuple[str, ...]] = {}
+_MIGRATIONS: dict[int, tuple[str, ...]] = {2: _SCHEMA_V2}
 
 
 @functools.cache
@@ -128,7 +153,7 @@ def _schema_columns() -> dict[str, set[str]]:
     (what a file of this version must have)."""
     conn = sqlite3.connect(":memory:")
     try:
-        for statement in _SCHEMA_V1:
+        for statement in _SCHEMA:
             conn.execute(statement)
         tables = [
             r[0]
@@ -174,6 +199,22 @@ class GuiltyRecord:
         return gpu_identity(self.host, self.device, self.device_id)
 
 
+@dataclass(frozen=True, kw_only=True)
+class FindingRecord:
+    """One device finding of a guilty rank, as the catalog stores it (the verdict's
+    ``DeviceFinding``)."""
+
+    rank: int
+    host: str | None
+    source: str
+    code: str
+    text: str
+    hardware: bool
+    gpu: int | None = None
+    pci_bus_id: str | None = None
+    time: str | None = None
+
+
 @dataclass
 class IncidentRecord:
     """One analysis of one dump set, as the catalog stores it."""
@@ -194,6 +235,8 @@ class IncidentRecord:
     p2p_seq_id: int | None = None
     call_site: str | None = None
     dump_ns: int | None = None  # when the dumps were taken, as the ranks' clocks said
+    action: str | None = None  # the verdict's next action (docs/actions.md)
+    findings: list[FindingRecord] = field(default_factory=list)
     analyzed_ns: int = field(default_factory=time.time_ns)
     analyzed_on: str = field(default_factory=socket.gethostname)
     frtools_version: str = __version__
@@ -324,7 +367,7 @@ def _create_private(path: Path) -> None:
 
 
 def _create_schema(conn: sqlite3.Connection) -> None:
-    for statement in _SCHEMA_V1:
+    for statement in _SCHEMA:
         conn.execute(statement)
     conn.execute(
         "INSERT INTO schema_version VALUES (?, ?, ?, ?)",
@@ -336,7 +379,7 @@ def _create_schema(conn: sqlite3.Connection) -> None:
 
 def _restore_indexes(conn: sqlite3.Connection) -> None:
     """Put back an index of the schema that the file lost (readers cannot: read-only)."""
-    for statement in _SCHEMA_V1:
+    for statement in _SCHEMA:
         if statement.startswith("CREATE INDEX "):
             conn.execute(statement.replace("CREATE INDEX ", "CREATE INDEX IF NOT EXISTS ", 1))
 
@@ -406,6 +449,7 @@ def _upsert(conn: sqlite3.Connection, incident: IncidentRecord) -> int:
         "call_site": incident.call_site,
         "frtools_version": incident.frtools_version,
         "verdict_json": _document_text(incident.verdict_document),
+        "action": incident.action,
     }
     row = conn.execute(
         "SELECT id FROM incidents WHERE fingerprint = ?", (incident.fingerprint,)
@@ -426,6 +470,7 @@ def _upsert(conn: sqlite3.Connection, incident: IncidentRecord) -> int:
             (*values.values(), incident_id),
         )
         conn.execute("DELETE FROM guilty WHERE incident_id = ?", (incident_id,))
+        conn.execute("DELETE FROM findings WHERE incident_id = ?", (incident_id,))
     guilty = [_checked(g) for g in incident.guilty]
     conn.executemany(
         "INSERT OR IGNORE INTO guilty VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -433,6 +478,14 @@ def _upsert(conn: sqlite3.Connection, incident: IncidentRecord) -> int:
             (incident_id, g.rank, g.host, g.device, g.device_id, g.gpu, g.pid, g.local_rank)
             + (g.call_site, g.reason)
             for g in guilty
+        ],
+    )
+    conn.executemany(
+        "INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            (incident_id, f.rank, valid_host(f.host), f.source[:64], f.code[:128])
+            + (f.text[:TEXT_LIMIT], int(bool(f.hardware)), f.gpu, f.pci_bus_id, f.time)
+            for f in incident.findings[:FINDINGS_LIMIT]
         ],
     )
     return incident_id
@@ -629,6 +682,8 @@ class Offender:
     host: str | None = None  # for a GPU: its host and device, as last seen
     device: str | None = None
     evidence: list[dict[str, Any]] = field(default_factory=list)
+    drain_actions: int = 0  # incidents whose verdict asked to drain it (catalog version 2)
+    hardware_incidents: int = 0  # incidents with hardware evidence against it
 
 
 def _cut(value: Any) -> Any:
@@ -660,6 +715,24 @@ class CatalogReader:
         self.path = path
         self._conn = conn
         self._deadline = time.monotonic() + QUERY_SECONDS  # all its queries together
+        # a version-1 file (read-only: never migrated here) has no actions and no findings
+        self.has_findings = bool(
+            self._rows("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'findings'")
+        ) and "action" in {str(r[1]) for r in self._rows("PRAGMA table_info(incidents)")}
+
+    def host_incidents(
+        self, hosts: Sequence[str], window: Window, *, other_than: str | None = None
+    ) -> dict[str, int]:
+        """For each of ``hosts``, the incidents of the window it was guilty in, the incident
+        of fingerprint ``other_than`` (the one being analyzed) left out."""
+        where, params = window.where()
+        rows = self._rows(
+            "SELECT g.host, COUNT(DISTINCT i.id) FROM guilty g JOIN incidents i "
+            f"ON i.id = g.incident_id WHERE {where} AND g.host IN "
+            "(SELECT value FROM json_each(?)) AND i.fingerprint IS NOT ? GROUP BY g.host",
+            [*params, json.dumps(list(hosts)[:GUILTY_LIMIT]), other_than],
+        )
+        return {str(host): int(n) for host, n in rows if isinstance(n, int)}
 
     def _rows(
         self, sql: str, params: Sequence[Any] = (), *, cut: bool = True
@@ -745,18 +818,32 @@ class CatalogReader:
         if by not in ("host", "gpu"):
             raise ValueError(by)
         where, params = window.where()
+        v2 = self.has_findings
+        drains = "COUNT(DISTINCT CASE WHEN i.action = 'drain' THEN i.id END)" if v2 else "0"
+        hardware = (
+            "COUNT(DISTINCT CASE WHEN EXISTS (SELECT 1 FROM findings f WHERE f.incident_id = "
+            "i.id AND f.rank = g.rank AND f.hardware = 1) THEN i.id END)"
+            if v2
+            else "0"
+        )
         rows = self._rows(
             f"SELECT g.{by}, COUNT(DISTINCT i.id) AS n, MIN(i.recorded_ns), "
-            "MAX(i.recorded_ns) AS last FROM guilty g JOIN incidents i ON i.id = g.incident_id "
-            f"WHERE {where} AND g.{by} IS NOT NULL AND g.{by} != '' "
+            f"MAX(i.recorded_ns) AS last, {drains}, {hardware} FROM guilty g JOIN incidents i "
+            f"ON i.id = g.incident_id WHERE {where} AND g.{by} IS NOT NULL AND g.{by} != '' "
             f"GROUP BY g.{by} ORDER BY n DESC, last DESC, g.{by} LIMIT ?",
             [*params, limit],
         )
         found = {
             str(name): Offender(
-                name=str(name), incidents=int(n), first_ns=int(first), last_ns=int(last), kinds=[]
+                name=str(name),
+                incidents=int(n),
+                first_ns=int(first),
+                last_ns=int(last),
+                kinds=[],
+                drain_actions=_int(d) or 0,
+                hardware_incidents=_int(hw) or 0,
             )
-            for name, n, first, last in rows
+            for name, n, first, last, d, hw in rows
         }
         if not found:
             return []
@@ -773,8 +860,9 @@ class CatalogReader:
             if len(kinds) < 20:
                 kinds.append(str(kind))
         evidence = self._rows(
-            f"SELECT name, iid, kind, rec, job, ranks, host, device FROM (SELECT g.{by} AS name, "
-            "i.id AS iid, i.kind AS kind, i.recorded_ns AS rec, i.job_id AS job, "
+            f"SELECT name, iid, kind, rec, job, ranks, host, device, action FROM (SELECT g.{by} "
+            "AS name, i.id AS iid, i.kind AS kind, i.recorded_ns AS rec, i.job_id AS job, "
+            f"{'i.action' if v2 else 'NULL'} AS action, "
             "json_group_array(g.rank) AS ranks, MAX(g.host) AS host, MAX(g.device) AS device, "
             f"ROW_NUMBER() OVER (PARTITION BY g.{by} ORDER BY i.recorded_ns DESC, i.id DESC) "
             "AS k FROM guilty g JOIN incidents i ON i.id = g.incident_id "
@@ -783,7 +871,7 @@ class CatalogReader:
             [*params, names, evidence_limit],
             cut=False,
         )
-        for name, iid, kind, rec, job, ranks, host, device in evidence:
+        for name, iid, kind, rec, job, ranks, host, device, action in evidence:
             offender = found.get(_cut(str(name)))
             if offender is None:
                 continue
@@ -796,9 +884,54 @@ class CatalogReader:
                     "time": iso_utc(_int(rec)),
                     "job_id": _cut(str(job)),
                     "ranks": _rank_list(ranks),
+                    "action": _cut(action) if isinstance(action, str) else None,
+                    "findings": [],
                 }
             )
+        if v2:
+            self._attach_findings(by, found, where, params, picked, names)
         return list(found.values())
+
+    def _attach_findings(
+        self,
+        by: str,
+        found: dict[str, Offender],
+        where: str,
+        params: list[Any],
+        picked: str,
+        names: str,
+    ) -> None:
+        """Each evidence incident's device findings on the offender (hardware first), at most
+        ``FINDINGS_PER_EVIDENCE`` each: one query, however many offenders."""
+        listed = {(o.name, e["incident"]): e for o in found.values() for e in o.evidence}
+        if not listed:
+            return
+        rows = self._rows(
+            "SELECT name, iid, source, code, text, hardware, gpu, pci, t, host FROM (SELECT "
+            f"g.{by} AS name, f.incident_id AS iid, f.source AS source, f.code AS code, "
+            "f.text AS text, f.hardware AS hardware, f.gpu AS gpu, f.pci_bus_id AS pci, "
+            f"f.time AS t, f.host AS host, ROW_NUMBER() OVER (PARTITION BY g.{by}, f.incident_id "
+            "ORDER BY f.hardware DESC, f.rowid) AS k FROM findings f JOIN guilty g ON "
+            "g.incident_id = f.incident_id AND g.rank = f.rank JOIN incidents i ON i.id = "
+            f"f.incident_id WHERE {where} AND {picked}) WHERE k <= ? LIMIT ?",
+            [*params, names, FINDINGS_PER_EVIDENCE, FINDINGS_PER_EVIDENCE * len(listed)],
+        )
+        for name, iid, source, code, text, hardware, gpu, pci, when, host in rows:
+            entry = listed.get((str(name), _int(iid)))
+            if entry is None:
+                continue
+            entry["findings"].append(
+                {
+                    "host": host if isinstance(host, str) else None,
+                    "source": str(source),
+                    "code": str(code),
+                    "text": str(text),
+                    "hardware": hardware == 1,
+                    "gpu": _int(gpu),
+                    "pci_bus_id": pci if isinstance(pci, str) else None,
+                    "time": when if isinstance(when, str) else None,
+                }
+            )
 
     def verdict_document(self, incident_id: int) -> dict[str, Any] | None:
         """The verdict document stored with an incident (None: no such incident)."""
