@@ -58,7 +58,7 @@ def test_each_note_kind_renders_an_evidence_line(hang, kind):
     facts, point = hang
     note = Note(kind, point=point, ranks=(4, 5), others=(0,), count=2, groups=(point.pg_name,),
                 values=(8, 16))  # fmt: skip
-    finding = Finding(VerdictKind.INCONCLUSIVE, 0.5, notes=(note,))
+    finding = Finding(kind=VerdictKind.INCONCLUSIVE, confidence=0.5, notes=(note,))
     evidence = verdict_of(finding, facts).evidence
     line = evidence[0]
     assert line.strip() and line.endswith(".")
@@ -72,9 +72,16 @@ def test_every_reason_has_its_text_in_the_table():
 @pytest.mark.parametrize("reason", list(Reason), ids=lambda r: r.value)
 def test_each_reason_renders_why_the_rank_is_blamed(hang, reason):
     facts, point = hang
-    blame = Blame(5, reason, point, lateness=(0.8, 30e6, 12))
+    blame = Blame(5, reason, point=point, lateness=(0.8, 30e6, 12))
     pair = Note(NoteKind.SPLIT_PAIR, point=point, ranks=(5, 4), values=(8, 16))
-    finding = Finding(VerdictKind.MISSING, 0.85, (blame,), frozenset({4}), point, (pair,))
+    finding = Finding(
+        kind=VerdictKind.MISSING,
+        confidence=0.85,
+        blames=(blame,),
+        waiting=frozenset({4}),
+        point=point,
+        notes=(pair,),
+    )
     text = verdict_of(finding, facts).guilty[0].reason
     assert text and text != reason.value
     assert "None" not in text
@@ -82,7 +89,9 @@ def test_each_reason_renders_why_the_rank_is_blamed(hang, reason):
 
 def test_a_note_whose_text_names_a_point_gives_no_line_without_one(hang):
     facts, _ = hang
-    finding = Finding(VerdictKind.INCONCLUSIVE, 0.5, notes=(Note(NoteKind.BLOCKED),))
+    finding = Finding(
+        kind=VerdictKind.INCONCLUSIVE, confidence=0.5, notes=(Note(NoteKind.BLOCKED),)
+    )
     assert verdict_of(finding, facts).evidence == []
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from functools import cached_property
 
 import pandas as pd
@@ -38,6 +38,7 @@ class PointKind(enum.Enum):
 class PointKey:
     kind: PointKind
     pg_name: str
+    _: KW_ONLY
     seq: int = 0
     sender: int = -1
     receiver: int = -1
@@ -64,7 +65,7 @@ TARGET_STATES = (MemberState.MISSING, MemberState.ABSENT, MemberState.MINORITY,
                  MemberState.BUSY, MemberState.GONE)  # fmt: skip
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Point:
     """Where blocked ranks wait: one collective or one P2P transfer, with what each member
     of its group did there."""
@@ -146,8 +147,11 @@ ROOT_KIND = {
 
 @dataclass(frozen=True)
 class Blame:
+    """A rank and why it is blamed; the rest by keyword (which point, ending, ...)."""
+
     rank: int
     reason: Reason
+    _: KW_ONLY
     point: Point | None = None
     ending: Ending | None = None  # how its process ended, where that is the reason
     stale: bool = False
@@ -192,6 +196,7 @@ class NoteKind(enum.Enum):
 @dataclass(frozen=True)
 class Note:
     kind: NoteKind
+    _: KW_ONLY
     point: Point | None = None
     ranks: tuple[int, ...] = ()
     others: tuple[int, ...] = ()
@@ -242,9 +247,9 @@ class Confidence:
     CEILING = 1.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Finding:
-    """One rule's answer, before wording."""
+    """One rule's answer, before wording (keyword-only: seven fields invite a swap)."""
 
     kind: VerdictKind
     confidence: float

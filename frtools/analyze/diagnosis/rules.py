@@ -70,7 +70,7 @@ def split_mismatch(ev: Evidence) -> Finding | None:
     c = f.al.collectives
     rows = c[(c["pg_name"] == found.pg_name).to_numpy() & (c["seq"] == found.seq).to_numpy()]
     point = collective_point(f, found.pg_name, found.seq, rows if len(rows) else None)
-    blames = tuple(Blame(r, Reason.SPLITS, point) for r in found.guilty)
+    blames = tuple(Blame(r, Reason.SPLITS, point=point) for r in found.guilty)
     notes = [
         Note(NoteKind.SPLIT_PAIR, point=point, ranks=(p.sender, p.receiver),
              values=(p.sent, p.expected))
@@ -84,7 +84,7 @@ def split_mismatch(ev: Evidence) -> Finding | None:
     waiting = (set(g.blocked_at) | ended) - set(found.guilty)
     conf = Confidence.MISMATCH_TIE if found.tie else Confidence.MISMATCH
     return Finding(
-        VerdictKind.MISMATCH, conf, blames, frozenset(waiting), point, tuple(notes)
+        kind=VerdictKind.MISMATCH, confidence=conf, blames=blames, waiting=frozenset(waiting), point=point, notes=tuple(notes)
     )  # fmt: skip
 
 
@@ -111,14 +111,14 @@ def stopped_device(ev: Evidence) -> Finding | None:
             mine.append(collective_point(f, lag.pg_name, seq, rows))
         # the op it stopped at: the earliest of its lagging groups' first unfinished ops
         points[r] = min(mine, key=lambda p: (p.time_ns or float("inf"), p.pg_name))
-        blames.append(Blame(r, Reason.DEVICE_STOPPED, points[r]))
+        blames.append(Blame(r, Reason.DEVICE_STOPPED, point=points[r]))
     point = min(points.values(), key=lambda p: p.time_ns)
     waiting = (set(g.blocked_at) | set(g.waiting) | set(g.roots)) - set(lags)
     notes = [Note(NoteKind.DEVICE_LAGS, ranks=tuple(sorted(lags)))]
     notes += [Note(NoteKind.BLOCKED, point=p) for p in g.points.values() if p.blockers][:4]
     return Finding(
-        VerdictKind.STUCK, Confidence.STUCK_DEVICE, tuple(blames), frozenset(waiting), point,
-        tuple(notes),
+        kind=VerdictKind.STUCK, confidence=Confidence.STUCK_DEVICE, blames=tuple(blames), waiting=frozenset(waiting), point=point,
+        notes=tuple(notes),
     )  # fmt: skip
 
 
@@ -138,13 +138,13 @@ def skip(ev: Evidence) -> Finding | None:
         rows = c[(c["pg_name"] == pg_name).to_numpy() & (c["seq"] == seq).to_numpy()]
         point = collective_point(f, pg_name, seq, rows)
         points.append(point)
-        blames.append(Blame(r, Reason.SKIPPED, point))
+        blames.append(Blame(r, Reason.SKIPPED, point=point))
     point = min(points, key=lambda p: p.time_ns)
     waiting = (set(g.blocked_at) | set(g.roots) | set(point.issued)) - set(found)
     notes = [Note(NoteKind.BLOCKED, point=p) for p in g.points.values() if p.targets][:5]
     return Finding(
-        VerdictKind.MISSING, Confidence.MISSING, tuple(blames), frozenset(waiting), point,
-        tuple(notes),
+        kind=VerdictKind.MISSING, confidence=Confidence.MISSING, blames=tuple(blames), waiting=frozenset(waiting), point=point,
+        notes=tuple(notes),
     )  # fmt: skip
 
 
@@ -172,7 +172,7 @@ def roots(ev: Evidence) -> Finding | None:
             Blame(
                 r,
                 reason,
-                p,
+                point=p,
                 ending=f.ending(r) if reason is Reason.GONE else None,
                 stale=r in f.stale,
             )  # fmt: skip
@@ -206,7 +206,14 @@ def roots(ev: Evidence) -> Finding | None:
         waiting |= set(note.ranks)  # they left the op with an error: victims
     if g.cyclic:
         notes.append(Note(NoteKind.ALSO_CYCLE, ranks=tuple(sorted(g.cyclic))))
-    return Finding(kind, conf, tuple(blames), frozenset(waiting), point, tuple(notes))
+    return Finding(
+        kind=kind,
+        confidence=conf,
+        blames=tuple(blames),
+        waiting=frozenset(waiting),
+        point=point,
+        notes=tuple(notes),
+    )
 
 
 def stuck_roots(ev: Evidence) -> Finding | None:
@@ -240,7 +247,7 @@ def cycle(ev: Evidence) -> Finding | None:
     for r in blamed:
         p = g.points[g.blocked_at[r]]
         others = tuple(q for q in shown_points if q.key != p.key)[:2]
-        blames.append(Blame(r, Reason.ORDER, p, others=others, deviation=deviants.get(r)))
+        blames.append(Blame(r, Reason.ORDER, point=p, others=others, deviation=deviants.get(r)))
     notes = [Note(NoteKind.CYCLE_CORE, ranks=tuple(sorted(core)))]
     notes += [Note(NoteKind.BLOCKED, point=p) for p in shown_points[:6]]
     if not deviants:
@@ -253,23 +260,23 @@ def cycle(ev: Evidence) -> Finding | None:
         for r in blamed:
             where = [p for p in shown_points if r in p.of(MemberState.MISSING)]
             if where:
-                missing.append(Blame(r, Reason.MISSING, where[0]))
+                missing.append(Blame(r, Reason.MISSING, point=where[0]))
         if len(missing) == len(blamed):
             return Finding(
-                VerdictKind.MISSING,
-                Confidence.MISSING,
-                tuple(missing),
-                frozenset(g.waiting - set(blamed)),
-                missing[0].point,
-                tuple(notes),
+                kind=VerdictKind.MISSING,
+                confidence=Confidence.MISSING,
+                blames=tuple(missing),
+                waiting=frozenset(g.waiting - set(blamed)),
+                point=missing[0].point,
+                notes=tuple(notes),
             )
     return Finding(
-        VerdictKind.ORDER,
-        Confidence.ORDER_DEVIANT if deviants else Confidence.ORDER_WHOLE_CYCLE,
-        tuple(blames),
-        frozenset(g.waiting - set(blamed)),
-        g.points[g.blocked_at[blamed[0]]],
-        tuple(notes),
+        kind=VerdictKind.ORDER,
+        confidence=Confidence.ORDER_DEVIANT if deviants else Confidence.ORDER_WHOLE_CYCLE,
+        blames=tuple(blames),
+        waiting=frozenset(g.waiting - set(blamed)),
+        point=g.points[g.blocked_at[blamed[0]]],
+        notes=tuple(notes),
     )
 
 
@@ -317,7 +324,12 @@ def ended(ev: Evidence) -> Finding | None:
     if victims and not reraised:
         notes.append(Note(NoteKind.VICTIMS, ranks=tuple(victims)))
     return Finding(
-        VerdictKind.DEAD, Confidence.DEAD_ENDED, blames, frozenset(victims), None, tuple(notes)
+        kind=VerdictKind.DEAD,
+        confidence=Confidence.DEAD_ENDED,
+        blames=blames,
+        waiting=frozenset(victims),
+        point=None,
+        notes=tuple(notes),
     )
 
 
@@ -336,14 +348,14 @@ def silent_mismatch(ev: Evidence) -> Finding | None:
     pg_name, seq = t.index[0]
     rows = c[(c["pg_name"] == pg_name) & (c["seq"] == seq)]
     point = collective_point(f, str(pg_name), int(seq), rows)
-    blames = tuple(Blame(r, Reason.DISAGREES, point) for r in point.of(MemberState.MINORITY))
+    blames = tuple(Blame(r, Reason.DISAGREES, point=point) for r in point.of(MemberState.MINORITY))
     return Finding(
-        VerdictKind.MISMATCH,
-        Confidence.MISMATCH_NO_HANG,
-        blames,
-        frozenset(),
-        point,
-        (Note(NoteKind.DISAGREEING_OPS, count=len(bad)),),
+        kind=VerdictKind.MISMATCH,
+        confidence=Confidence.MISMATCH_NO_HANG,
+        blames=blames,
+        waiting=frozenset(),
+        point=point,
+        notes=(Note(NoteKind.DISAGREEING_OPS, count=len(bad)),),
     )
 
 
@@ -361,14 +373,14 @@ def _odd_against_siblings(ev: Evidence) -> Finding | None:
             point = collective_point(f, pg_name, int(seq), rows)
             odd = point.of(MemberState.MINORITY)
             if odd and point.mismatch_attrs:
-                blames = tuple(Blame(r, Reason.DISAGREES, point) for r in odd)
+                blames = tuple(Blame(r, Reason.DISAGREES, point=point) for r in odd)
                 return Finding(
-                    VerdictKind.MISMATCH,
-                    Confidence.MISMATCH_NO_HANG,
-                    blames,
-                    frozenset(),
-                    point,
-                    (Note(NoteKind.DISAGREEING_OPS, count=1),),
+                    kind=VerdictKind.MISMATCH,
+                    confidence=Confidence.MISMATCH_NO_HANG,
+                    blames=blames,
+                    waiting=frozenset(),
+                    point=point,
+                    notes=(Note(NoteKind.DISAGREEING_OPS, count=1),),
                 )
     return None
 
@@ -414,13 +426,13 @@ def unnamed_wait(ev: Evidence) -> Finding | None:
         decide.append(Decide.LATER_DUMP)
     point = max(unexplained, key=lambda p: (len(p.blockers), -p.time_ns)) if unexplained else None
     return Finding(
-        VerdictKind.INCONCLUSIVE,
-        Confidence.INCONCLUSIVE,
-        (),
-        frozenset(waiting),
-        point,
-        tuple(notes),
-        tuple(dict.fromkeys(decide)),
+        kind=VerdictKind.INCONCLUSIVE,
+        confidence=Confidence.INCONCLUSIVE,
+        blames=(),
+        waiting=frozenset(waiting),
+        point=point,
+        notes=tuple(notes),
+        decide=tuple(dict.fromkeys(decide)),
     )
 
 
@@ -435,9 +447,9 @@ def straggler(ev: Evidence) -> Finding | None:
         Blame(r, Reason.STRAGGLER, lateness=(share, late, n)) for r, share, late, n in found
     )
     return Finding(
-        VerdictKind.STRAGGLER,
-        Confidence.STRAGGLER,
-        blames,
+        kind=VerdictKind.STRAGGLER,
+        confidence=Confidence.STRAGGLER,
+        blames=blames,
         notes=(Note(NoteKind.STRAGGLER_RULE),),
     )
 
@@ -454,13 +466,13 @@ def absence(ev: Evidence) -> Finding | None:
         if victims:
             notes.append(Note(NoteKind.VICTIMS, ranks=tuple(victims)))
         return Finding(
-            VerdictKind.DEAD,
-            Confidence.DEAD_ENDED if victims else Confidence.DEAD_NO_DUMP,
-            tuple(Blame(r, Reason.NO_DUMP) for r in sorted(f.absent)),
-            frozenset(victims),
-            None,
-            tuple(notes),
-            (Decide.MISSING_DUMPS,),
+            kind=VerdictKind.DEAD,
+            confidence=Confidence.DEAD_ENDED if victims else Confidence.DEAD_NO_DUMP,
+            blames=tuple(Blame(r, Reason.NO_DUMP) for r in sorted(f.absent)),
+            waiting=frozenset(victims),
+            point=None,
+            notes=tuple(notes),
+            decide=(Decide.MISSING_DUMPS,),
         )
     unseen = dict(f.membership.unseen)
     if not unseen:
@@ -470,8 +482,8 @@ def absence(ev: Evidence) -> Finding | None:
     )
     decide = (Decide.WORLD_SIZE,) if not f.world_certain else ()
     return Finding(
-        VerdictKind.INCONCLUSIVE,
-        Confidence.INCONCLUSIVE,
+        kind=VerdictKind.INCONCLUSIVE,
+        confidence=Confidence.INCONCLUSIVE,
         notes=notes,
         decide=decide + (Decide.MISSING_DUMPS,),
     )
@@ -483,8 +495,8 @@ def no_records(ev: Evidence) -> Finding | None:
     if len(al.collectives) or len(al.p2p):
         return None
     return Finding(
-        VerdictKind.INCONCLUSIVE,
-        Confidence.INCONCLUSIVE,
+        kind=VerdictKind.INCONCLUSIVE,
+        confidence=Confidence.INCONCLUSIVE,
         notes=(Note(NoteKind.NO_OPS),),
         decide=(Decide.ANY_RECORD,),
     )
@@ -495,7 +507,12 @@ def healthy(ev: Evidence) -> Finding:
     in_flight = sum(1 for p in g.points.values() if p.blockers)
     notes = (Note(NoteKind.IN_FLIGHT, count=in_flight),) if in_flight else ()
     conf = Confidence.HEALTHY if f.has_completion_info else Confidence.HEALTHY_NO_COMPLETION
-    return Finding(VerdictKind.HEALTHY, conf, notes=notes, completion_info=f.has_completion_info)
+    return Finding(
+        kind=VerdictKind.HEALTHY,
+        confidence=conf,
+        notes=notes,
+        completion_info=f.has_completion_info,
+    )
 
 
 PRIORITY: tuple[Rule, ...] = (
@@ -633,15 +650,15 @@ def _absent_member(ev: Evidence, point: Point, waiting: set[int]) -> Finding:
     inferred, while some ranks left no record: the likelier story is a dead member (its
     partner waits for it, e.g. a tensor-parallel pair) than a stuck op."""
     f = ev.facts
-    blames = tuple(Blame(r, Reason.UNLISTED_MEMBER, point) for r in sorted(f.absent))
+    blames = tuple(Blame(r, Reason.UNLISTED_MEMBER, point=point) for r in sorted(f.absent))
     return Finding(
-        VerdictKind.DEAD,
-        Confidence.DEAD_UNLISTED_MEMBER,
-        blames,
-        frozenset(set(point.blockers) | waiting),
-        point,
-        (Note(NoteKind.UNLISTED_GROUP, point=point, ranks=point.issued),),
-        (Decide.WORLD_SIZE, Decide.MEMBERSHIP),
+        kind=VerdictKind.DEAD,
+        confidence=Confidence.DEAD_UNLISTED_MEMBER,
+        blames=blames,
+        waiting=frozenset(set(point.blockers) | waiting),
+        point=point,
+        notes=(Note(NoteKind.UNLISTED_GROUP, point=point, ranks=point.issued),),
+        decide=(Decide.WORLD_SIZE, Decide.MEMBERSHIP),
     )
 
 
@@ -680,7 +697,7 @@ def _stuck(ev: Evidence, points: list[Point], waiting: set[int]) -> Finding:
         blamed_at = {r: point for r in point.issued}
     reason = Reason.NEVER_STARTED if never_started else Reason.STUCK
     blames = tuple(
-        Blame(r, Reason.IN_HOST_CALL if r in in_call else reason, blamed_at[r])
+        Blame(r, Reason.IN_HOST_CALL if r in in_call else reason, point=blamed_at[r])
         for r in sorted(blamed_at)
     )
     involved = set(point.issued)
@@ -693,10 +710,10 @@ def _stuck(ev: Evidence, points: list[Point], waiting: set[int]) -> Finding:
     if in_call:
         notes.append(Note(NoteKind.HOST_CALL, ranks=tuple(sorted(in_call))))
     return Finding(
-        VerdictKind.STUCK,
-        conf,
-        blames,
-        frozenset((involved | waiting) - set(blamed_at)),
-        point,
-        tuple(notes),
+        kind=VerdictKind.STUCK,
+        confidence=conf,
+        blames=blames,
+        waiting=frozenset((involved | waiting) - set(blamed_at)),
+        point=point,
+        notes=tuple(notes),
     )

@@ -48,4 +48,11 @@ def never_arrived(f: JobFacts) -> Finding | None:
     confidence = Confidence.DEAD if kind is VerdictKind.DEAD else Confidence.MISSING
     if dead and kind is VerdictKind.MISSING:
         confidence -= Confidence.MIXED_KINDS
-    return Finding(kind, confidence, blames, frozenset(waiting), None, notes)
+    return Finding(
+        kind=kind,
+        confidence=confidence,
+        blames=blames,
+        waiting=frozenset(waiting),
+        point=None,
+        notes=notes,
+    )
