@@ -25,6 +25,18 @@ if ! command -v chromium >/dev/null 2>&1; then
     fi
 fi
 
+# The Prometheus server (and promtool) for tests/test_live.py: a real Prometheus scrapes
+# `frtools metrics` and fires monitoring/frtools-alerts.yml.
+if ! command -v prometheus >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+        $SUDO apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null
+    else
+        echo "scripts/test.sh: install Prometheus (package 'prometheus') for the alert test" >&2
+    fi
+fi
+
 status=0
 for version in $TORCHES; do
     case "$version" in
