@@ -53,6 +53,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "history",
         "List recorded incidents; rank hosts and GPUs by how often they were guilty.",
     ),
+    "replay": (
+        "frtools.commands.replay",
+        "replay",
+        "Write a script that replays the recorded collectives and hangs the same way.",
+    ),
     "synth": (
         "frtools.commands.synth",
         "synth",

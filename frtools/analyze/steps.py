@@ -130,15 +130,12 @@ class StepDiff:
         }
 
 
-def _op_text(op: StepOp, group_word: bool = True) -> str:
-    peer = (
-        f" {'to' if op.op.endswith('send') else 'with'} rank {op.peer}"
-        if op.peer is not None
-        else ""
-    )
+def _op_text(op: StepOp) -> str:
+    peer = ""
+    if op.peer is not None:
+        peer = f" {'to' if 'send' in op.op else 'from'} rank {op.peer}"
     where = f" from {op.call_site}" if op.call_site else ""
-    group = f" on group {op.pg_name}" if group_word else ""
-    return f"{op.op}{peer}{group}{where}"
+    return f"{op.op}{peer} on group {op.pg_name}{where}"
 
 
 def change_line(c: StepChange) -> str:

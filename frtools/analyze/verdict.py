@@ -12,11 +12,13 @@ from typing import Any
 
 from frtools import __version__
 from frtools.analyze.stacks import StacksSummary
+from frtools.analyze.steps import StepDiff
 from frtools.model.trace import InputFile, ProcessGroup
 
 # 1.1: "stacks"; 1.2: "inconclusive", "decide"; 1.3: "exclusion"; 1.4: "stacks.native";
 # 1.5: guilty ranks' gpu, gpu_inferred, pci_bus_id, findings (device evidence), host_guessed,
-# "device_sources"
+# "device_sources";
+# "verdict.action" (the next action, docs/actions.md); "step_diff" (docs/verdict.md)
 SCHEMA_VERSION = "1.5"
 
 KINDS = ("healthy", "missing", "dead", "mismatch", "order", "stuck", "straggler", "inconclusive")
@@ -165,6 +167,8 @@ class Verdict:
     device_sources: list[str] = field(default_factory=list)
     # the next action (drain, fix code, restart, investigate, none): frtools.analyze.action
     action: Action | None = None
+    # what the failing step did differently from the last good one (frtools.analyze.steps)
+    step_diff: StepDiff | None = None
 
     @property
     def guilty_ranks(self) -> list[int]:
@@ -219,4 +223,5 @@ class Verdict:
             **({"stacks": self.stacks.to_dict()} if self.stacks is not None else {}),
             **({"exclusion": exclusion} if (exclusion := self.exclusion()) else {}),
             **({"device_sources": list(self.device_sources)} if self.device_sources else {}),
+            **({"step_diff": self.step_diff.to_dict()} if self.step_diff is not None else {}),
         }

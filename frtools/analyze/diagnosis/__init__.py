@@ -13,6 +13,7 @@ from frtools.analyze.action import decide_action
 from frtools.analyze.align import Alignment, align
 from frtools.analyze.hardware import attach_device_evidence
 from frtools.analyze.stacks import stacks_summary
+from frtools.analyze.steps import step_diff
 from frtools.analyze.verdict import Verdict
 from frtools.model.trace import Trace
 
@@ -35,6 +36,7 @@ def diagnose(trace: Trace, alignment: Alignment | None = None) -> Verdict:
     summary = stacks_summary(trace, verdict.guilty_ranks)
     if summary.ranks_with_stacks:
         verdict.stacks = summary
+    verdict.step_diff = step_diff(trace)
     causes = {b.rank: (b.reason.value, b.ending.kind if b.ending else None) for b in finding.blames}
     verdict.action = decide_action(verdict, causes)  # last: it reads the whole verdict
     return verdict

@@ -32,6 +32,7 @@ from frtools import __version__
 from frtools.analyze.align import Alignment
 from frtools.analyze.reporters import views
 from frtools.analyze.stacks import StacksSummary, frames_that_matter_first, user_frames_first
+from frtools.analyze.steps import step_diff_lines
 from frtools.analyze.verdict import Verdict
 from frtools.model.ranks import format_ranks
 from frtools.model.trace import Trace
@@ -93,6 +94,7 @@ def render(
         body.append(_lateness_section(verdict, late))
     if verdict.stacks is not None:
         body.append(_stacks_section(verdict))
+    body.append(_step_diff_section(verdict))
     body.append(_inputs_section(verdict))
     script = f"\n{_asset('report.js')}\n"  # the <script> element's text, as hashed
     digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode()
@@ -570,6 +572,20 @@ def _lateness_section(verdict: Verdict, late: views.Lateness) -> str:
         '<canvas id="late-canvas" height="160"></canvas>'
         '<table class="late"><thead><tr><th>rank</th><th>median ms</th><th>p90 ms</th>'
         f"<th>collectives</th></tr></thead><tbody>{body}</tbody></table></section>"
+    )
+
+
+def _step_diff_section(verdict: Verdict) -> str:
+    """What the failing step did differently from the last good one (frtools.analyze.steps);
+    one line where no step repeats; nothing for a healthy verdict."""
+    diff = verdict.step_diff
+    if diff is None or verdict.kind == "healthy":
+        return ""
+    cls = "" if diff.changes else ' class="dim"'
+    items = "".join(f"<li{cls}>{_e(line)}</li>" for line in step_diff_lines(diff))
+    return (
+        '<section id="step-diff"><h2>Step diff</h2><p class="help">What the failing step did '
+        f"differently from the last good one, per rank.</p><ul>{items}</ul></section>"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from frtools.analyze.reporters.escape import markdown_code, markdown_fence, markdown_text
 from frtools.analyze.reporters.stacks_text import stack_lines
 from frtools.analyze.reporters.terminal import STACK_KINDS
+from frtools.analyze.steps import step_diff_lines
 from frtools.analyze.verdict import Verdict
 from frtools.model.ranks import format_ranks
 
@@ -48,6 +49,15 @@ def action_section(verdict: Verdict) -> list[str]:
     out += [f"- {_cell(r)}" for r in action.reasons]
     out += [f"- missing: {_cell(m)}" for m in action.missing]
     return [*out, ""]
+
+
+def step_diff_section(verdict: Verdict, verbose: bool = False) -> list[str]:
+    """What the failing step did differently from the last good one (frtools.analyze.steps);
+    one line where no step repeats; nothing for a healthy verdict unless verbose."""
+    diff = verdict.step_diff
+    if diff is None or (verdict.kind == "healthy" and not verbose):
+        return []
+    return ["### Step diff", "", *(f"- {_cell(line)}" for line in step_diff_lines(diff)), ""]
 
 
 def render(verdict: Verdict, verbose: bool = False) -> str:
@@ -94,6 +104,7 @@ def render(verdict: Verdict, verbose: bool = False) -> str:
                 f"| {_cell(g.input_dtypes)} | {_cell(g.state)} |"
             )
         out.append("")
+    out += step_diff_section(verdict, verbose)
     out += action_section(verdict)
     if verdict.decide:
         out += ["### To decide", ""] + [f"- {_cell(d)}" for d in verdict.decide] + [""]

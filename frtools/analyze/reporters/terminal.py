@@ -14,6 +14,7 @@ from rich.text import Text
 
 from frtools.analyze.reporters.escape import no_workflow_commands, terminal
 from frtools.analyze.reporters.stacks_text import stack_lines
+from frtools.analyze.steps import step_diff_lines
 from frtools.analyze.verdict import GuiltyRank, Verdict
 from frtools.model.ranks import format_ranks
 
@@ -89,6 +90,7 @@ def renderable(verdict: Verdict, verbose: bool = False) -> Group:
                     style = "red"
                 parts.append(Text(f"  {terminal(line)}", style=style))
 
+    parts.extend(step_diff_text(verdict, verbose))
     parts.extend(action_lines(verdict, verbose))
 
     if verdict.decide:
@@ -184,6 +186,18 @@ def action_lines(verdict: Verdict, verbose: bool = False) -> list[Text]:
     if len(action.reasons) > len(shown):
         lines.append(Text(f"  … {len(action.reasons) - len(shown)} more (-v)", style="dim"))
     lines += [Text(f"  missing: {terminal(m)}", style="dim") for m in action.missing]
+    return lines
+
+
+def step_diff_text(verdict: Verdict, verbose: bool = False) -> list[Text]:
+    """What the failing step did differently from the last good one (frtools.analyze.steps);
+    one line where no step repeats; nothing for a healthy verdict unless verbose."""
+    diff = verdict.step_diff
+    if diff is None or (verdict.kind == "healthy" and not verbose):
+        return []
+    lines = [Text("Step diff", style="bold")]
+    style = "" if diff.changes else "dim"
+    lines += [Text(f"  {terminal(line)}", style=style) for line in step_diff_lines(diff)]
     return lines
 
 
