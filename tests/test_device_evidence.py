@@ -28,22 +28,27 @@ from device_fixtures import (
 )
 from jobs import start_ranks, wait_ranks
 
+from frtools.analyze.hardware import attach_device_evidence
 from frtools.analyze.readers import load_trace
 from frtools.analyze.readers.base import rank_from_filename
+from frtools.analyze.verdict import GuiltyRank, Verdict
 from frtools.formats import device_facts
 from frtools.formats.private_files import FILE_MODE
+from frtools.model.devices import HostDevices, IbPort
+from frtools.model.trace import RankInfo, Trace, entries_table
 
 WORLD = 4
 GUILTY = 1
 JOB = """
-import sys, torch, torch.distributed as dist
+import sys, time, torch, torch.distributed as dist
 from datetime import timedelta
-dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))
 rank = dist.get_rank()
 t = torch.ones(4)
 for step in range(3):
     if step == 2 and rank == 1:
-        sys.exit(0)  # rank 1 leaves without the last all_reduce: the others wait for it
+        time.sleep(8)  # the others wait in all_reduce #3: their watchdogs see a stall
+        sys.exit(0)  # rank 1 leaves without the last all_reduce
     dist.all_reduce(t)
 """
 
@@ -181,31 +186,66 @@ def test_over_sized_device_file_is_refused(tmp_path: Path) -> None:
         device_facts.read(path)
 
 
+def test_guilty_rank_joins_its_gpu_by_uuid_and_gets_what_is_abnormal_there() -> None:
+    xml = nvidia_smi_xml(4, **{"2": {"dram_uncorrectable": 2, "remap_pending": True}})
+    host = HostDevices(
+        host="gpu-node-a",
+        gpus=device_facts.parse_nvidia_smi_xml(xml.encode()),
+        kernel_events=device_facts.parse_kernel_log(xid_line(0, 79, "GPU has fallen off the bus.")),
+        ib_ports=[
+            IbPort(device="mlx5_2", port=1, state="DOWN", phys_state="Disabled",
+                   link_layer="InfiniBand", counters={"link_downed": 4}),
+        ],
+    )  # fmt: skip
+    uuid = "5d1b6e3a-0000-4000-8000-000000000002"  # as torch (the recorder) spells GPU 2's
+    info = RankInfo(rank=5, host="gpu-node-a", device="cuda:0", device_id=uuid, local_rank=0)
+    trace = Trace(entries=entries_table([]), ranks={5: info}, devices={"gpu-node-a": host})
+    g = GuiltyRank(rank=5, host="gpu-node-a", device="cuda:0", device_id=uuid, local_rank=0)
+    verdict = Verdict(kind="dead", headline="Rank 5 dead", confidence=0.9, guilty=[g])
+
+    attach_device_evidence(verdict, trace)
+
+    assert (g.gpu, g.gpu_inferred, g.pci_bus_id) == (2, False, "0000:47:00.0")
+    found = {f.code: f for f in g.findings}
+    assert "xid:79" not in found  # GPU 0's Xid is not this rank's GPU
+    assert found["ecc:dram_uncorrectable"].text == (
+        "GPU 2 (PCI 0000:47:00.0): HBM uncorrectable ECC 2 (since the driver loaded)"
+    )
+    assert found["ecc:row_remap_pending"].hardware
+    assert not found["clocks:hw_slowdown"].hardware
+    assert found["ib:port_down"].hardware and found["ib:port_down"].text == (
+        "mlx5_2 port 1 is DOWN (Disabled)"
+    )
+    assert not found["ib:link_downed"].hardware  # counted since the port's reset: a hint
+    assert "Rank 5 on gpu-node-a: mlx5_2 port 1 is DOWN (Disabled)." in verdict.evidence
+
+
 # -- a real job: the verdict names the host and GPU, and shows the finding ---------------------
 
 
 @pytest.fixture(scope="module")
 def job_dumps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One 4-rank job under ``frtools run``; its boxes dumped twice: on a host whose GPU 1
-    (rank 1's, by its local rank) logged Xid 79, and on a host with no device evidence."""
+    """One 4-rank job under ``frtools run`` on a host whose GPU 1 (rank 1's, by its local rank)
+    logged Xid 79; its stall hand-off writes the host's facts beside the ranks' copies. Its
+    boxes are then dumped twice: on that host, and on a host with no device evidence."""
     base = tmp_path_factory.mktemp("devjob")
     script = base / "job.py"
     script.write_text(JOB)
-    argv = [sys.executable, "-m", "frtools", "run", "--dir", str(base / "frt"), "--job-id", "j"]
-    argv += ["--", sys.executable, str(script)]
-    result = wait_ranks(start_ranks(argv, WORLD, env={"FRTOOLS_JOBWIDE": "0"}), 120)
-    assert not result.timed_out, result.output()
-
     fake_nvidia_smi(base / "bin", nvidia_smi_xml(4))
-    log = kernel_log(
-        base / "kmsg", [xid_line(GUILTY, 79, "pid=4101, name=python, GPU has fallen off the bus.")]
-    )
+    line = xid_line(GUILTY, 79, "pid=4101, name=python, GPU has fallen off the bus.")
+    log = kernel_log(base / "kmsg", [line])
     ib = infiniband_tree(base / "ib", {"mlx5_0": {}})
     bad = device_env(base, nvidia_smi_dir=base / "bin", kmsg=log, sysfs=ib)
-    clean = device_env(
-        base, nvidia_smi_dir=base / "bin", kmsg=kernel_log(base / "quiet", []), sysfs=ib
-    )
-    dumps = {}
+    quiet = kernel_log(base / "quiet", [])
+    clean = device_env(base, nvidia_smi_dir=base / "bin", kmsg=quiet, sysfs=ib)
+
+    argv = [sys.executable, "-m", "frtools", "run", "--dir", str(base / "frt"), "--job-id", "j"]
+    argv += ["--stall-seconds", "2", "--", sys.executable, str(script)]
+    keys = ("PATH", "FRTOOLS_KMSG", "FRTOOLS_INFINIBAND_SYSFS")
+    result = wait_ranks(start_ranks(argv, WORLD, env={k: bad[k] for k in keys}), 120)
+    assert not result.timed_out, result.output()
+
+    dumps = {"stall": base / "frt" / "j" / "dumps"}
     for name, env in (("xid", bad), ("clean", clean)):
         out = base / name
         proc = subprocess.run(
@@ -269,6 +309,19 @@ def test_dump_manifest_has_one_line_per_absent_source(job_dumps: dict[str, Path]
     assert len(device) == 1
 
 
+@pytest.mark.timeout(300)
+def test_stall_hand_off_writes_the_hosts_device_facts_beside_the_copies(
+    job_dumps: dict[str, Path],
+) -> None:
+    [path] = job_dumps["stall"].glob("device_*.json")  # one rank of the host collects
+    assert path.stat().st_mode & 0o777 == FILE_MODE
+    facts = device_facts.read(path)
+    assert [(e.code, e.pci_bus_id) for e in facts.kernel_events] == [(79, "0000:0f:00.0")]
+    assert sorted(p.name for p in job_dumps["stall"].glob("rank_*.frt")) == [
+        f"rank_{r}.frt" for r in range(WORLD)
+    ]
+
+
 # -- hosts named right ---------------------------------------------------------------------------
 
 
@@ -323,7 +376,7 @@ def test_record_host_wins_over_the_file_name_and_a_guess_is_marked(
     info = load_trace(tmp_path).ranks[1]
     assert (info.host, info.host_guessed) == (own_host or "gpu-node-a", own_host is None)
     text = analyze(tmp_path).stdout
-    assert text.startswith(" MISSING  Rank 1 never issued all_reduce #2"), text
+    assert text.startswith(" MISSING  Rank 1 (") and "never issued all_reduce #2" in text, text
     named = (
         "rank 1 (gpu-node-a, host from the file name" if own_host is None else "rank 1 (10.1.2.3"
     )

@@ -109,7 +109,7 @@ def _place(g: GuiltyRank, info: RankInfo | None, facts: HostDevices) -> GpuFacts
     ident = g.device_id or (info.device_id if info else None)
     if ident:
         text = ident.strip()
-        gpu = next((x for x in facts.gpus if x.uuid and x.uuid == text), None)
+        gpu = next((x for x in facts.gpus if x.uuid and uuid_key(x.uuid) == uuid_key(text)), None)
         if gpu is None and (pci := canonical_pci(text)):
             gpu = facts.gpu_by_pci(pci)
     if gpu is None:
@@ -127,6 +127,12 @@ def _place(g: GuiltyRank, info: RankInfo | None, facts: HostDevices) -> GpuFacts
     if gpu is not None:
         g.gpu, g.pci_bus_id = gpu.index, gpu.pci_bus_id
     return gpu
+
+
+def uuid_key(uuid: str) -> str:
+    """nvidia-smi's ``GPU-5d1b...`` and torch's ``5d1b...`` (the recorder's device id) alike."""
+    key = uuid.strip().lower()
+    return key[4:] if key.startswith("gpu-") else key
 
 
 def _gpu_label(gpu: GpuFacts | None, pci: str | None = None) -> str:

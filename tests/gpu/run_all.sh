@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of tests/gpu, each under its own timeout, then one table:
 #   check | result (pass/fail/skip) | seconds | detail
-# Under 8 minutes on one machine with one or more GPUs (the timeouts add up to 450 s). On a
+# Under 8 minutes on one machine with one or more GPUs (the timeouts add up to 475 s). On a
 # machine without CUDA every row is "skip: no CUDA" and the exit code is 0; otherwise the
 # exit code is 1 when a check failed. A check exits 77 (and prints "SKIP: why") to be skipped.
 #
@@ -29,6 +29,7 @@ CHECKS=(
     "fr_nccl2|100|1|$PY tests/gpu/check_fr_nccl2.py --ranks $PAIR"
     "windows_nccl2|120|1|$PY tests/gpu/check_windows_nccl2.py $SAME"
     "shrink_group|85|1|$PY tests/gpu/check_shrink_group.py --ranks $PAIR"
+    "device_facts|25|0|$PY tests/gpu/check_device_facts.py"
 )
 
 rows=()

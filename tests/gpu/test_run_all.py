@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-CHECKS = ["cuda_events", "recorder_nccl", "fr_nccl2", "windows_nccl2", "shrink_group"]
+CHECKS = [
+    "cuda_events",
+    "recorder_nccl",
+    "fr_nccl2",
+    "windows_nccl2",
+    "shrink_group",
+    "device_facts",
+]
 
 
 @pytest.mark.timeout(120)
@@ -36,6 +43,7 @@ def test_without_cuda_every_gpu_check_is_one_skipped_row() -> None:
         ("check_fr_nccl2.py", "check_collected"),
         ("check_windows_nccl2.py", "check_window_records"),
         ("check_shrink_group.py", "check_shrink_records"),
+        ("check_device_facts.py", "check_device_facts"),
     ],
 )
 def test_each_gpu_check_imports_on_cpu(script: str, judgement: str) -> None:
