@@ -61,3 +61,17 @@ def test_real_job_gets_its_verdict(case: Case, corpus_runs) -> None:  # noqa: AN
             + f"\nwhat should happen: {case.why}\njob: {run.summary()}",
             pytrace=False,
         )
+    assert_action_for(outcome.kind, outcome.action, case.id)
+
+
+def assert_action_for(kind: str, action: dict | None, case_id: str) -> None:
+    """Every verdict carries its next action with reasons (docs/actions.md): healthy ones
+    none, code faults fix code at a call site, the rest never none."""
+    assert action is not None, f"{case_id}: the {kind} verdict has no action"
+    assert action["reasons"] and all(r.strip() for r in action["reasons"]), case_id
+    if kind == "healthy":
+        assert action["kind"] == "none", (case_id, action)
+    else:
+        assert action["kind"] != "none", (case_id, action)
+    if kind in ("mismatch", "order"):
+        assert action["kind"] in ("fix code", "drain"), (case_id, action)

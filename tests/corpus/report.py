@@ -36,6 +36,7 @@ class Outcome:
     headline: str
     problems: list[str]
     analyze_s: float
+    action: dict | None = None  # the verdict's next action (docs/actions.md), as the JSON has it
 
     @property
     def right(self) -> bool:
@@ -84,6 +85,7 @@ def evaluate(case: Case, run: CaseRun) -> Outcome:
         headline=verdict.get("headline", err.strip()[-300:]),
         problems=judge(case, rc, report),
         analyze_s=elapsed,
+        action=verdict.get("action"),
     )
 
 
