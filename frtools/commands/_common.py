@@ -1,10 +1,12 @@
 """What every command does the same way: one-line errors with exit code 2, internal errors
 without a traceback (``FRTOOLS_DEBUG=1`` shows it), a reader that left the pipe, writing the
-report to ``-o FILE`` or stdout."""
+report to ``-o FILE`` or stdout, and the options several commands take (one definition, one
+help text: ``reading_options``, ``workers_option``, ``file_command``)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import traceback
@@ -64,6 +66,62 @@ def run_guarded(prefix: str, body: Callable[[], int]) -> NoReturn:
             traceback.print_exc()
         fail(prefix, f"internal error: {type(e).__name__}: {first_line(e)}")
     sys.exit(code)
+
+
+def guarded(prefix: str) -> Callable[[Callable[..., int]], Callable[..., NoReturn]]:
+    """A command's body, which returns its exit code, run under ``run_guarded``: one
+    signature per command (click passes the options to the body itself)."""
+
+    def wrap(body: Callable[..., int]) -> Callable[..., NoReturn]:
+        @functools.wraps(body)
+        def command(*args: Any, **kwargs: Any) -> NoReturn:
+            run_guarded(prefix, lambda: body(*args, **kwargs))
+
+        return command
+
+    return wrap
+
+
+# ----- options several commands take: one definition, one help text ------------------------
+
+path_argument = click.argument("path", type=click.Path(path_type=Path))
+
+workers_option = click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes reading dump files (default: automatic).",
+)
+
+world_size_option = click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The job's number of ranks, when the dumps cannot say it (Gloo): a rank that left "
+    "no dump is then seen even if it is the highest.",
+)
+
+
+def reading_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--workers`` and ``--world-size``: how a command that diagnoses reads the dumps."""
+    return workers_option(world_size_option(command))
+
+
+def file_command(name: str, default_output: str, what: str) -> Callable[[Callable[..., Any]], Any]:
+    """A command that reads the dumps under PATH and writes one file: ``frtools NAME PATH
+    [-o FILE]`` (``-`` for stdout), its usage errors one line."""
+    output = click.option(
+        "-o",
+        "--output",
+        default=default_output,
+        show_default=True,
+        help=f"Where to write the {what}; '-' for stdout.",
+    )
+
+    def make(body: Callable[..., Any]) -> Any:
+        return click.command(name, cls=OneLineCommand)(path_argument(output(body)))
+
+    return make
 
 
 def exit_at_once(code: int) -> None:
@@ -170,3 +228,26 @@ def load_and_diagnose(
         alignment = align(trace)
         verdict = diagnose(trace, alignment)
     return trace, alignment, verdict
+
+
+@contextlib.contextmanager
+def diagnosed(
+    prefix: str, path: Path, *, workers: int | None, world_size: int | None, writing: str
+) -> Iterator[tuple[Any, Any, Any]]:
+    """``(trace, alignment, verdict)`` of the dumps under ``path`` for a command that writes
+    a file of them; a spinner says ``writing`` meanwhile (a person, a slow load)."""
+    progress = progress_wanted(path, human=True)
+    diagnosis = load_and_diagnose(
+        prefix, path, workers=workers, world_size=world_size, progress=progress
+    )
+    with phase(writing, progress):
+        yield diagnosis
+
+
+def say_written(output: str, size: str, verdict: Any) -> None:
+    """The one line on stderr after a file is written: where, how large, the verdict."""
+    from frtools.analyze.reporters import escape
+
+    click.echo(
+        escape.line(f"{output} ({size}): {verdict.kind.upper()} {verdict.headline}"), err=True
+    )

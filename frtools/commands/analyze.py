@@ -20,6 +20,7 @@ from frtools.commands._common import (
     first_line,
     load_and_diagnose,
     progress_wanted,
+    reading_options,
     run_guarded,
     write_text,
 )
@@ -46,19 +47,7 @@ FORMATS = ("terminal", "json", "markdown", "github", "junit")
     help="Write the report to FILE instead of stdout.",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Show evidence and per-group detail.")
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Processes reading dump files (default: automatic).",
-)
-@click.option(
-    "--world-size",
-    type=click.IntRange(min=1),
-    default=None,
-    help="The job's number of ranks, when the dumps cannot say it (Gloo): a rank that left "
-    "no dump is then seen even if it is the highest.",
-)
+@reading_options
 @click.option(
     "--history",
     "catalog",

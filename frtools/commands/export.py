@@ -8,13 +8,13 @@ from pathlib import Path
 
 import click
 
-from frtools.commands._common import fail, first_line, run_guarded
+from frtools.commands._common import fail, first_line, guarded, path_argument, workers_option
 
 ERROR = "frtools export: error"
 
 
 @click.command("export")
-@click.argument("path", type=click.Path(path_type=Path))
+@path_argument
 @click.option(
     "-o",
     "--output",
@@ -23,22 +23,17 @@ ERROR = "frtools export: error"
     show_default=True,
     help="Entries file; the ranks and process-group tables are written next to it.",
 )
-@click.option(
-    "--workers", type=click.IntRange(min=1), default=None, help="Processes reading dump files."
-)
+@workers_option
 @click.option(
     "--compression",
     type=click.Choice(["zstd", "snappy", "gzip", "none"]),
     default="zstd",
     show_default=True,
 )
-def export(path: Path, output: Path, workers: int | None, compression: str) -> None:
+@guarded(ERROR)
+def export(path: Path, output: Path, workers: int | None, compression: str) -> int:
     """Export the entries of the dumps under PATH to Parquet (plus ranks and process-group
     tables next to it), for pandas, DuckDB or Spark."""
-    run_guarded(ERROR, lambda: _run(path, output, workers, compression))
-
-
-def _run(path: Path, output: Path, workers: int | None, compression: str) -> int:
     from frtools.analyze.readers import UnusableInput, load_trace
     from frtools.formats.parquet import write_parquet
 

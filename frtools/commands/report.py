@@ -12,28 +12,19 @@ from pathlib import Path
 
 import click
 
-from frtools.analyze.reporters import escape
 from frtools.commands._common import (
-    OneLineCommand,
-    load_and_diagnose,
-    phase,
-    progress_wanted,
-    run_guarded,
+    diagnosed,
+    file_command,
+    guarded,
+    reading_options,
+    say_written,
     write_text,
 )
 
 DEFAULT_OUTPUT = "frtools-report.html"
 
 
-@click.command("report", cls=OneLineCommand)
-@click.argument("path", type=click.Path(path_type=Path))
-@click.option(
-    "-o",
-    "--output",
-    default=DEFAULT_OUTPUT,
-    show_default=True,
-    help="Where to write the HTML file; '-' for stdout.",
-)
+@file_command("report", DEFAULT_OUTPUT, "HTML file")
 @click.option(
     "--last",
     type=click.IntRange(min=1, max=10_000),
@@ -42,18 +33,8 @@ DEFAULT_OUTPUT = "frtools-report.html"
     "its group, fewer for the others at scale, to keep the file small].",
 )
 @click.option("--title", default=None, help="The page's title [default: frtools: KIND].")
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Processes reading dump files (default: automatic).",
-)
-@click.option(
-    "--world-size",
-    type=click.IntRange(min=1),
-    default=None,
-    help="The job's number of ranks, when the dumps cannot say it (Gloo).",
-)
+@reading_options
+@guarded("frtools report")
 def report(
     path: Path,
     output: str,
@@ -61,39 +42,22 @@ def report(
     title: str | None,
     workers: int | None,
     world_size: int | None,
-) -> None:
+) -> int:
     """Write an HTML report of the dumps under PATH: the verdict first, a process group x
     rank progress map, the last ops of every rank around the hang, stacks, and the inputs.
 
     Exit code 0: healthy; 1: a problem was found; 2: unusable input or usage error.
     """
-    run_guarded("frtools report", lambda: _run(path, output, last, title, workers, world_size))
-
-
-def _run(
-    path: Path,
-    output: str,
-    last: int | None,
-    title: str | None,
-    workers: int | None,
-    world_size: int | None,
-) -> int:
-    to_stdout = output == "-"
-    progress = progress_wanted(path, human=True)
-    trace, alignment, verdict = load_and_diagnose(
-        "frtools report", path, workers=workers, world_size=world_size, progress=progress
-    )
     from frtools.analyze.reporters import html
 
-    with phase("writing the report", progress):
+    to_stdout = output == "-"
+    with diagnosed(
+        "frtools report", path, workers=workers, world_size=world_size, writing="writing the report"
+    ) as (trace, alignment, verdict):
         text = html.render(verdict, trace, alignment, last=last, title=title, source=str(path))
     write_text("frtools report", text, None if to_stdout else Path(output))
     if not to_stdout:
-        size = len(text.encode("utf-8"))
-        click.echo(
-            escape.line(f"{output} ({_size(size)}): {verdict.kind.upper()} {verdict.headline}"),
-            err=True,
-        )
+        say_written(output, _size(len(text.encode("utf-8"))), verdict)
     sys.stdout.flush()
     return verdict.exit_code
 

@@ -13,13 +13,20 @@ from pathlib import Path
 
 import click
 
-from frtools.commands._common import OneLineCommand, fail, first_line, run_guarded
+from frtools.commands._common import (
+    OneLineCommand,
+    fail,
+    first_line,
+    guarded,
+    path_argument,
+    workers_option,
+)
 from frtools.formats.summary_packed import DEFAULT_HOST_WINDOW, host_file_name
 from frtools.model.ranks import format_ranks
 
 
 @click.command("summarize", cls=OneLineCommand)
-@click.argument("path", type=click.Path(path_type=Path))
+@path_argument
 @click.option(
     "-o",
     "--output",
@@ -44,25 +51,15 @@ from frtools.model.ranks import format_ranks
     help="packed: compact columnar file (docs/summary-format.md); json: the same as "
     "readable JSON (a host document of rank summaries), several times larger.",
 )
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Processes reading the records (default: automatic).",
-)
+@workers_option
+@guarded("frtools")
 def summarize(
     path: Path, output: Path | None, window: int, host: str | None, fmt: str, workers: int | None
-) -> None:
+) -> int:
     """Summarize one host's flight records under PATH for a fleet analysis.
 
     Exit code 0: written; 2: no usable record, or a usage error.
     """
-    run_guarded("frtools", lambda: _run(path, output, window, host, fmt, workers))
-
-
-def _run(
-    path: Path, output: Path | None, window: int, host: str | None, fmt: str, workers: int | None
-) -> int:
     from frtools.analyze.readers import UnusableInput
     from frtools.analyze.summarize import summarize_path
 

@@ -14,28 +14,19 @@ from pathlib import Path
 
 import click
 
-from frtools.analyze.reporters import escape
 from frtools.commands._common import (
-    OneLineCommand,
+    diagnosed,
     fail,
-    load_and_diagnose,
-    phase,
-    progress_wanted,
-    run_guarded,
+    file_command,
+    guarded,
+    reading_options,
+    say_written,
 )
 
 DEFAULT_OUTPUT = "frtools-timeline.json"
 
 
-@click.command("timeline", cls=OneLineCommand)
-@click.argument("path", type=click.Path(path_type=Path))
-@click.option(
-    "-o",
-    "--output",
-    default=DEFAULT_OUTPUT,
-    show_default=True,
-    help="Where to write the JSON; '-' for stdout.",
-)
+@file_command("timeline", DEFAULT_OUTPUT, "JSON")
 @click.option(
     "--last",
     type=click.IntRange(min=0),
@@ -50,18 +41,8 @@ DEFAULT_OUTPUT = "frtools-timeline.json"
     default=None,
     help="Only these ranks, e.g. '0-7,2608' [default: all].",
 )
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Processes reading dump files (default: automatic).",
-)
-@click.option(
-    "--world-size",
-    type=click.IntRange(min=1),
-    default=None,
-    help="The job's number of ranks, when the dumps cannot say it (Gloo).",
-)
+@reading_options
+@guarded("frtools timeline")
 def timeline(
     path: Path,
     output: str,
@@ -69,25 +50,11 @@ def timeline(
     rank_text: str | None,
     workers: int | None,
     world_size: int | None,
-) -> None:
+) -> int:
     """Write the last ops of every rank under PATH as a Perfetto / chrome://tracing file.
 
     Exit code 0: healthy; 1: a problem was found; 2: unusable input or usage error.
     """
-    run_guarded(
-        "frtools timeline",
-        lambda: _run(path, output, last, rank_text, workers, world_size),
-    )
-
-
-def _run(
-    path: Path,
-    output: str,
-    last: int | None,
-    rank_text: str | None,
-    workers: int | None,
-    world_size: int | None,
-) -> int:
     from frtools.model.ranks import RankTextError, parse_ranks
 
     ranks = None
@@ -96,13 +63,15 @@ def _run(
             ranks = parse_ranks(rank_text)
         except RankTextError as e:
             fail("frtools timeline", f"error: --ranks: {e}")
-    progress = progress_wanted(path, human=True)
-    trace, alignment, verdict = load_and_diagnose(
-        "frtools timeline", path, workers=workers, world_size=world_size, progress=progress
-    )
     from frtools.analyze.reporters import trace_events
 
-    with phase("writing the timeline", progress):
+    with diagnosed(
+        "frtools timeline",
+        path,
+        workers=workers,
+        world_size=world_size,
+        writing="writing the timeline",
+    ) as (trace, alignment, verdict):
         if output == "-":
             buffer = io.StringIO()
             trace_events.write(buffer, verdict, trace, alignment, last=last, ranks=ranks)
@@ -114,11 +83,5 @@ def _run(
                 n = trace_events.write(f, verdict, trace, alignment, last=last, ranks=ranks)
         except OSError as e:
             fail("frtools timeline", f"error: cannot write {output}: {e.strerror or e}")
-    size = Path(output).stat().st_size
-    click.echo(
-        escape.line(
-            f"{output} ({size / 1e6:.1f} MB, {n} ops): {verdict.kind.upper()} {verdict.headline}"
-        ),
-        err=True,
-    )
+    say_written(output, f"{Path(output).stat().st_size / 1e6:.1f} MB, {n} ops", verdict)
     return verdict.exit_code
