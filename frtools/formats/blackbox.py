@@ -714,13 +714,7 @@ def _checked_identity(identity: dict[str, Any]) -> tuple[dict[str, Any], str | N
 
 
 def _opt_int(value: object) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().isdigit() and len(value) < 20:
-        return int(value)
-    return None
+    return limits.strict_int(value)  # the one rule for an int read from a file
 
 
 def _valid_in(raw: np.ndarray, capacity: int, first: int) -> tuple[np.ndarray, int]:

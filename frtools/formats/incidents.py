@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from frtools import __version__
+from frtools.formats.limits import strict_int
 
 CATALOG_KIND = "frtools-incident-catalog"
 SCHEMA_VERSION = 2
@@ -695,7 +696,7 @@ def _cut(value: Any) -> Any:
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) else None
+    return strict_int(value)  # the one rule for an int read from a file
 
 
 def _rank_list(text: Any) -> list[int]:

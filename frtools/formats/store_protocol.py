@@ -31,6 +31,7 @@ import json
 import time
 from typing import Any
 
+from frtools.formats.limits import strict_int
 from frtools.formats.manifest import BOX_SUFFIX, STACKS_SUFFIX, Manifest, RankEntry, rank_file_name
 
 # a world size read from the store above this is not believed (the store is not authenticated)
@@ -158,10 +159,6 @@ def _text(value: object) -> str | None:
     return value[:256] if isinstance(value, str) else None
 
 
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def answer_files(answer: dict[str, Any], rank: int) -> list[str]:
     """The files an answer names, kept only when they are this rank's own file names."""
     own = {rank_file_name(rank, BOX_SUFFIX), rank_file_name(rank, STACKS_SUFFIX)}
@@ -183,7 +180,7 @@ def gather_answers(
     world = None
     if store.check([world_size_key(prefix)]):
         raw = store.get(world_size_key(prefix)).decode(errors="replace")
-        world = int(raw) if raw.isdigit() and 0 < int(raw) <= MAX_WORLD_SIZE else None
+        world = strict_int(raw, lo=1, hi=MAX_WORLD_SIZE)
     manifest.world_size = manifest.world_size or world
     deadline = time.monotonic() + timeout
     while world and time.monotonic() < deadline:
@@ -196,7 +193,7 @@ def gather_answers(
         manifest.ranks[rank] = entry
         if store.check([answer_key(prefix, seq, rank)]):
             answer = decode(store.get(answer_key(prefix, seq, rank)))
-            entry.host, entry.pid = _text(answer.get("host")), _int(answer.get("pid"))
+            entry.host, entry.pid = _text(answer.get("host")), strict_int(answer.get("pid"))
             entry.answered, entry.alive = True, True
             entry.files = answer_files(answer, rank)
             entry.note = _text(answer.get("note")) or ""
@@ -206,7 +203,7 @@ def gather_answers(
         where = "its black box"
         if store.check([rank_key(prefix, rank)]):
             reg = decode(store.get(rank_key(prefix, rank)))
-            entry.host, entry.pid = _text(reg.get("host")), _int(reg.get("pid"))
+            entry.host, entry.pid = _text(reg.get("host")), strict_int(reg.get("pid"))
             where = f"its black box {_text(reg.get('blackbox'))} on {entry.host}"
             entry.note = (
                 "did not answer through the store (process gone, or its Python threads "

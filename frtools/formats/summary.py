@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from frtools.formats.blackbox import STATE_NAMES, Snapshot
+from frtools.formats.limits import strict_int
 from frtools.model.ranks import MAX_WORLD_SIZE, RankTextError, format_ranks, parse_ranks
 
 __all__ = [
@@ -348,13 +349,7 @@ def _error_line(text: str) -> str:
 
 
 def _int_or_none(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    return None
+    return strict_int(value)  # the one rule for an int read from a file
 
 
 def _clean_identity(ident: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from frtools.formats.blackbox import (
     parse_splits,
     read_snapshot,
 )
+from frtools.formats.limits import strict_int
 from frtools.model.ops import op_name
 from frtools.model.trace import ENTRY_SCHEMA, ProcessGroup, RankInfo, is_default, is_user_frame
 
@@ -55,13 +56,6 @@ def read(path: Path) -> RankDump:
     return snapshot_to_rank_dump(snap, str(path))
 
 
-def _opt_int(value: object) -> int | None:
-    try:
-        return int(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-
-
 def _opt_str(value: object) -> str | None:
     return None if value in (None, "") else str(value)
 
@@ -84,7 +78,7 @@ def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
     ident = snap.identity
     header = snap.header
     notes = list(snap.notes)
-    rank = _opt_int(ident.get("rank"))
+    rank = strict_int(ident.get("rank"))
     if rank is None:
         rank, _ = rank_from_filename(Path(source).name)
         if rank is None:
@@ -111,11 +105,11 @@ def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
         format=FORMAT,
         version=str(snap.version),
         host=_opt_str(ident.get("host")),
-        pid=_opt_int(ident.get("pid")),
-        local_rank=_opt_int(ident.get("local_rank")),
+        pid=strict_int(ident.get("pid")),
+        local_rank=strict_int(ident.get("local_rank")),
         device=_opt_str(ident.get("device")),
         device_id=_opt_str(ident.get("device_id")),
-        world_size=_opt_int(ident.get("world_size")),
+        world_size=strict_int(ident.get("world_size")),
         comm_lib_version=_opt_str(ident.get("comm_lib_version") or ident.get("nccl_version")),
         pg_status={
             g.name: {

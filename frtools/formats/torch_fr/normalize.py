@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from frtools.formats import limits
+from frtools.formats.limits import strict_int
 from frtools.model.ops import P2P_OPS
 from frtools.model.ranks import MAX_WORLD_SIZE, valid_rank
 from frtools.model.trace import (
@@ -62,15 +63,6 @@ class TorchDump:
     unmapped_peer_groups: set[str] = field(default_factory=set)
     bad_entries: int = 0
     notes: list[str] = field(default_factory=list)
-
-
-def _as_int(v: Any) -> int | None:
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return None
 
 
 def _sizes(v: Any) -> str:
@@ -140,11 +132,11 @@ def _pg_status(raw: Any, pg_id_to_name: Mapping[str, str]) -> tuple[dict[str, di
         counters: dict[str, int] = {}
         if isinstance(status, Mapping):
             for k in STATUS_KEYS:
-                n = _as_int(status.get(k))
+                n = strict_int(status.get(k))
                 if n is not None and n >= 0:
                     counters[k] = n
         else:
-            n = _as_int(status)
+            n = strict_int(status)
             if n is not None and n >= 0:
                 counters["last_enqueued_collective"] = n
             else:
@@ -289,7 +281,7 @@ def _top_level(
     version = str(dump.get("version", "")) or "unversioned"
 
     # rank: from content where the dump has it (some builds write "rank"), else the name
-    rank = _as_int(dump.get("rank"))
+    rank = strict_int(dump.get("rank"))
     if rank is None:
         rank = name_rank
     if rank is None:
@@ -390,7 +382,7 @@ def _torch_dump(
         rank=top.rank,
         host=top.host,
         version=top.version,
-        pid=_as_int(dump.get("pid")),
+        pid=strict_int(dump.get("pid")),
         comm_lib_version=str(comm) if comm not in (None, "") else None,
         pg_status=pg_status,
         process_groups=groups,
@@ -450,11 +442,6 @@ def _table(cols: dict[str, list[Any]], notes: list[str]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=ENTRY_SCHEMA)
 
 
-def _clean_int(v: Any) -> int | None:
-    n = _as_int(v)
-    return n if n is not None and -(2**63) <= n < 2**63 else None
-
-
 def _clean_float(v: Any) -> float | None:
     try:
         return float(v) if v is not None and not isinstance(v, bool) else None
@@ -498,8 +485,8 @@ def encodable(value: Any, skip: str | None = None, depth: int = 0) -> Any:
 
 
 _CLEANERS = {
-    "int64": _clean_int,
-    "int32": lambda v: n if (n := _clean_int(v)) is not None and -(2**31) <= n < 2**31 else None,
+    "int64": strict_int,
+    "int32": lambda v: strict_int(v, lo=-(2**31), hi=2**31 - 1),
     "double": _clean_float,
     "bool": _clean_bool,
     "string": _clean_str,
