@@ -347,16 +347,7 @@ def silent_mismatch(ev: Evidence) -> Finding | None:
     t = first.groupby(level=[0, 1], observed=True)["time_created_ns"].min().sort_values()
     pg_name, seq = t.index[0]
     rows = c[(c["pg_name"] == pg_name) & (c["seq"] == seq)]
-    point = collective_point(f, str(pg_name), int(seq), rows)
-    blames = tuple(Blame(r, Reason.DISAGREES, point=point) for r in point.of(MemberState.MINORITY))
-    return Finding(
-        kind=VerdictKind.MISMATCH,
-        confidence=Confidence.MISMATCH_NO_HANG,
-        blames=blames,
-        waiting=frozenset(),
-        point=point,
-        notes=(Note(NoteKind.DISAGREEING_OPS, count=len(bad)),),
-    )
+    return _disagreement(collective_point(f, str(pg_name), int(seq), rows), len(bad))
 
 
 def _odd_against_siblings(ev: Evidence) -> Finding | None:
@@ -371,18 +362,22 @@ def _odd_against_siblings(ev: Evidence) -> Finding | None:
         for seq in sorted(mine["seq"].unique().tolist(), reverse=True)[:LATEST_SEQS]:
             rows = mine[(mine["seq"] == seq).to_numpy()]
             point = collective_point(f, pg_name, int(seq), rows)
-            odd = point.of(MemberState.MINORITY)
-            if odd and point.mismatch_attrs:
-                blames = tuple(Blame(r, Reason.DISAGREES, point=point) for r in odd)
-                return Finding(
-                    kind=VerdictKind.MISMATCH,
-                    confidence=Confidence.MISMATCH_NO_HANG,
-                    blames=blames,
-                    waiting=frozenset(),
-                    point=point,
-                    notes=(Note(NoteKind.DISAGREEING_OPS, count=1),),
-                )
+            if point.of(MemberState.MINORITY) and point.mismatch_attrs:
+                return _disagreement(point, 1)
     return None
+
+
+def _disagreement(point: Point, count: int) -> Finding:
+    """A mismatch without a hang at ``point`` (of ``count`` such collectives): its minority
+    is blamed, nobody waits."""
+    blames = tuple(Blame(r, Reason.DISAGREES, point=point) for r in point.of(MemberState.MINORITY))
+    return Finding(
+        kind=VerdictKind.MISMATCH,
+        confidence=Confidence.MISMATCH_NO_HANG,
+        blames=blames,
+        point=point,
+        notes=(Note(NoteKind.DISAGREEING_OPS, count=count),),
+    )
 
 
 # Ops per group, the latest, compared with the sibling groups' when a member left no record.
