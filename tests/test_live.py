@@ -142,6 +142,52 @@ def test_top_job_wide_names_an_unreachable_store_in_one_line() -> None:
     assert len(lines) == 1 and lines[0].startswith("frtools top: error: cannot reach the job's")
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("key", [b"q", b"\x03"], ids=["q", "ctrl-c"])
+def test_top_live_quits_on_q_or_ctrl_c_and_restores_the_terminal(
+    hung_job: HungJob, key: bytes
+) -> None:
+    """On a real terminal (a pty) the view redraws about once a second, and q or Ctrl-C
+    ends it with exit code 0 and the terminal's modes as they were (echo, line mode)."""
+    import pty
+    import select
+    import termios
+
+    primary, secondary = pty.openpty()
+    modes = termios.ECHO | termios.ICANON
+    before = termios.tcgetattr(secondary)[3] & modes
+    import fcntl
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "frtools", "top", "--dir", str(hung_job.rec)],
+        stdin=secondary, stdout=secondary, stderr=secondary, start_new_session=True,
+        # the pty becomes the controlling terminal: Ctrl-C there is a SIGINT, as for a user
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+    )  # fmt: skip
+    seen = b""
+
+    def read_for(seconds: float) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and b"STALLED" not in seen:
+            if select.select([primary], [], [], 0.2)[0]:
+                seen += os.read(primary, 65536)
+
+    try:
+        read_for(60)
+        assert b"job j" in seen and b"STALLED" in seen, seen[-2000:]
+        time.sleep(1.5)  # at least one redraw, in cbreak mode
+        assert termios.tcgetattr(secondary)[3] & modes == 0  # no echo, no line mode meanwhile
+        os.write(primary, key)
+        assert proc.wait(timeout=20) == 0
+        assert termios.tcgetattr(secondary)[3] & modes == before
+    finally:
+        kill_group(proc)
+        proc.wait(timeout=10)
+        os.close(primary)
+        os.close(secondary)
+
+
 @contextlib.contextmanager
 def exporter(rec: Path) -> Iterator[int]:
     """``frtools metrics`` serving the job's boxes on a free loopback port."""

@@ -119,6 +119,7 @@ def _watch(read: Callable[[], list[JobLive]], interval: float) -> int:
                 if key(left) in ("q", "Q"):
                     return 0
             live.update(frame(read()), refresh=True)
+    return 0  # Ctrl-C: the terminal is restored, not an error
 
 
 @contextlib.contextmanager
