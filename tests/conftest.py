@@ -48,3 +48,24 @@ def native_hooks_module():
     if module is None:
         pytest.skip("the C++ hook body was built but does not load")
     return module
+
+
+@pytest.fixture(scope="session")
+def corpus_runs(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """Run a real-corpus case's job (tests/corpus) the first time a test asks for it; later
+    tests, in any file of the session, reuse its dumps: no job runs twice."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    if repo not in sys.path:  # ``tests.corpus`` is imported from the repository root
+        sys.path.insert(0, repo)
+    from tests.corpus.cases import JOBS
+    from tests.corpus.harness import run_case
+
+    root = tmp_path_factory.mktemp("real-corpus")
+    runs: dict = {}
+
+    def get(case):  # noqa: ANN001, ANN202
+        if case.job not in runs:
+            runs[case.job] = run_case(JOBS[case.job], root / case.job)
+        return runs[case.job]
+
+    return get

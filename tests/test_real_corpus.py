@@ -20,26 +20,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # ``tests.corpus`` is imported from the repository root
     sys.path.insert(0, str(REPO))
 
-from tests.corpus.cases import CASES, JOBS, Case  # noqa: E402
-from tests.corpus.harness import JOB_LIMIT, CaseRun, run_case  # noqa: E402
+from tests.corpus.cases import CASES, Case  # noqa: E402
+from tests.corpus.harness import JOB_LIMIT  # noqa: E402
 from tests.corpus.report import evaluate  # noqa: E402
 
 # one job (at most JOB_LIMIT, killed past it), the dump, and the analysis
 CASE_TIMEOUT = int(JOB_LIMIT + 150)
-
-
-@pytest.fixture(scope="session")
-def corpus_runs(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    """Run a case's job the first time a test asks for it; later tests reuse its dumps."""
-    root = tmp_path_factory.mktemp("real-corpus")
-    runs: dict[str, CaseRun] = {}
-
-    def get(case: Case) -> CaseRun:
-        if case.job not in runs:
-            runs[case.job] = run_case(JOBS[case.job], root / case.job)
-        return runs[case.job]
-
-    return get
 
 
 @pytest.mark.slow

@@ -166,7 +166,7 @@ def change_line(c: StepChange) -> str:
         else "which no rank issued in step {g}"
     )
     was = f"; in step {good} it issued {_op_text(c.before)} there" if c.before else ""
-    return f"rank {c.rank} issued {now}, {who.format(g=good)}{was}"
+    return f"rank {c.rank} issued {now} in step {c.step}, {who.format(g=good)}{was}"
 
 
 def step_diff_lines(diff: StepDiff) -> list[str]:
@@ -322,14 +322,15 @@ def step_diff(trace: Trace) -> StepDiff:
         if end < len(seq):
             found.append((rank, p, first, end, positions))
     diff.step_length = max(lengths, key=lambda k: lengths[k]) if lengths else None
-    for rank, p, first, end, positions in found:
-        change = _change(rank, p, first, end, positions, (token, moved), op_at, good_tokens)
-        if change is None:
-            continue
-        if len(diff.changes) < MAX_CHANGES:
-            diff.changes.append(change)
-        else:
-            diff.more_changes += 1
+    changes = [
+        _change(rank, p, first, end, positions, (token, moved), op_at, good_tokens)
+        for rank, p, first, end, positions in found
+    ]
+    # the failing step is the first that differs: a job that went on past it (a size
+    # mismatch Gloo let through) ends its loop later, and that end is no change
+    failing = min((c.step for c in changes), default=0)
+    changes = [c for c in changes if c.step == failing]
+    diff.changes, diff.more_changes = changes[:MAX_CHANGES], max(0, len(changes) - MAX_CHANGES)
     return diff
 
 
@@ -342,7 +343,7 @@ def _change(
     tokens: tuple[np.ndarray, np.ndarray],
     op_at: Any,
     good_tokens: set[int],
-) -> StepChange | None:
+) -> StepChange:
     """The change at the first record after the periodic run (module docstring)."""
     token, moved = tokens
     seq = token[positions]
