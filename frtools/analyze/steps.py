@@ -24,6 +24,9 @@ The change at the divergence, in the failing step's position ``k`` against the g
   (``missing_op``); after ops on other groups only: ``order`` (the rank went ahead of them);
 * otherwise ``new_op``, with whether any rank issued it in its last good step.
 
+Only the changes of the first step that differs on any rank are kept: a job that went on past
+a fault (a size mismatch Gloo let through) ends its loop later, and that end is no change.
+
 This module decides nothing about guilt: the verdict's rules do; the diff is evidence.
 """
 
