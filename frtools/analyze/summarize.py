@@ -30,14 +30,15 @@ import pyarrow.compute as pc
 
 from frtools.formats.blackbox import splits_text
 from frtools.formats.summary import (
-    MAX_ENTRIES,
     MAX_GROUPS,
     MAX_NOTES,
-    MAX_PENDING,
     MAX_STRING_CHARS,
     RankSummary,
     SummaryEntry,
     SummaryGroup,
+    check_window,
+    completed_ops,
+    kept_positions,
     last_stacks,
 )
 from frtools.formats.summary_packed import DEFAULT_HOST_WINDOW, encode_packed
@@ -63,11 +64,6 @@ class HostSummary:
         return encode_packed(self.summaries, self.host, window=self.window)
 
 
-def _check_window(window: int) -> None:
-    if not 0 < window <= MAX_ENTRIES - MAX_PENDING:
-        raise ValueError(f"window must be 1..{MAX_ENTRIES - MAX_PENDING}")
-
-
 def _ints(table: pa.Table, name: str, null: int) -> np.ndarray:
     col = table.column(name)
     if col.null_count:
@@ -75,32 +71,40 @@ def _ints(table: pa.Table, name: str, null: int) -> np.ndarray:
     return col.to_numpy().astype(np.int64, copy=False)
 
 
-def _completed(table: pa.Table, pg_status: dict[str, dict[str, int]]) -> np.ndarray:
-    """Which rows completed as far as the record says: the state, PyTorch's ``retired``, or
-    (collectives of a record whose states never move, as Gloo's) the group's
-    ``last_completed_collective`` at or past the row's sequence id."""
-    n = table.num_rows
-    state = table.column("state")
-    done = pc.fill_null(pc.equal(state.cast(pa.string()), "completed"), False).to_numpy(
-        zero_copy_only=False
-    )
-    retired = table.column("retired")
-    if retired.null_count < n:
-        done = done | pc.fill_null(retired, False).to_numpy(zero_copy_only=False)
+def _completed(
+    table: pa.Table, rows: np.ndarray, pg_status: dict[str, dict[str, int]]
+) -> np.ndarray:
+    """Which of ``rows`` completed as far as the record says (``completed_ops``: its state,
+    PyTorch's ``retired``, its group's ``last_completed_collective``)."""
+    part = table.take(pa.array(rows, type=pa.int64()))
+    state = part.column("state")
+    done = pc.fill_null(pc.equal(state.cast(pa.string()), "completed"), False)
+    retired = part.column("retired")
     status = {k: v.get("last_completed_collective") for k, v in pg_status.items()}
     status = {k: v for k, v in status.items() if isinstance(v, int) and v >= 0}
+    frontier = {}
     if status:
-        names = table.column("pg_name").cast(pa.string()).to_pylist()
-        last = np.array([status.get(x, -1) if x is not None else -1 for x in names], np.int64)
-        seq = _ints(table, "collective_seq_id", 0)
-        p2p = pc.fill_null(table.column("is_p2p"), False).to_numpy(zero_copy_only=False)
-        done = done | (~p2p & (seq > 0) & (seq <= last))
-    return np.asarray(done, dtype=bool)
+        names = part.column("pg_name").cast(pa.string()).to_pylist()
+        frontier = {
+            "is_p2p": pc.fill_null(part.column("is_p2p"), False).to_numpy(zero_copy_only=False),
+            "collective_seq_id": _ints(part, "collective_seq_id", 0),
+            "last_completed": np.array(
+                [status.get(x, -1) if x is not None else -1 for x in names], np.int64
+            ),
+        }
+    return completed_ops(
+        done.to_numpy(zero_copy_only=False),
+        retired=(
+            pc.fill_null(retired, False).to_numpy(zero_copy_only=False)
+            if retired.null_count < part.num_rows
+            else None
+        ),
+        **frontier,
+    )
 
 
 def _kept_rows(table: pa.Table, pg_status: dict[str, dict[str, int]], window: int) -> np.ndarray:
-    """Row positions a summary keeps, in record order: the older ops that did not complete
-    (up to ``MAX_PENDING``), then the last ``window`` ops."""
+    """Row positions a summary keeps (``kept_positions``), in record order."""
     n = table.num_rows
     rid = table.column("record_id")
     order = (
@@ -108,12 +112,8 @@ def _kept_rows(table: pa.Table, pg_status: dict[str, dict[str, int]], window: in
         if rid.null_count == 0 and n
         else np.arange(n, dtype=np.int64)
     )
-    recent = order[-window:] if window < n else order
-    older = order[: max(0, n - window)]
-    if len(older):
-        done = _completed(table, pg_status)
-        older = older[~done[older]][:MAX_PENDING]
-    return np.concatenate([older, recent]).astype(np.int64)
+    kept = kept_positions(n, window, lambda older: _completed(table, order[older], pg_status))
+    return order[kept].astype(np.int64)
 
 
 def rank_summary(
@@ -126,7 +126,7 @@ def rank_summary(
     """One rank's summary from its record as a reader read it (any format).
 
     ``world_size``: the job's size where the record does not say it (a manifest's)."""
-    _check_window(window)
+    check_window(window)
     info = dump.rank_info
     table = dump.entries
     kept = _kept_rows(table, info.pg_status, window)
@@ -281,7 +281,7 @@ def summarize_path(
     folder, PyTorch FR dumps; searched recursively). ``host``: the name it goes by (default:
     the one most of its ranks name, else this machine's). Raises
     ``frtools.analyze.readers.UnusableInput`` when no record is usable."""
-    _check_window(window)
+    check_window(window)
     root = Path(path)
     inputs, chosen = read_rank_dumps(root, workers=workers)
     # what the folder's side files add: processes gone, stacks, the manifest's world size

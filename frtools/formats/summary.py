@@ -22,8 +22,8 @@ import json
 import math
 import re
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -34,8 +34,11 @@ from frtools.model.ranks import MAX_WORLD_SIZE, RankTextError, format_ranks, par
 
 __all__ = [
     "DEFAULT_WINDOW",
+    "ENTRY_COLUMNS",
+    "ENTRY_FIELDS",
     "FORMAT",
     "HOST_KIND",
+    "MAX_PENDING",
     "RANK_KIND",
     "SUFFIX",
     "VERSION",
@@ -43,13 +46,25 @@ __all__ = [
     "SummaryEntry",
     "SummaryError",
     "SummaryGroup",
+    "check_window",
+    "checked_int",
+    "completed_ops",
     "decode",
     "encode",
     "encode_host",
     "file_name",
+    "kept_positions",
     "last_stacks",
     "looks_like_summary",
+    "optional_bool",
+    "optional_int",
+    "optional_str",
+    "rank_fields",
+    "rank_header",
+    "refuse_constant",
+    "renumbered",
     "summarize",
+    "want",
 ]
 
 FORMAT = "frtools-summary"
@@ -79,40 +94,6 @@ MAX_HOST_RANKS = 1024  # rank summaries in a host summary
 MAX_DOCUMENT_BYTES = 256 << 20  # a host summary
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
-# Per-entry columns, in the order each row of ``entries`` lists them. ``s`` columns are
-# indexes into ``strings`` (0 is "": none), ``i`` integers, ``n`` integer or null,
-# ``f`` number or null, ``b`` 0/1.
-ENTRY_COLUMNS = (
-    ("record_id", "i"),
-    ("group", "i"),  # index into "groups"; -1: unknown
-    ("collective_seq_id", "i"),
-    ("p2p_seq_id", "i"),
-    ("is_p2p", "b"),
-    ("op", "s"),  # the profiling name as recorded: "gloo:all_reduce"
-    ("peer", "n"),  # P2P peer, a global rank
-    ("input_sizes", "s"),
-    ("output_sizes", "s"),
-    ("input_dtypes", "s"),
-    ("output_dtypes", "s"),
-    ("state", "s"),  # "scheduled", "started", "completed"
-    ("time_created_ns", "i"),
-    ("time_started_ns", "n"),
-    ("time_completed_ns", "n"),
-    ("duration_ms", "f"),
-    ("thread_id", "s"),
-    ("thread_name", "s"),
-    ("stack", "s"),  # "file:line in func" lines, innermost first
-    ("error", "s"),  # how the op failed, as the backend said ("" : did not fail / unknown)
-    # optional (a reader that lacks them keeps the defaults): what a PyTorch FR dump says
-    # and a black box derives — retired (PyTorch's watchdog let go of the op: completed even
-    # where Gloo's state stays "scheduled"), the op's timeout, the call site as its reader
-    # picked it (else it is derived from the stack)
-    ("retired", "n"),  # 0/1, null: unknown
-    ("timeout_ms", "n"),
-    ("call_site", "s"),
-    ("splits", "s"),  # all_to_all split sizes as the black box keeps them ("3,6/6,3"; optional)
-)
-_COLUMN_NAMES = tuple(name for name, _ in ENTRY_COLUMNS)
 _IDENTITY_KEYS = (
     "job_id",
     "host",
@@ -150,34 +131,59 @@ class SummaryGroup:
     local_peers: bool = False
 
 
+def _column(json_kind: str, packed: str, **default: Any) -> Any:
+    """An entry field and how each encoding stores it: ``json_kind`` in a JSON summary's
+    rows (``s`` an index into ``strings``, 0 is "": none; ``i`` integer; ``n`` integer or
+    null; ``f`` number or null; ``b`` 0/1), ``packed`` the packed host summary's column codec
+    (``formats.summary_packed.COLUMNS`` explains them)."""
+    return field(metadata={"json": json_kind, "packed": packed}, **default)
+
+
 @dataclass
 class SummaryEntry:
-    """One recorded op (the black box's slot, strings resolved)."""
+    """One recorded op (the black box's slot, strings resolved).
 
-    record_id: int
-    group: int
-    collective_seq_id: int
-    p2p_seq_id: int
-    is_p2p: bool
-    op: str
-    peer: int | None
-    input_sizes: str
-    output_sizes: str
-    input_dtypes: str
-    output_dtypes: str
-    state: str
-    time_created_ns: int
-    time_started_ns: int | None = None
-    time_completed_ns: int | None = None
-    duration_ms: float | None = None
-    thread_id: str = ""
-    thread_name: str = ""
-    stack: str = ""
-    error: str = ""
-    retired: int | None = None
-    timeout_ms: int | None = None
-    call_site: str = ""
-    splits: str = ""  # all_to_all: formats.blackbox.splits_text of its split sizes
+    The one list of an entry's fields: the JSON rows (``ENTRY_COLUMNS``), the packed columns
+    and the readers derive theirs from it, in this order."""
+
+    record_id: int = _column("i", "d8")
+    group: int = _column("i", "i2")  # index into the rank's "groups"; -1: unknown
+    collective_seq_id: int = _column("i", "d8")
+    p2p_seq_id: int = _column("i", "d8")
+    is_p2p: bool = _column("b", "u1")
+    op: str = _column("s", "s4")  # the profiling name as recorded: "gloo:all_reduce"
+    peer: int | None = _column("n", "i4?")  # P2P peer, a global rank
+    input_sizes: str = _column("s", "s4")
+    output_sizes: str = _column("s", "s4")
+    input_dtypes: str = _column("s", "s4")
+    output_dtypes: str = _column("s", "s4")
+    state: str = _column("s", "u1")  # "scheduled", "started", "completed"
+    time_created_ns: int = _column("i", "d8")
+    time_started_ns: int | None = _column("n", "r8?:time_created_ns", default=None)
+    time_completed_ns: int | None = _column("n", "r8?:time_created_ns", default=None)
+    duration_ms: float | None = _column("f", "f8?", default=None)
+    thread_id: str = _column("s", "s4", default="")
+    thread_name: str = _column("s", "s4", default="")
+    stack: str = _column("s", "s4", default="")  # "file:line in func" lines, innermost first
+    # how the op failed, as the backend said ("": did not fail / unknown)
+    error: str = _column("s", "s4", default="")
+    # optional (a reader that lacks them keeps the defaults): what a PyTorch FR dump says
+    # and a black box derives — retired (PyTorch's watchdog let go of the op: completed even
+    # where Gloo's state stays "scheduled"; 0/1, None: unknown), the op's timeout, the call
+    # site as its reader picked it (else it is derived from the stack), all_to_all split
+    # sizes as the black box keeps them (formats.blackbox.splits_text: "3,6/6,3")
+    retired: int | None = _column("n", "i1?", default=None)
+    timeout_ms: int | None = _column("n", "i8?", default=None)
+    call_site: str = _column("s", "s4", default="")
+    splits: str = _column("s", "s4", default="")
+
+
+# The entry's fields and how a JSON summary's rows store each, in the order a row lists
+# them (derived from SummaryEntry: one field list).
+ENTRY_COLUMNS: tuple[tuple[str, str], ...] = tuple(
+    (f.name, f.metadata["json"]) for f in fields(SummaryEntry)
+)
+ENTRY_FIELDS: tuple[str, ...] = tuple(name for name, _ in ENTRY_COLUMNS)
 
 
 @dataclass
@@ -218,6 +224,56 @@ class RankSummary:
         return [e for e in self.entries if e.state != "completed"]
 
 
+# -- which ops a summary keeps ---------------------------------------------------------------
+
+
+def completed_ops(
+    state_completed: np.ndarray,
+    *,
+    retired: np.ndarray | None = None,
+    is_p2p: np.ndarray | None = None,
+    collective_seq_id: np.ndarray | None = None,
+    last_completed: np.ndarray | None = None,
+) -> np.ndarray:
+    """Which ops completed as far as a record says, the one rule every summary writer asks
+    (per op, numpy arrays of one length): the state says so; PyTorch's ``retired`` does; or,
+    for a collective of a record whose states never move (Gloo's), its group's
+    ``last_completed_collective`` (``last_completed``; -1: none) is at or past its
+    ``collective_seq_id``. A record without ``retired`` or frontiers passes None."""
+    done = np.asarray(state_completed, dtype=bool)
+    if retired is not None:
+        done = done | np.asarray(retired, dtype=bool)
+    if last_completed is not None and collective_seq_id is not None and is_p2p is not None:
+        seq = np.asarray(collective_seq_id, dtype=np.int64)
+        by_frontier = (seq > 0) & (seq <= np.asarray(last_completed, dtype=np.int64))
+        done = done | (~np.asarray(is_p2p, dtype=bool) & by_frontier)
+    return done
+
+
+def kept_positions(
+    n: int, window: int, completed: Callable[[np.ndarray], np.ndarray]
+) -> np.ndarray:
+    """Which of a rank's ``n`` ops (positions 0..n-1, oldest first) its summary keeps, in
+    record order: the older ones that did not complete, up to ``MAX_PENDING``, then the last
+    ``window``. ``completed(older)`` says which of the older positions completed
+    (``completed_ops``), asked only when there are older ones.
+
+    >>> kept_positions(5, 2, lambda older: older != 1).tolist()  # op 1 never completed
+    [1, 3, 4]
+    """
+    first_recent = max(0, n - window)
+    older = np.arange(first_recent, dtype=np.int64)
+    if len(older):
+        older = older[~np.asarray(completed(older), dtype=bool)][:MAX_PENDING]
+    return np.concatenate([older, np.arange(first_recent, n, dtype=np.int64)])
+
+
+def check_window(window: int) -> None:
+    """A window a summary can keep beside its pending ops within ``MAX_ENTRIES``."""
+    if not 0 < window <= MAX_ENTRIES - MAX_PENDING:
+        raise ValueError(f"window must be 1..{MAX_ENTRIES - MAX_PENDING}")
+
+
 # -- from a black box ----------------------------------------------------------------------
 
 
@@ -249,17 +305,27 @@ def summarize(
     """The summary of a black box: its last ``window`` ops from ``since_record_id`` on, the
     older ones from there that did not complete (up to ``MAX_PENDING``), its groups'
     frontiers, its identity and watchdog facts; ``stacks``: the rank's faulthandler text."""
-    if not 0 < window <= MAX_ENTRIES - MAX_PENDING:
-        raise ValueError(f"window must be 1..{MAX_ENTRIES - MAX_PENDING}")
+    check_window(window)
     ident = snapshot.identity
     header = snapshot.header
     slots = snapshot.slots
     rid = slots["record_id"]
     current = slots[rid >= since_record_id] if since_record_id > 0 else slots
-    recent = current[-window:]
-    older = current[: max(0, len(current) - window)]
-    stuck = older[older["state"] != STATE_NAMES.index("completed")][:MAX_PENDING]
-    kept = np.concatenate([stuck, recent]) if len(stuck) else recent
+    frontier = np.array(
+        [int(g.last_completed_collective) for g in snapshot.groups] + [-1], dtype=np.int64
+    )
+
+    def completed(older: np.ndarray) -> np.ndarray:
+        rows = current[older]
+        pg = rows["pg"].astype(np.int64)
+        return completed_ops(
+            rows["state"] == STATE_NAMES.index("completed"),
+            is_p2p=rows["is_p2p"],
+            collective_seq_id=rows["collective_seq_id"],
+            last_completed=frontier[np.where((pg >= 0) & (pg < len(frontier) - 1), pg, -1)],
+        )
+
+    kept = current[kept_positions(len(current), window, completed)]
     omitted = int(snapshot.records_written) - len(kept)
     strings: dict[int, str] = {}
 
@@ -395,18 +461,7 @@ def _document(summary: RankSummary) -> dict[str, Any]:
         "format": FORMAT,
         "version": VERSION,
         "kind": RANK_KIND,
-        "rank": summary.rank,
-        "world_size": summary.world_size,
-        "identity": summary.identity,
-        "taken_ns": summary.taken_ns,
-        "heartbeat_ns": summary.heartbeat_ns,
-        "stalled": summary.stalled,
-        "alive": summary.alive,
-        "wrapped": summary.wrapped,
-        "records_written": summary.records_written,
-        "omitted": summary.omitted,
-        "exit": {"kind": summary.exit_kind, "detail": summary.exit_detail},
-        "startup_phase": summary.startup_phase,
+        **rank_header(summary),
         "groups": [
             {
                 "name": g.name,
@@ -423,9 +478,28 @@ def _document(summary: RankSummary) -> dict[str, Any]:
             }
             for g in summary.groups
         ],
-        "columns": list(_COLUMN_NAMES),
+        "columns": list(ENTRY_FIELDS),
         "strings": strings,
         "entries": rows,
+    }
+
+
+def rank_header(summary: RankSummary) -> dict[str, Any]:
+    """A rank's identity, failure facts and scalars as both encodings write them (the JSON
+    rank summary, the packed host summary's rank item): what ``rank_fields`` reads back."""
+    return {
+        "rank": summary.rank,
+        "world_size": summary.world_size,
+        "identity": summary.identity,
+        "taken_ns": summary.taken_ns,
+        "heartbeat_ns": summary.heartbeat_ns,
+        "stalled": summary.stalled,
+        "alive": summary.alive,
+        "wrapped": summary.wrapped,
+        "records_written": summary.records_written,
+        "omitted": summary.omitted,
+        "exit": {"kind": summary.exit_kind, "detail": summary.exit_detail},
+        "startup_phase": summary.startup_phase,
         "stacks": summary.stacks,
         "notes": summary.notes,
         **({"dump_time_ns": summary.dump_time_ns} if summary.dump_time_ns is not None else {}),
@@ -472,7 +546,7 @@ def decode(data: bytes | str) -> list[RankSummary]:
     if len(raw) > MAX_DOCUMENT_BYTES:
         raise SummaryError(f"summary of {len(raw)} bytes exceeds {MAX_DOCUMENT_BYTES}")
     try:
-        doc = json.loads(raw, parse_constant=_no_constant)
+        doc = json.loads(raw, parse_constant=refuse_constant)
     except RecursionError:
         raise SummaryError("summary nests too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -504,35 +578,40 @@ def decode(data: bytes | str) -> list[RankSummary]:
     raise SummaryError(f"unknown summary kind {kind!r} (rank or host)")
 
 
-def _no_constant(name: str) -> Any:
+def refuse_constant(name: str) -> Any:
+    """``json.loads``' ``parse_constant``: NaN and Infinity are no summary's values."""
     raise ValueError(f"{name} is not allowed")
 
 
-def _want(cond: bool, what: str) -> None:
+# The checks both encodings' readers (this module and ``summary_packed``) refuse hostile
+# values with: each raises ``SummaryError`` with ``what`` in its one line.
+
+
+def want(cond: bool, what: str) -> None:
     if not cond:
         raise SummaryError(what)
 
 
-def _int(value: Any, what: str, lo: int = _INT64[0], hi: int = _INT64[1]) -> int:
-    _want(isinstance(value, int) and not isinstance(value, bool), f"{what} is not an integer")
-    _want(lo <= value <= hi, f"{what} {value} is out of range")
+def checked_int(value: Any, what: str, lo: int = _INT64[0], hi: int = _INT64[1]) -> int:
+    want(isinstance(value, int) and not isinstance(value, bool), f"{what} is not an integer")
+    want(lo <= value <= hi, f"{what} {value} is out of range")
     return value
 
 
-def _opt_int(value: Any, what: str, lo: int = _INT64[0], hi: int = _INT64[1]) -> int | None:
-    return None if value is None else _int(value, what, lo, hi)
+def optional_int(value: Any, what: str, lo: int = _INT64[0], hi: int = _INT64[1]) -> int | None:
+    return None if value is None else checked_int(value, what, lo, hi)
 
 
-def _opt_bool(value: Any, what: str) -> bool | None:
-    _want(value is None or isinstance(value, bool), f"{what} is not true, false or null")
+def optional_bool(value: Any, what: str) -> bool | None:
+    want(value is None or isinstance(value, bool), f"{what} is not true, false or null")
     return value
 
 
-def _opt_str(value: Any, what: str, limit: int) -> str | None:
+def optional_str(value: Any, what: str, limit: int) -> str | None:
     if value is None:
         return None
-    _want(isinstance(value, str), f"{what} is not a string")
-    _want(len(value) <= limit, f"{what} is longer than {limit} characters")
+    want(isinstance(value, str), f"{what} is not a string")
+    want(len(value) <= limit, f"{what} is longer than {limit} characters")
     return value
 
 
@@ -556,17 +635,17 @@ def rank_fields(doc: dict[str, Any]) -> dict[str, Any]:
     # process's path
 
     get = doc.get
-    rank = _int(get("rank"), "rank", 0, MAX_WORLD_SIZE - 1)
-    world = _opt_int(get("world_size"), "world_size", 1, MAX_WORLD_SIZE)
-    _want(world is None or rank < world, f"rank {rank} is not below world_size {world}")
+    rank = checked_int(get("rank"), "rank", 0, MAX_WORLD_SIZE - 1)
+    world = optional_int(get("world_size"), "world_size", 1, MAX_WORLD_SIZE)
+    want(world is None or rank < world, f"rank {rank} is not below world_size {world}")
     ident_raw = get("identity") or {}
-    _want(type(ident_raw) is dict, "identity is not an object")
+    want(type(ident_raw) is dict, "identity is not an object")
     exit_raw = get("exit") or {}
-    _want(type(exit_raw) is dict, "exit is not an object")
-    exit_kind = _opt_str(exit_raw.get("kind"), "exit.kind", 32)
-    _want(exit_kind is None or exit_kind in EXIT_KINDS, f"unknown exit kind {exit_kind!r}")
+    want(type(exit_raw) is dict, "exit is not an object")
+    exit_kind = optional_str(exit_raw.get("kind"), "exit.kind", 32)
+    want(exit_kind is None or exit_kind in EXIT_KINDS, f"unknown exit kind {exit_kind!r}")
     notes = get("notes") or []
-    _want(type(notes) is list and len(notes) <= MAX_NOTES, "notes is not a short list")
+    want(type(notes) is list and len(notes) <= MAX_NOTES, "notes is not a short list")
     out: dict[str, Any] = {
         "rank": rank,
         "world_size": world,
@@ -576,19 +655,19 @@ def rank_fields(doc: dict[str, Any]) -> dict[str, Any]:
     for key, default, lo, nullable in _RANK_INTS:
         value = get(key, default)
         if type(value) is not int or not lo <= value <= hi:
-            value = (_opt_int if nullable else _int)(value, key, lo)
+            value = (optional_int if nullable else checked_int)(value, key, lo)
         out[key] = value
     for key in ("stalled", "alive", "wrapped"):
         value = get(key)
-        _want(value is None or type(value) is bool, f"{key} is not true, false or null")
+        want(value is None or type(value) is bool, f"{key} is not true, false or null")
         out[key] = value
     out["wrapped"] = bool(out["wrapped"])
     out["exit_kind"] = exit_kind
-    out["exit_detail"] = _opt_str(exit_raw.get("detail"), "exit.detail", MAX_STRING_CHARS)
-    out["stacks"] = _opt_str(get("stacks"), "stacks", MAX_STACKS_CHARS)
-    out["notes"] = [_opt_str(n, "a note", 1024) or "" for n in notes] if notes else []
+    out["exit_detail"] = optional_str(exit_raw.get("detail"), "exit.detail", MAX_STRING_CHARS)
+    out["stacks"] = optional_str(get("stacks"), "stacks", MAX_STACKS_CHARS)
+    out["notes"] = [optional_str(n, "a note", 1024) or "" for n in notes] if notes else []
     phase = get("startup_phase")
-    _want(phase is None or phase in STARTUP_PHASES, f"unknown start-up phase {str(phase)[:32]!r}")
+    want(phase is None or phase in STARTUP_PHASES, f"unknown start-up phase {str(phase)[:32]!r}")
     out["startup_phase"] = phase
     return out
 
@@ -596,75 +675,75 @@ def rank_fields(doc: dict[str, Any]) -> dict[str, Any]:
 def _rank(doc: dict[str, Any]) -> RankSummary:
     fields = rank_fields(doc)
     strings = doc.get("strings")
-    _want(isinstance(strings, list) and len(strings) >= 1, "strings is not a list")
-    _want(len(strings) <= MAX_STRINGS, f"more than {MAX_STRINGS} strings")
+    want(isinstance(strings, list) and len(strings) >= 1, "strings is not a list")
+    want(len(strings) <= MAX_STRINGS, f"more than {MAX_STRINGS} strings")
     for s in strings:
-        _want(isinstance(s, str) and len(s) <= MAX_STRING_CHARS, "a string is too long or not one")
-    _want(strings[0] == "", "strings[0] must be the empty string")
+        want(isinstance(s, str) and len(s) <= MAX_STRING_CHARS, "a string is too long or not one")
+    want(strings[0] == "", "strings[0] must be the empty string")
     groups = _groups(doc.get("groups"))
     return RankSummary(**fields, groups=groups, entries=_entries(doc, strings, len(groups)))
 
 
 def _groups(raw: Any) -> list[SummaryGroup]:
-    _want(isinstance(raw, list), "groups is not a list")
-    _want(len(raw) <= MAX_GROUPS, f"more than {MAX_GROUPS} groups")
+    want(isinstance(raw, list), "groups is not a list")
+    want(len(raw) <= MAX_GROUPS, f"more than {MAX_GROUPS} groups")
     out = []
     for i, g in enumerate(raw):
-        _want(isinstance(g, dict), f"group {i} is not an object")
-        name = _opt_str(g.get("name"), f"group {i} name", MAX_IDENTITY_CHARS) or ""
-        desc = _opt_str(g.get("desc"), f"group {i} desc", MAX_IDENTITY_CHARS) or ""
-        text = _opt_str(g.get("ranks"), f"group {i} ranks", MAX_STRING_CHARS) or ""
+        want(isinstance(g, dict), f"group {i} is not an object")
+        name = optional_str(g.get("name"), f"group {i} name", MAX_IDENTITY_CHARS) or ""
+        desc = optional_str(g.get("desc"), f"group {i} desc", MAX_IDENTITY_CHARS) or ""
+        text = optional_str(g.get("ranks"), f"group {i} ranks", MAX_STRING_CHARS) or ""
         try:
             ranks = parse_ranks(text)
         except RankTextError as e:
             raise SummaryError(f"group {i} ranks: {e}") from None
         frontier = g.get("frontier")
-        _want(isinstance(frontier, list) and len(frontier) == 5, f"group {i} frontier")
-        f = [_int(v, f"group {i} frontier", -1) for v in frontier]
-        local = _opt_bool(g.get("local_peers"), f"group {i} local_peers")
+        want(isinstance(frontier, list) and len(frontier) == 5, f"group {i} frontier")
+        f = [checked_int(v, f"group {i} frontier", -1) for v in frontier]
+        local = optional_bool(g.get("local_peers"), f"group {i} local_peers")
         out.append(SummaryGroup(name, desc, ranks, *f, local_peers=bool(local)))
     return out
 
 
 def _entries(doc: dict[str, Any], strings: list[str], n_groups: int) -> list[SummaryEntry]:
     columns = doc.get("columns")
-    _want(isinstance(columns, list) and all(isinstance(c, str) for c in columns), "columns")
+    want(isinstance(columns, list) and all(isinstance(c, str) for c in columns), "columns")
     where = {name: i for i, name in enumerate(columns)}
     missing = [
         name for name in ("record_id", "op", "state", "time_created_ns") if name not in where
     ]
-    _want(not missing, f"columns lack {', '.join(missing)}")
+    want(not missing, f"columns lack {', '.join(missing)}")
     rows = doc.get("entries")
-    _want(isinstance(rows, list), "entries is not a list")
-    _want(len(rows) <= MAX_ENTRIES, f"more than {MAX_ENTRIES} entries")
+    want(isinstance(rows, list), "entries is not a list")
+    want(len(rows) <= MAX_ENTRIES, f"more than {MAX_ENTRIES} entries")
     n_strings = len(strings)
     out = []
     for k, row in enumerate(rows):
-        _want(isinstance(row, list) and len(row) == len(columns), f"entry {k} has the wrong shape")
+        want(isinstance(row, list) and len(row) == len(columns), f"entry {k} has the wrong shape")
         values: dict[str, Any] = {}
         for name, kind in ENTRY_COLUMNS:
             i = where.get(name)
             value = None if i is None else row[i]
             what = f"entry {k} {name}"
             if kind == "s":
-                idx = _int(0 if value is None else value, what, 0, n_strings - 1)
+                idx = checked_int(0 if value is None else value, what, 0, n_strings - 1)
                 values[name] = strings[idx]
             elif kind == "b":
-                values[name] = bool(_int(0 if value is None else value, what, 0, 1))
+                values[name] = bool(checked_int(0 if value is None else value, what, 0, 1))
             elif kind == "i":
-                values[name] = _int(0 if value is None else value, what)
+                values[name] = checked_int(0 if value is None else value, what)
             elif kind == "n":
-                values[name] = _opt_int(value, what)
+                values[name] = optional_int(value, what)
             else:
-                _want(
+                want(
                     value is None
                     or (isinstance(value, (int, float)) and not isinstance(value, bool)),
                     f"{what} is not a number",
                 )
                 values[name] = None if value is None else float(value)
-        _want(values["state"] in _STATES, f"entry {k} state {values['state']!r} is unknown")
-        _want(values["retired"] in (None, 0, 1), f"entry {k} retired is not 0, 1 or null")
-        _want(-1 <= values["group"] < max(n_groups, 1) or n_groups == 0, f"entry {k} group")
+        want(values["state"] in _STATES, f"entry {k} state {values['state']!r} is unknown")
+        want(values["retired"] in (None, 0, 1), f"entry {k} retired is not 0, 1 or null")
+        want(-1 <= values["group"] < max(n_groups, 1) or n_groups == 0, f"entry {k} group")
         if values["group"] >= n_groups:
             values["group"] = -1
         out.append(SummaryEntry(**values))

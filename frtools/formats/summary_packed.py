@@ -26,16 +26,18 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 import struct
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import chain
 from typing import Any
 
 import numpy as np
 
 from frtools.formats.summary import (
+    ENTRY_FIELDS,
     FORMAT,
     MAX_DOCUMENT_BYTES,
     MAX_ENTRIES,
@@ -49,20 +51,26 @@ from frtools.formats.summary import (
     SummaryEntry,
     SummaryError,
     SummaryGroup,
-    _int,
-    _opt_bool,
-    _opt_int,
-    _opt_str,
-    _want,
+    checked_int,
+    optional_bool,
+    optional_int,
+    optional_str,
     rank_fields,
+    rank_header,
+    refuse_constant,
+    want,
 )
 from frtools.model.ranks import RankTextError, format_ranks, parse_ranks
 
 __all__ = [
+    "COLUMNS",
     "DEFAULT_HOST_WINDOW",
     "MAGIC",
+    "NUMBER_COLUMNS",
     "PACKED_KIND",
     "PACKED_SUFFIX",
+    "STATE_CODES",
+    "STRING_COLUMNS",
     "PackedHost",
     "PackedRank",
     "decode_packed",
@@ -91,36 +99,19 @@ _ALL_LISTS, _SIX, _ALL_INTS = {list}, {6}, {int}
 # Column codecs: d8 int64 stored as differences to the previous row; r8:<col> int64 stored
 # relative to another column of the same row; i1/i2/i4/i8 plain signed, u1 unsigned, s4 an
 # index into the host's strings (uint32), f8 a float64. A trailing "?" marks a nullable
-# column: a validity bitmap (numpy packbits, big bit order) precedes its values.
-COLUMNS: tuple[tuple[str, str], ...] = (
-    ("record_id", "d8"),
-    ("group", "i2"),  # index into the rank's own group list; -1: unknown
-    ("collective_seq_id", "d8"),
-    ("p2p_seq_id", "d8"),
-    ("is_p2p", "u1"),
-    ("op", "s4"),
-    ("peer", "i4?"),
-    ("input_sizes", "s4"),
-    ("output_sizes", "s4"),
-    ("input_dtypes", "s4"),
-    ("output_dtypes", "s4"),
-    ("state", "u1"),  # index into STATE_CODES
-    ("time_created_ns", "d8"),
-    ("time_started_ns", "r8?:time_created_ns"),
-    ("time_completed_ns", "r8?:time_created_ns"),
-    ("duration_ms", "f8?"),
-    ("thread_id", "s4"),
-    ("thread_name", "s4"),
-    ("stack", "s4"),
-    ("error", "s4"),
-    ("retired", "i1?"),
-    ("timeout_ms", "i8?"),
-    ("call_site", "s4"),
-    ("splits", "s4"),
+# column: a validity bitmap (numpy packbits, big bit order) precedes its values. The
+# columns are the entry's fields, in SummaryEntry's order, each with the codec its field
+# names (``formats.summary``: one field list for both encodings).
+COLUMNS: tuple[tuple[str, str], ...] = tuple(
+    (f.name, f.metadata["packed"]) for f in fields(SummaryEntry)
 )
 _NUMPY = {"d8": "<i8", "r8": "<i8", "i1": "<i1", "i2": "<i2", "i4": "<i4", "i8": "<i8",
           "u1": "<u1", "s4": "<u4", "f8": "<f8"}  # fmt: skip
-_STRING_FIELDS = tuple(name for name, codec in COLUMNS if codec == "s4")
+# the columns that index the host's strings, and those that hold numbers
+STRING_COLUMNS = tuple(name for name, codec in COLUMNS if codec == "s4")
+NUMBER_COLUMNS = tuple(name for name, codec in COLUMNS if codec != "s4")
+_STATE_CODE = {name: code for code, name in enumerate(STATE_CODES)}
+_ENTRY_VALUES = operator.attrgetter(*ENTRY_FIELDS)
 _ITEMSIZE = {codec: np.dtype(t).itemsize for codec, t in _NUMPY.items()}
 
 
@@ -222,7 +213,7 @@ def encode_packed(
         return i
 
     ranks_doc = []
-    rows: dict[str, list[Any]] = {name: [] for name, _ in COLUMNS}
+    values_of: list[tuple[Any, ...]] = []  # per entry, its fields in ENTRY_FIELDS order
     for s in summaries:
         mine = []
         for g in s.groups:
@@ -233,43 +224,13 @@ def encode_packed(
                 [hg, g.last_enqueued_collective, g.last_started_collective,
                  g.last_completed_collective, g.last_enqueued_p2p, g.last_completed_p2p]
             )  # fmt: skip
-        ranks_doc.append(
-            {
-                "rank": s.rank,
-                "world_size": s.world_size,
-                "identity": s.identity,
-                "groups": mine,
-                "entries": len(s.entries),
-                "taken_ns": s.taken_ns,
-                "heartbeat_ns": s.heartbeat_ns,
-                "dump_time_ns": s.dump_time_ns,
-                "stalled": s.stalled,
-                "alive": s.alive,
-                "wrapped": s.wrapped,
-                "records_written": s.records_written,
-                "omitted": s.omitted,
-                "exit": {"kind": s.exit_kind, "detail": s.exit_detail},
-                "stacks": s.stacks,
-                "notes": s.notes,
-                "startup_phase": s.startup_phase,
-            }
-        )
-        for e in s.entries:
-            for name in _STRING_FIELDS:
-                rows[name].append(sid(getattr(e, name)))
-            rows["record_id"].append(e.record_id)
-            rows["group"].append(e.group)
-            rows["collective_seq_id"].append(e.collective_seq_id)
-            rows["p2p_seq_id"].append(e.p2p_seq_id)
-            rows["is_p2p"].append(1 if e.is_p2p else 0)
-            rows["peer"].append(e.peer)
-            rows["state"].append(STATE_CODES.index(e.state))
-            rows["time_created_ns"].append(e.time_created_ns)
-            rows["time_started_ns"].append(e.time_started_ns)
-            rows["time_completed_ns"].append(e.time_completed_ns)
-            rows["duration_ms"].append(e.duration_ms)
-            rows["retired"].append(e.retired)
-            rows["timeout_ms"].append(e.timeout_ms)
+        ranks_doc.append({**rank_header(s), "groups": mine, "entries": len(s.entries)})
+        values_of.extend(map(_ENTRY_VALUES, s.entries))
+    by_field = zip(*values_of, strict=True) if values_of else ([] for _ in ENTRY_FIELDS)
+    rows: dict[str, list[Any]] = dict(zip(ENTRY_FIELDS, map(list, by_field), strict=True))
+    for name in STRING_COLUMNS:
+        rows[name] = [sid(v) for v in rows[name]]
+    rows["state"] = [_STATE_CODE[v] for v in rows["state"]]
     body: list[bytes] = []
     values: dict[str, np.ndarray] = {}
     for name, spec in COLUMNS:
@@ -372,70 +333,66 @@ def _head(data: bytes) -> _Head:
     if not looks_packed(data):
         raise SummaryError("not a packed frtools host summary (no FRTSUMPK magic)")
     raw = _inflate(bytes(data))
-    _want(len(raw) >= 4, "packed summary without a header")
+    want(len(raw) >= 4, "packed summary without a header")
     (head_len,) = struct.unpack_from("<I", raw)
-    _want(head_len <= min(len(raw) - 4, MAX_HEADER_BYTES), "packed summary header is cut")
+    want(head_len <= min(len(raw) - 4, MAX_HEADER_BYTES), "packed summary header is cut")
     try:
-        header = json.loads(raw[4 : 4 + head_len], parse_constant=_no_constant)
+        header = json.loads(raw[4 : 4 + head_len], parse_constant=refuse_constant)
     except RecursionError:
         raise SummaryError("packed summary header nests too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise SummaryError(f"packed summary header is not JSON: {str(e)[:120]}") from None
-    _want(isinstance(header, dict) and header.get("format") == FORMAT, "not an frtools summary")
+    want(isinstance(header, dict) and header.get("format") == FORMAT, "not an frtools summary")
     version = header.get("version")
-    _want(version == VERSION, f"unsupported summary version {version!r} (this reads {VERSION})")
-    _want(header.get("kind") == PACKED_KIND, f"unknown summary kind {header.get('kind')!r}")
+    want(version == VERSION, f"unsupported summary version {version!r} (this reads {VERSION})")
+    want(header.get("kind") == PACKED_KIND, f"unknown summary kind {header.get('kind')!r}")
     strings = header.get("strings")
-    _want(isinstance(strings, list) and 1 <= len(strings) <= MAX_HOST_STRINGS, "strings")
-    _want(
+    want(isinstance(strings, list) and 1 <= len(strings) <= MAX_HOST_STRINGS, "strings")
+    want(
         all(type(s) is str and len(s) <= MAX_STRING_CHARS for s in strings),
         "a string is too long or not one",
     )
-    _want(strings[0] == "", "strings[0] must be the empty string")
+    want(strings[0] == "", "strings[0] must be the empty string")
     groups = _host_groups(header.get("groups"))
     ranks = _ranks(header.get("ranks"), len(groups))
     counts = np.array([r.n_entries for r in ranks], dtype=np.int64)
     n = int(counts.sum())
-    _want(n <= MAX_HOST_ENTRIES, f"more than {MAX_HOST_ENTRIES} entries")
+    want(n <= MAX_HOST_ENTRIES, f"more than {MAX_HOST_ENTRIES} entries")
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     body = memoryview(raw)[4 + head_len :]
     layout = _layout(header.get("columns"), len(body), n)
-    host = _opt_str(header.get("host"), "host", MAX_IDENTITY_CHARS)
-    window = _opt_int(header.get("window"), "window", 1, MAX_ENTRIES)
+    host = optional_str(header.get("host"), "host", MAX_IDENTITY_CHARS)
+    window = optional_int(header.get("window"), "window", 1, MAX_ENTRIES)
     packed = PackedHost(host, window, strings, groups, ranks, offsets, {}, {})
     return _Head(packed, np.frombuffer(body, dtype=np.uint8), len(strings), layout)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
-
-
 def _host_groups(raw: Any) -> list[tuple[str, str, str, tuple[int, ...], bool]]:
-    _want(isinstance(raw, list) and len(raw) <= MAX_GROUPS * 8, "groups is not a short list")
+    want(isinstance(raw, list) and len(raw) <= MAX_GROUPS * 8, "groups is not a short list")
     out = []
     for i, g in enumerate(raw):
-        _want(isinstance(g, list) and len(g) == 4, f"group {i} is not [name, desc, ranks, local]")
-        name = _opt_str(g[0], f"group {i} name", MAX_IDENTITY_CHARS) or ""
-        desc = _opt_str(g[1], f"group {i} desc", MAX_IDENTITY_CHARS) or ""
-        text = _opt_str(g[2], f"group {i} ranks", MAX_STRING_CHARS) or ""
+        want(isinstance(g, list) and len(g) == 4, f"group {i} is not [name, desc, ranks, local]")
+        name = optional_str(g[0], f"group {i} name", MAX_IDENTITY_CHARS) or ""
+        desc = optional_str(g[1], f"group {i} desc", MAX_IDENTITY_CHARS) or ""
+        text = optional_str(g[2], f"group {i} ranks", MAX_STRING_CHARS) or ""
         try:
             ranks = parse_ranks(text) if text else ()
         except RankTextError as e:
             raise SummaryError(f"group {i} ranks: {e}") from None
-        local = _opt_bool(g[3], f"group {i} local")
+        local = optional_bool(g[3], f"group {i} local")
         out.append((name, desc, text, ranks, bool(local)))
     return out
 
 
 def _ranks(raw: Any, n_groups: int) -> list[PackedRank]:
-    _want(isinstance(raw, list) and len(raw) <= MAX_HOST_RANKS, "ranks is not a short list")
+    want(isinstance(raw, list) and len(raw) <= MAX_HOST_RANKS, "ranks is not a short list")
     out = []
     for i, doc in enumerate(raw):
-        _want(isinstance(doc, dict), f"rank item {i} is not an object")
+        want(isinstance(doc, dict), f"rank item {i} is not an object")
         fields = rank_fields(doc)
         rank = fields["rank"]
         groups_raw = doc.get("groups")
-        _want(isinstance(groups_raw, list) and len(groups_raw) <= MAX_GROUPS, "rank groups")
+        want(isinstance(groups_raw, list) and len(groups_raw) <= MAX_GROUPS, "rank groups")
         # thousands of hosts x ranks x groups: checked in bulk (map, not a loop per value)
         if groups_raw:
             flat = (
@@ -443,24 +400,24 @@ def _ranks(raw: Any, n_groups: int) -> list[PackedRank]:
                 if set(map(type, groups_raw)) <= _ALL_LISTS
                 else ()
             )
-            _want(
+            want(
                 len(flat) == 6 * len(groups_raw)
                 and set(map(len, groups_raw)) <= _SIX
                 and set(map(type, flat)) <= _ALL_INTS,
                 f"rank {rank} groups are not lists of 6 integers",
             )
             first = flat[0::6]
-            _want(
+            want(
                 min(first) >= 0 and max(first) < n_groups,
                 f"rank {rank} names a group beyond the host's table",
             )
             # every value but the group index is a frontier value; those are >= 0
-            _want(min(flat) >= -1 and max(flat) <= _INT64_MAX, f"rank {rank} frontier out of range")
+            want(min(flat) >= -1 and max(flat) <= _INT64_MAX, f"rank {rank} frontier out of range")
         out.append(
             PackedRank(
                 **fields,
                 groups=[(g[0], tuple(g[1:])) for g in groups_raw],  # type: ignore[misc]
-                n_entries=_int(doc.get("entries"), "entries", 0, MAX_ENTRIES),
+                n_entries=checked_int(doc.get("entries"), "entries", 0, MAX_ENTRIES),
             )
         )
     return out
@@ -469,7 +426,7 @@ def _ranks(raw: Any, n_groups: int) -> list[PackedRank]:
 @functools.lru_cache(maxsize=64)
 def _codec_checked(spec: str) -> tuple[str, bool, str | None]:
     codec, nullable, base = _codec(spec)
-    _want(codec in _NUMPY, f"has an unknown codec {spec[:40]!r}")
+    want(codec in _NUMPY, f"has an unknown codec {spec[:40]!r}")
     return codec, nullable, base
 
 
@@ -477,11 +434,11 @@ def _layout(raw: Any, size: int, n: int) -> dict[str, tuple[str, str | None, int
     """Where each column the header lists lies in the body, in the order listed; a column
     this reader does not know is skipped by its codec's size, and the body must end with
     the last one."""
-    _want(isinstance(raw, list) and len(raw) <= 256, "columns is not a short list")
+    want(isinstance(raw, list) and len(raw) <= 256, "columns is not a short list")
     layout: dict[str, tuple[str, str | None, int, int]] = {}
     pos = 0
     for item in raw:
-        _want(
+        want(
             type(item) is list and len(item) == 2 and all(type(x) is str for x in item),
             "a column is not [name, codec]",
         )
@@ -494,14 +451,14 @@ def _layout(raw: Any, size: int, n: int) -> dict[str, tuple[str, str | None, int
         if nullable:
             bits = pos
             pos += (n + 7) // 8
-            _want(pos <= size, f"column {name[:40]} is cut")
+            want(pos <= size, f"column {name[:40]} is cut")
         start = pos
         pos += n * _ITEMSIZE[codec]
-        _want(pos <= size, f"column {name[:40]} is cut")
+        want(pos <= size, f"column {name[:40]} is cut")
         if codec == "r8":
-            _want(base in layout, f"column {name[:40]} is relative to a missing column")
+            want(base in layout, f"column {name[:40]} is relative to a missing column")
         layout[name] = (codec, base, bits, start)
-    _want(pos == size, "packed summary has bytes after its last column")
+    want(pos == size, "packed summary has bytes after its last column")
     return layout
 
 
@@ -584,7 +541,7 @@ def _check_columns(heads: list[_Head], rows: np.ndarray) -> dict[int, SummaryErr
             if name not in h.host.columns:
                 errors.setdefault(k, SummaryError(f"columns lack {name}"))
     n_strings = np.array([h.n_strings for h in heads], dtype=np.int64)
-    for name in _STRING_FIELDS:
+    for name in STRING_COLUMNS:
         fail(
             per_host(name, lambda v, o, _: v.astype(np.int64) >= n_strings[o]),
             f"column {name} names a string beyond the table",
@@ -628,40 +585,19 @@ def to_summaries(packed: PackedHost) -> list[RankSummary]:
         a = cols.get(name)
         return [""] * n if a is None else [strings[i] for i in a.tolist()]
 
-    c = {name: column(name, None) for name, _ in COLUMNS if name not in _STRING_FIELDS}
-    t = {name: text(name) for name in _STRING_FIELDS}
+    c = {name: column(name, None) for name in NUMBER_COLUMNS}
+    c["group"] = [-1 if v is None else v for v in c["group"]]
+    for name in ("collective_seq_id", "p2p_seq_id"):
+        c[name] = [v or 0 for v in c[name]]
+    c["is_p2p"] = [bool(v) for v in c["is_p2p"]]
+    c["state"] = [STATE_CODES[v] for v in c["state"]]
+    c.update({name: text(name) for name in STRING_COLUMNS})
+    # one tuple per op in SummaryEntry's field order (the field list is one)
+    values = list(zip(*(c[name] for name in ENTRY_FIELDS), strict=True)) if n else []
     out = []
     for k, r in enumerate(packed.ranks):
         lo, hi = int(packed.offsets[k]), int(packed.offsets[k + 1])
-        entries = [
-            SummaryEntry(
-                record_id=c["record_id"][i],
-                group=c["group"][i] if c["group"][i] is not None else -1,
-                collective_seq_id=c["collective_seq_id"][i] or 0,
-                p2p_seq_id=c["p2p_seq_id"][i] or 0,
-                is_p2p=bool(c["is_p2p"][i]),
-                op=t["op"][i],
-                peer=c["peer"][i],
-                input_sizes=t["input_sizes"][i],
-                output_sizes=t["output_sizes"][i],
-                input_dtypes=t["input_dtypes"][i],
-                output_dtypes=t["output_dtypes"][i],
-                state=STATE_CODES[c["state"][i]],
-                time_created_ns=c["time_created_ns"][i],
-                time_started_ns=c["time_started_ns"][i],
-                time_completed_ns=c["time_completed_ns"][i],
-                duration_ms=c["duration_ms"][i],
-                thread_id=t["thread_id"][i],
-                thread_name=t["thread_name"][i],
-                stack=t["stack"][i],
-                error=t["error"][i],
-                retired=c["retired"][i],
-                timeout_ms=c["timeout_ms"][i],
-                call_site=t["call_site"][i],
-                splits=t["splits"][i],
-            )
-            for i in range(lo, hi)
-        ]
+        entries = [SummaryEntry(*v) for v in values[lo:hi]]
         groups = [
             SummaryGroup(
                 packed.groups[hg][0],

@@ -15,7 +15,13 @@ import functools
 
 import numpy as np
 
-from frtools.formats.summary import MAX_PENDING, RankSummary, SummaryEntry, SummaryGroup
+from frtools.formats.summary import (
+    RankSummary,
+    SummaryEntry,
+    SummaryGroup,
+    completed_ops,
+    kept_positions,
+)
 from frtools.formats.summary_packed import DEFAULT_HOST_WINDOW, encode_packed, host_file_name
 
 from .job import (
@@ -76,12 +82,9 @@ def rank_summary(
     # the box's rows: [barrier] + the window's records; states 0 completed, 1, 2
     done = a.state == 0
     rows_state = np.concatenate([[0], a.state]) if a.barrier else a.state
-    in_rows = np.arange(n)
-    recent = in_rows[-window:] if window < n else in_rows
-    older = in_rows[: max(0, n - window)]
-    if len(older):
-        older = older[rows_state[older] != 0][:MAX_PENDING]
-    kept = np.concatenate([older, recent]).astype(np.int64)
+    # the model's states are exact (its frontiers never say more than they do), and its
+    # retired flags are its states: the keep rule asks only them
+    kept = kept_positions(n, window, lambda older: completed_ops(rows_state[older] == 0))
 
     # the kinds the kept ops use (a group of this rank alone, unused, is left out, as
     # frtools summarize does)

@@ -31,7 +31,9 @@ from frtools.formats.summary import (
     looks_like_summary,
 )
 from frtools.formats.summary_packed import (
+    NUMBER_COLUMNS,
     STATE_CODES,
+    STRING_COLUMNS,
     PackedHost,
     PackedRank,
     decode_packed,
@@ -287,9 +289,6 @@ def packed_to_arrow(
     strings = _Interner()
     n_host = np.array([h.n_entries for h in hosts], dtype=np.int64)
     n_total = int(n_host.sum())
-    string_cols = ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes",
-                   "thread_id", "thread_name", "stack", "error", "op", "call_site",
-                   "splits")  # fmt: skip
     group_index: dict[tuple[str, str], int] = {}
     group_names: list[str] = []
     group_descs: list[str] = []
@@ -359,23 +358,12 @@ def packed_to_arrow(
     row_str_base = str_base[:-1][host_of_row]
     text_codes = {
         name: code_all[row_str_base + batch(name, np.uint32).astype(np.int64)]
-        for name in string_cols
+        for name in STRING_COLUMNS
     }
     ints = {
         name: batch(name, np.int64).astype(np.int64, copy=False)
-        for name in (
-            "record_id",
-            "collective_seq_id",
-            "p2p_seq_id",
-            "is_p2p",
-            "state",
-            "time_created_ns",
-            "peer",
-            "time_started_ns",
-            "time_completed_ns",
-            "timeout_ms",
-            "retired",
-        )
+        for name in NUMBER_COLUMNS
+        if name not in ("group", "duration_ms")  # mapped through group tables; a float
     }
     d = batch("duration_ms", np.float64, fill=0)
     duration_null = nulls("duration_ms")
