@@ -36,12 +36,13 @@ MAX_WORKERS = 8
 
 # id(RankDump) -> (table, offset, rows), for one load: a dump whose entries are rows of a
 # table it shares with other dumps (a batch of host summaries, a worker's chunk). Its
-# ``entries`` stay None until needed (``_entries``): slicing 131,072 tables costs seconds,
+# ``entries`` stay None until needed (``entries``): slicing 131,072 tables costs seconds,
 # and the final concatenation takes runs of adjacent rows as one slice.
 Spans = dict[int, tuple[pa.Table, int, int]]
 
 
 def entries(d: RankDump, spans: Spans) -> pa.Table:
+    """A dump's entries: its slice of a shared table, taken when first asked."""
     if d.entries is None:
         table, offset, rows = spans[id(d)]
         d.entries = table.slice(offset, rows)
