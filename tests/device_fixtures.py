@@ -17,6 +17,19 @@ def pci_bus_id(index: int) -> str:
     return f"00000000:{PCI_BUSES[index]:02X}:00.0"
 
 
+def _ecc(scope: str, dram_correctable: int, dram_uncorrectable: int) -> str:
+    """One ECC counter block of the DTD (newer drivers split SRAM uncorrectable in two)."""
+    return (
+        f"\t\t\t<{scope}>\n"
+        "\t\t\t\t<sram_correctable>0</sram_correctable>\n"
+        "\t\t\t\t<sram_uncorrectable_parity>0</sram_uncorrectable_parity>\n"
+        "\t\t\t\t<sram_uncorrectable_secded>0</sram_uncorrectable_secded>\n"
+        f"\t\t\t\t<dram_correctable>{dram_correctable}</dram_correctable>\n"
+        f"\t\t\t\t<dram_uncorrectable>{dram_uncorrectable}</dram_uncorrectable>\n"
+        f"\t\t\t</{scope}>\n"
+    )
+
+
 def gpu_xml(index: int, *, dram_uncorrectable: int = 0, remap_pending: bool = False) -> str:
     return f"""\
 \t<gpu id="{pci_bus_id(index)}">
@@ -41,22 +54,7 @@ def gpu_xml(index: int, *, dram_uncorrectable: int = 0, remap_pending: bool = Fa
 \t\t\t<pending_ecc>Enabled</pending_ecc>
 \t\t</ecc_mode>
 \t\t<ecc_errors>
-\t\t\t<volatile>
-\t\t\t\t<sram_correctable>0</sram_correctable>
-\t\t\t\t<sram_uncorrectable_parity>0</sram_uncorrectable_parity>
-\t\t\t\t<sram_uncorrectable_secded>0</sram_uncorrectable_secded>
-\t\t\t\t<dram_correctable>3</dram_correctable>
-\t\t\t\t<dram_uncorrectable>{dram_uncorrectable}</dram_uncorrectable>
-\t\t\t</volatile>
-\t\t\t<aggregate>
-\t\t\t\t<sram_correctable>0</sram_correctable>
-\t\t\t\t<sram_uncorrectable_parity>0</sram_uncorrectable_parity>
-\t\t\t\t<sram_uncorrectable_secded>0</sram_uncorrectable_secded>
-\t\t\t\t<dram_correctable>12</dram_correctable>
-\t\t\t\t<dram_uncorrectable>{dram_uncorrectable}</dram_uncorrectable>
-\t\t\t\t<sram_threshold_exceeded>No</sram_threshold_exceeded>
-\t\t\t</aggregate>
-\t\t</ecc_errors>
+{_ecc("volatile", 3, dram_uncorrectable)}{_ecc("aggregate", 12, dram_uncorrectable)}\t\t</ecc_errors>
 \t\t<retired_pages>
 \t\t\t<multiple_single_bit_retirement>
 \t\t\t\t<retired_count>N/A</retired_count>
