@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 from device_fixtures import (
     BILLION_LAUGHS,
@@ -37,6 +38,7 @@ from frtools.formats.private_files import FILE_MODE
 from frtools.model.devices import HostDevices, IbPort
 from frtools.model.trace import RankInfo, Trace, entries_table
 
+SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "verdict.schema.json").read_text())
 WORLD = 4
 GUILTY = 1
 JOB = """
@@ -271,6 +273,7 @@ def test_xid_on_the_guilty_ranks_gpu_is_joined_to_the_verdict(job_dumps: dict[st
     proc = analyze(job_dumps["xid"], "--format", "json")
     assert proc.returncode == 1, proc.stderr
     doc = json.loads(proc.stdout)
+    jsonschema.Draft202012Validator(SCHEMA).validate(doc)
     [g] = doc["verdict"]["guilty"]
     assert g["rank"] == GUILTY
     assert (g["gpu"], g["gpu_inferred"], g["pci_bus_id"]) == (GUILTY, True, "0000:0f:00.0")
