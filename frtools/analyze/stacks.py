@@ -414,7 +414,7 @@ class NativeThread:
 
 
 def _opt_int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return limits.strict_int(value)  # the one rule for an int read from a file
 
 
 def _opt_str(value: object, n: int = MAX_NAME_CHARS) -> str | None:

@@ -38,6 +38,7 @@ from frtools.formats.blackbox import (
     owner_alive,
     read_snapshot,
 )
+from frtools.formats.limits import strict_int
 from frtools.formats.manifest import rank_file_name, rank_in_file_name
 
 # state byte of a finished slot
@@ -135,8 +136,7 @@ class JobLive:
 
 
 def _int(value: object) -> int | None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 31
-    return value if ok else None  # type: ignore[return-value]
+    return strict_int(value, lo=1, hi=(1 << 31) - 1)  # the one rule for an int read back
 
 
 def _text(value: object, limit: int = 256) -> str | None:
