@@ -6,9 +6,10 @@ never a lost verdict or another exit code.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -26,6 +27,7 @@ from frtools.formats.incidents import (
 )
 
 JOB_ID_LIMIT = 256
+T = TypeVar("T")
 
 
 def _clean(text: Any, limit: int = JOB_ID_LIMIT) -> str | None:
@@ -94,6 +96,13 @@ def _fingerprint(verdict: Any, trace: Any, job_id: str, source: str) -> str:
     )
 
 
+def _record(cls: type[T], source: Any, **fields: Any) -> T:
+    """A catalog record of ``cls`` with the fields of the same names as ``source``'s (a
+    verdict's guilty rank or device finding), ``fields`` set."""
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    return cls(**{n: getattr(source, n) for n in names if n not in fields}, **fields)
+
+
 def incident_from(verdict: Any, trace: Any, path: Path) -> IncidentRecord:
     """The catalog's record of one analysis."""
     job_id, source = job_identity(path, trace)
@@ -103,31 +112,9 @@ def incident_from(verdict: Any, trace: Any, path: Path) -> IncidentRecord:
         if isinstance(i.dump_time_ns, int) and i.dump_time_ns > 0
     ]
     pg = verdict.process_group
-    guilty = [
-        GuiltyRecord(
-            rank=g.rank,
-            host=g.host,
-            device=g.device,
-            device_id=g.device_id,
-            pid=g.pid,
-            local_rank=g.local_rank,
-            call_site=g.call_site,
-            reason=g.reason,
-        )
-        for g in verdict.guilty
-    ]
+    guilty = [_record(GuiltyRecord, g) for g in verdict.guilty]
     findings = [
-        FindingRecord(
-            rank=g.rank,
-            host=f.host or g.host,
-            source=f.source,
-            code=f.code,
-            text=f.text,
-            hardware=f.hardware,
-            gpu=f.gpu,
-            pci_bus_id=f.pci_bus_id,
-            time=f.time,
-        )
+        _record(FindingRecord, f, rank=g.rank, host=f.host or g.host)
         for g in verdict.guilty
         for f in getattr(g, "findings", ())
     ]
