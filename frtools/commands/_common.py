@@ -107,6 +107,37 @@ def reading_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return workers_option(world_size_option(command))
 
 
+def recorder_dir_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--dir D``: the recorder folder a command reads the live boxes from (``root``)."""
+    from frtools.config import DEFAULT_DIR
+
+    return click.option(
+        "--dir",
+        "root",
+        type=click.Path(file_okay=False),
+        help=f"Where the recorder writes (default: $FRTOOLS_DIR or {DEFAULT_DIR}).",
+    )(command)
+
+
+def store_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--store HOST:PORT`` and ``--prefix P``: the job's TCPStore and its key prefix."""
+    from frtools.config import DEFAULT_STORE_PREFIX
+
+    store = click.option(
+        "--store",
+        "store_addr",
+        metavar="HOST:PORT",
+        help="The job's TCPStore (MASTER_ADDR:MASTER_PORT under torchrun).",
+    )
+    prefix = click.option(
+        "--prefix",
+        default=None,
+        help="Key prefix in the store (default: $FRTOOLS_STORE_PREFIX or "
+        f"{DEFAULT_STORE_PREFIX!r}).",
+    )
+    return store(prefix(command))
+
+
 def file_command(name: str, default_output: str, what: str) -> Callable[[Callable[..., Any]], Any]:
     """A command that reads the dumps under PATH and writes one file: ``frtools NAME PATH
     [-o FILE]`` (``-`` for stdout), its usage errors one line."""

@@ -6,11 +6,11 @@ import contextlib
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 import click
 
-from frtools.commands._common import OneLineCommand, fail, run_guarded
-from frtools.config import DEFAULT_DIR
+from frtools.commands._common import OneLineCommand, fail, recorder_dir_option, run_guarded
 
 PREFIX = "frtools metrics"
 
@@ -38,12 +38,7 @@ PREFIX = "frtools metrics"
     help="With --textfile: seconds between two writes.",
 )
 @click.option("--once", is_flag=True, help="With --textfile: write once and exit.")
-@click.option(
-    "--dir",
-    "root",
-    type=click.Path(file_okay=False),
-    help=f"Where the recorder writes (default: $FRTOOLS_DIR or {DEFAULT_DIR}).",
-)
+@recorder_dir_option
 def metrics(
     job: str | None,
     port: int | None,
@@ -63,35 +58,39 @@ def metrics(
     """
     if (port is None) == (textfile is None):
         fail(PREFIX, "error: give one of --port P or --textfile PATH")
-    run_guarded(PREFIX, lambda: _run(job, port, host, textfile, interval, once, root))
-
-
-def _run(
-    job: str | None,
-    port: int | None,
-    host: str,
-    textfile: Path | None,
-    interval: float,
-    once: bool,
-    root: str | None,
-) -> int:
     from frtools.collect.live import read_jobs
-    from frtools.collect.metrics import registry_for, write_textfile
+    from frtools.collect.metrics import registry_for
 
     registry = registry_for(lambda: read_jobs(root, job))
+    if textfile is not None:
+        run_guarded(PREFIX, lambda: _write_every(registry, textfile, interval, once))
+    assert port is not None
+    run_guarded(PREFIX, lambda: _serve(registry, port, host))
+
+
+def _stop_on_sigterm() -> threading.Event:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    if textfile is not None:
-        while True:
-            try:
-                write_textfile(registry, textfile)
-            except OSError as exc:
-                fail(PREFIX, f"error: cannot write {textfile}: {exc.strerror or exc}")
-            if once or stop.wait(interval):
-                return 0
+    return stop
+
+
+def _write_every(registry: Any, textfile: Path, interval: float, once: bool) -> int:
+    from frtools.collect.metrics import write_textfile
+
+    stop = _stop_on_sigterm()
+    while True:
+        try:
+            write_textfile(registry, textfile)
+        except OSError as exc:
+            fail(PREFIX, f"error: cannot write {textfile}: {exc.strerror or exc}")
+        if once or stop.wait(interval):
+            return 0
+
+
+def _serve(registry: Any, port: int, host: str) -> int:
     from prometheus_client import start_http_server
 
-    assert port is not None
+    stop = _stop_on_sigterm()
     try:
         server, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:

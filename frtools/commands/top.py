@@ -16,8 +16,13 @@ from rich.text import Text
 
 from frtools.analyze.reporters.escape import terminal
 from frtools.collect.live import JobLive, RankLive
-from frtools.commands._common import OneLineCommand, fail, run_guarded
-from frtools.config import DEFAULT_DIR, DEFAULT_STORE_PREFIX
+from frtools.commands._common import (
+    OneLineCommand,
+    fail,
+    recorder_dir_option,
+    run_guarded,
+    store_options,
+)
 
 PREFIX = "frtools top"
 
@@ -30,23 +35,8 @@ PREFIX = "frtools top"
     is_flag=True,
     help="Every host's ranks through the job's TCPStore (needs --store), read only.",
 )
-@click.option(
-    "--store",
-    "store_addr",
-    metavar="HOST:PORT",
-    help="The job's TCPStore (MASTER_ADDR:MASTER_PORT under torchrun).",
-)
-@click.option(
-    "--prefix",
-    default=None,
-    help=f"Key prefix in the store (default: $FRTOOLS_STORE_PREFIX or {DEFAULT_STORE_PREFIX!r}).",
-)
-@click.option(
-    "--dir",
-    "root",
-    type=click.Path(file_okay=False),
-    help=f"Where the recorder writes (default: $FRTOOLS_DIR or {DEFAULT_DIR}).",
-)
+@store_options
+@recorder_dir_option
 @click.option(
     "--interval",
     type=click.FloatRange(min=0.2),
