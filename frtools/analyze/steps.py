@@ -141,6 +141,11 @@ def _op_text(op: StepOp) -> str:
     return f"{op.op}{peer} on group {op.pg_name}{where}"
 
 
+def _ops_text(ops: list[StepOp], shown: int = 2) -> str:
+    text = "; ".join(_op_text(s) for s in ops[:shown])
+    return text + (f" (and {len(ops) - shown} more)" if len(ops) > shown else "")
+
+
 def change_line(c: StepChange) -> str:
     """One sentence per change, naming both call sites."""
     good = c.step - 1
@@ -153,11 +158,11 @@ def change_line(c: StepChange) -> str:
             f"{was} in step {good}"
         )
     if c.change == "missing_op":
-        skipped = "; ".join(_op_text(s) for s in c.skipped)
+        skipped = _ops_text(c.skipped)
         tail = f", and went on to {_op_text(c.now)}" if c.now else ""
         return f"rank {c.rank} did not issue {skipped} in step {c.step}, as it did in step {good}{tail}"
     if c.change == "order" and c.now:
-        ahead = "; ".join(_op_text(s) for s in c.skipped)
+        ahead = _ops_text(c.skipped)
         return (
             f"rank {c.rank} issued {_op_text(c.now)} before {ahead} in step {c.step}; "
             f"in step {good} it came after"
@@ -250,11 +255,16 @@ def _period(tokens: np.ndarray, hint: int | None) -> tuple[int, int, int] | None
         _, start, length = runs(hint)
         if length:
             return hint, start - hint, start + length
-    dists: set[int] = set()
+    # a token seen once a step recurs at the step length: the rarest repeated tokens first
+    values, counts = np.unique(tokens, return_counts=True)
+    rare = values[np.argsort(counts, kind="stable")][counts[np.argsort(counts)] >= 2][:3]
+    candidates: list[int] = []
+    for value in rare.tolist():
+        candidates += np.diff(np.flatnonzero(tokens == value)).tolist()
     for anchor in (n // 4, n // 2, (3 * n) // 4, n - 2):
         same = np.flatnonzero(tokens == tokens[anchor])
-        dists.update(np.abs(same - anchor).tolist())
-    candidates = sorted(d for d in dists if 0 < d <= n // 2 + 1 and d < n)[:CANDIDATES]
+        candidates += sorted(np.abs(same - anchor).tolist())[:CANDIDATES]
+    candidates = list(dict.fromkeys(d for d in candidates if 0 < d <= n // 2 + 1))[:CANDIDATES]
     best: tuple[int, int, int] | None = None
     best_span = 0
     for p in candidates:
