@@ -175,6 +175,14 @@ def test_an_inferred_gpu_is_said_to_be_inferred() -> None:
     assert "GPU inferred from the local rank" in action.reasons[0]
 
 
+def test_hardware_evidence_on_an_unnamed_host_names_no_host_to_drain() -> None:
+    verdict = dead_verdict(xid(host=""))
+    verdict.guilty[0].host = None
+    action = decide_action(verdict)
+    assert action.kind == "drain" and action.hosts == [] and action.gpus == []
+    assert action.reasons[0].startswith("hardware evidence on an unnamed host")
+
+
 def test_hardware_evidence_drains_even_a_mismatch_and_says_both() -> None:
     verdict = dead_verdict(xid())
     verdict.kind = "mismatch"

@@ -42,7 +42,8 @@ TRANSIENT_KINDS = ("dead", "stuck")
 # How a process ended (model.trace.EXIT_KINDS) when it ended by a failure of its own: a
 # restart runs into it again unless its cause was transient
 OWN_FAILURE_ENDINGS = frozenset({"exception", "exit", "os_exit"})
-MAX_LISTED = 8  # guilty ranks named one by one in the reasons
+MAX_LISTED = 8  # hosts, call sites or findings named one by one in a reason
+MAX_REASONS = 20  # findings listed as reasons of a drain
 # Every rule that can decide (Action.rule; docs/verdict.schema.json lists the same)
 RULES = (
     "healthy", "hardware_evidence", "code_fault", "repeat_offender", "transient_fault",
@@ -125,12 +126,14 @@ def _hardware(verdict: Verdict) -> Action | None:
             continue
         ranks.append(g.rank)
         for f in found:
-            host = f.host or g.host or "?"
+            host = f.host or g.host
+            if (host or "", f.code, f.text) not in seen:
+                seen.add((host or "", f.code, f.text))
+                reasons.append(f"{host or 'an unnamed host'}: {f.text} ({f.source})")
+            if host is None:  # evidence still, but nothing a scheduler could drain by name
+                continue
             if host not in hosts:
                 hosts.append(host)
-            if (host, f.code, f.text) not in seen:
-                seen.add((host, f.code, f.text))
-                reasons.append(f"{host}: {f.text} ({f.source})")
             if f.gpu is not None or f.pci_bus_id:
                 key = (host, f.gpu, f.pci_bus_id)
                 inferred = g.gpu_inferred and f.gpu is not None and f.gpu == g.gpu
@@ -139,7 +142,12 @@ def _hardware(verdict: Verdict) -> Action | None:
                 )
     if not ranks:
         return None
-    head = f"hardware evidence on {', '.join(hosts)}, where guilty {_ranks_text(ranks)} ran"
+    if len(reasons) > MAX_REASONS:
+        reasons[MAX_REASONS:] = [f"… {len(reasons) - MAX_REASONS} more findings"]
+    where = ", ".join(hosts[:MAX_LISTED]) or "an unnamed host"
+    if len(hosts) > MAX_LISTED:
+        where += f" and {len(hosts) - MAX_LISTED} more hosts"
+    head = f"hardware evidence on {where}, where guilty {_ranks_text(ranks)} ran"
     if any(g.inferred for g in gpus.values()):
         head += " (GPU inferred from the local rank: the rank had no CUDA device)"
     reasons.insert(0, head)
