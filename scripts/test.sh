@@ -14,28 +14,22 @@ cd "$(dirname "$0")/.."
 TORCHES="${FRTOOLS_TEST_TORCHES:-2.15 2.13}"
 PY="${PYTHON:-python}"
 
-# Headless Chromium for the HTML report's browser test.
-if ! command -v chromium >/dev/null 2>&1; then
+# A Debian package a test needs, unless its command is already there: apt_install CMD PKG WHY
+apt_install() {
+    command -v "$1" >/dev/null 2>&1 && return 0
     if command -v apt-get >/dev/null 2>&1; then
         SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
         $SUDO apt-get update -qq >/dev/null
-        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$2" >/dev/null
     else
-        echo "scripts/test.sh: install Chromium (package 'chromium') for the report's browser test" >&2
+        echo "scripts/test.sh: install $3 (package '$2') for its test" >&2
     fi
-fi
-
+}
+# Headless Chromium for the HTML report's browser test.
+apt_install chromium chromium Chromium
 # The Prometheus server (and promtool) for tests/test_live.py: a real Prometheus scrapes
 # `frtools metrics` and fires monitoring/frtools-alerts.yml.
-if ! command -v prometheus >/dev/null 2>&1; then
-    if command -v apt-get >/dev/null 2>&1; then
-        SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-        $SUDO apt-get update -qq >/dev/null
-        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null
-    else
-        echo "scripts/test.sh: install Prometheus (package 'prometheus') for the alert test" >&2
-    fi
-fi
+apt_install prometheus prometheus Prometheus
 
 status=0
 for version in $TORCHES; do

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -188,6 +188,18 @@ def test_top_live_quits_on_q_or_ctrl_c_and_restores_the_terminal(
         os.close(secondary)
 
 
+def wait_serving(url: str, proc: subprocess.Popen, log: Callable[[], str]) -> None:
+    """Until ``url`` answers (60 s at most); the server's log if it exits first."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        assert proc.poll() is None, log()[-2000:]
+        time.sleep(0.2)
+    pytest.fail(f"{url} never answered")
+
+
 @contextlib.contextmanager
 def exporter(rec: Path) -> Iterator[int]:
     """``frtools metrics`` serving the job's boxes on a free loopback port."""
@@ -197,13 +209,7 @@ def exporter(rec: Path) -> Iterator[int]:
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).close()
-                break
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            time.sleep(0.2)
+        wait_serving(f"http://127.0.0.1:{port}/metrics", proc, lambda: proc.stderr.read())
         yield port
     finally:
         kill_group(proc)
@@ -321,13 +327,7 @@ def prometheus(hung_job: HungJob, tmp_path_factory: pytest.TempPathFactory) -> I
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                with contextlib.suppress(OSError):
-                    urllib.request.urlopen(f"{url}/-/ready", timeout=2).close()
-                    break
-                assert proc.poll() is None, (tmp / "prometheus.log").read_text()[-2000:]
-                time.sleep(0.3)
+            wait_serving(f"{url}/-/ready", proc, lambda: (tmp / "prometheus.log").read_text())
             yield url
         finally:
             kill_group(proc)
