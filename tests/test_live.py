@@ -373,3 +373,26 @@ def test_a_killed_rank_is_dead_in_metrics_and_alerts(hung_job: HungJob, promethe
     dead = firing(prometheus, "FrtoolsRankDead")
     host = os.uname().nodename
     assert [(a["rank"], a["host"], a["ending"]) for a in dead] == [("2", host, "killed")]
+
+
+def test_a_hostile_box_is_named_and_the_others_still_shown(tmp_path: Path) -> None:
+    """A file named like a box that is no box: top names the file and the reason on its
+    rank's row, the exporter leaves it out; the readable rank is shown by both."""
+    from hostile import valid_snapshot
+
+    job = tmp_path / "rec" / "j"
+    job.mkdir(parents=True)
+    (job / "rank_0.frt").write_bytes(b"\x00" * 8192)
+    (job / "rank_1.frt").write_bytes(valid_snapshot(rank=1, world=2))
+    proc = frtools("top", "--once", "--dir", str(tmp_path / "rec"))
+    assert proc.returncode == 0, proc.stderr
+    assert "unreadable" in rank_line(proc.stdout, 0)
+    assert f"rank 0: {job}/rank_0.frt: not an frtools snapshot (bad magic)" in " ".join(
+        proc.stdout.split()
+    )
+    assert "gloo:all_reduce" in rank_line(proc.stdout, 1)
+    out = tmp_path / "m.prom"
+    proc = frtools("metrics", "--dir", str(tmp_path / "rec"), "--textfile", str(out), "--once")
+    assert proc.returncode == 0, proc.stderr
+    stalled = [line for line in out.read_text().splitlines() if line.startswith("frtools_rank_")]
+    assert stalled and all('rank="1"' in line for line in stalled)

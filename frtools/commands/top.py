@@ -147,6 +147,9 @@ def frame(jobs: list[JobLive], now_ns: int | None = None) -> Group:
         parts.append(_headline(job, now_ns))
         if job.ranks:
             parts.append(_table(job, now_ns))
+        for rank in sorted(job.ranks):  # in full, below: a path does not fit a column
+            if job.ranks[rank].error:
+                parts.append(Text(f"  rank {rank}: {terminal(job.ranks[rank].error)}", style="red"))
         for note in job.notes:
             parts.append(Text(f"  {terminal(note)}", style="dim"))
     return Group(*parts)
@@ -185,7 +188,7 @@ def _table(job: JobLive, now_ns: int) -> Table:
 
 def _row(r: RankLive, now_ns: int) -> list[str]:
     if r.error:
-        return [str(r.rank), "", "", "", "", "unreadable", "", "", terminal(r.error)]
+        return [str(r.rank), "", "", "", "", "unreadable", "", "", "its box: below"]
     since = r.seconds_since_progress(now_ns)
     state = r.state or (r.startup_phase and f"start-up: {r.startup_phase}") or "no op yet"
     if r.alive is False:
