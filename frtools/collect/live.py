@@ -117,7 +117,10 @@ class JobLive:
 
     @property
     def state(self) -> str:
-        """``exited`` (no rank runs), ``stalled`` (a watchdog flags a stall), else ``running``."""
+        """``exited`` (no rank runs), ``stalled`` (a watchdog flags a stall), ``running``, or
+        ``unknown`` (no rank seen yet)."""
+        if not self.ranks:
+            return "unknown"
         readable = [r for r in self.ranks.values() if r.error is None]
         if readable and all(r.alive is False for r in readable):
             return "exited"

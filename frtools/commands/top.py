@@ -170,6 +170,8 @@ def _headline(job: JobLive, now_ns: int) -> Text:
         line.append(f"STALLED since {when}{ago}", style="bold yellow")
     elif state == "exited":
         line.append("exited", style="bold red")
+    elif state == "unknown":
+        line.append("no rank seen yet", style="dim")
     else:
         line.append("running", style="bold green")
     if job.lagging:
