@@ -194,11 +194,22 @@ def test_replay_of_a_subset_renumbers_the_guilty_rank(tmp_path: Path) -> None:
     assert "faulty_job.py:227" in verdict["guilty"][0]["call_site"]  # the job's own line
 
 
+# cases whose verdict rests on what the records do not hold, so no replay of them can give it
+NOT_IN_THE_RECORDS = {
+    # Gloo aborts rank 3, the highest, without a dump: the dumps show a 3-rank job, and the
+    # verdict compares rank 1's Double with the sibling DP group's Float; the replay's rank 1
+    # meets no rank 3 (missing [1]), the only job the records describe
+    "multigroup-dtype-r1-fr",
+}
+
+
 def _replayable() -> list:
     from tests.corpus.cases import CASES
 
     kinds = ("mismatch", "order", "missing", "stuck")
-    return [c for c in CASES if c.kind in kinds and c.run_of is None]
+    return [
+        c for c in CASES if c.kind in kinds and c.run_of is None and c.id not in NOT_IN_THE_RECORDS
+    ]
 
 
 @pytest.mark.slow

@@ -352,8 +352,8 @@ def _ending(trace: Trace, rank: int) -> tuple[str, str]:
     info = trace.ranks.get(rank)
     if info is None:
         return ("sleep", "no record of this rank: it joins the groups and stops")
-    if info.startup_phase in ("started", "init", "rendezvous", "connect"):
-        return ("before", f"start-up phase {info.startup_phase}")
+    if info.startup_phase == "started":  # the others, inside init, block there by themselves
+        return ("before", "it never called init_process_group")
     kind, detail = info.exit_kind, info.exit_detail or ""
     if kind == "killed":
         return ("kill", "gone without a word (SIGKILL)")
