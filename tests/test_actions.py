@@ -111,7 +111,8 @@ def test_json_action_follows_the_schema_and_says_it_in_the_cli() -> None:
     jsonschema.validate(doc["verdict"]["action"], {**SCHEMA, **SCHEMA["$defs"]["action"]})
     action = doc["verdict"]["action"]
     assert action["kind"] == "fix code" and action["rule"] == "code_fault"
-    assert action["files"] == [str(ROOT / "examples" / "faulty_job.py")]
+    (file,) = action["files"]  # where the dumps were recorded: not this checkout's path
+    assert file.endswith("/examples/faulty_job.py")
     text = frtools("analyze", str(SAMPLES / "order")).stdout
     assert "Next:  FIX CODE " in text and "faulty_job.py" in text
 
