@@ -147,6 +147,8 @@ def test_readers_declare_what_their_format_lists() -> None:
     # Gloo's Flight Recorder dumps record ops on groups their pg_config leaves out
     assert not formats["torch-pickle"].lists_all_groups
     assert not formats["torch-json"].lists_all_groups
+    # a black box's header states the world size; a PyTorch dump's does not
+    assert formats["frtools"].states_world_size and not formats["torch-json"].states_world_size
     assert formats["frtools-summary"].several_ranks and formats["frtools-summary"].batches
     assert not formats["torch-pickle"].several_ranks
     # a dump's format name asks the same; a format no reader knows declares nothing

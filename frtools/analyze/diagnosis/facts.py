@@ -17,6 +17,7 @@ import pandas as pd
 
 from frtools.analyze.align import Alignment
 from frtools.analyze.membership import Membership, from_siblings
+from frtools.analyze.readers.registry import capabilities
 from frtools.model.trace import ABNORMAL_EXITS, DEFAULT_PG_DESC, ProcessGroup, Trace
 
 from .device import DeviceLag, HostCall, counters, device_lags, host_calls
@@ -236,7 +237,7 @@ def _world_certain(trace: Trace, present: set[int]) -> bool:
     listed = [pg for pg in trace.process_groups.values() if pg.ranks and not pg.inferred]
     if any(pg.is_default for pg in listed):
         return True
-    if any(info.format == "frtools" for info in trace.ranks.values()):
+    if any(capabilities(info.format).states_world_size for info in trace.ranks.values()):
         return True  # a black box's header states the world size
     known = set(present) | {i.rank for i in trace.inputs if i.rank is not None}
     for pg in listed:

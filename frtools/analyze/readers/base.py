@@ -52,6 +52,8 @@ class Capabilities:
     # its group table names every group its ops are on (a black box, a summary): who
     # recorded on a group no file lists need not be looked for in its entries
     lists_all_groups: bool = False
+    # every record states the job's world size (a black box's header)
+    states_world_size: bool = False
     # one file may hold several ranks (``read_all``: a host summary)
     several_ranks: bool = False
     # many files are read in one call (``read_many``: packed host summaries)
@@ -62,6 +64,7 @@ class Capabilities:
         """A reader module's declared flags; what it leaves out it cannot do."""
         return cls(
             lists_all_groups=bool(getattr(reader, "LISTS_ALL_GROUPS", False)),
+            states_world_size=bool(getattr(reader, "STATES_WORLD_SIZE", False)),
             several_ranks=callable(getattr(reader, "read_all", None)),
             batches=callable(getattr(reader, "read_many", None)),
         )

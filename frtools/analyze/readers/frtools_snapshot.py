@@ -34,6 +34,8 @@ from .base import DumpError, RankDump, rank_from_filename
 FORMAT = "frtools"
 # a black box's group table names every group its ops are on
 LISTS_ALL_GROUPS = True
+# its header states the world size
+STATES_WORLD_SIZE = True
 # default groups of jobs larger than this are passed as "all ranks" (RankDump.default_pg_all)
 ALL_RANKS_ABOVE = 1024
 
