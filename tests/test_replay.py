@@ -185,13 +185,14 @@ def test_replay_refuses_bad_options_in_one_line(tmp_path: Path) -> None:
 @pytest.mark.torch
 @pytest.mark.timeout(REPLAY_LIMIT + 60)
 def test_replay_of_a_subset_renumbers_the_guilty_rank(tmp_path: Path) -> None:
-    """sample_dumps/order (PyTorch FR, 4 ranks): ranks 1 and 3 alone deadlock the same way;
-    rank 1 is replay rank 0."""
-    assert _verdict(SAMPLES / "order")["guilty"][0]["rank"] == 1
-    verdict, log = _replay(SAMPLES / "order", tmp_path, "--ranks", "1,3")
-    assert verdict["kind"] == "order", log
+    """sample_dumps/missing (PyTorch FR, 4 ranks; rank 1 hangs in compute before the world
+    all_reduce): ranks 1-3 alone hang the same way, and rank 1 is replay rank 0."""
+    assert _verdict(SAMPLES / "missing")["guilty"][0]["rank"] == 1
+    verdict, log = _replay(SAMPLES / "missing", tmp_path, "--ranks", "1-3")
+    assert verdict["kind"] == "missing", log
     assert [g["rank"] for g in verdict["guilty"]] == [0], verdict["headline"]
-    assert "faulty_job.py:227" in verdict["guilty"][0]["call_site"]  # the job's own line
+    assert verdict["process_group"]["ranks"] == [0, 1, 2]
+    assert sorted(verdict["waiting"]) == [1, 2]
 
 
 # cases whose verdict rests on what the records do not hold, so no replay of them can give it
