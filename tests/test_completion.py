@@ -9,6 +9,10 @@ from frtools.analyze.diagnosis.facts import JobFacts, gather_facts
 from frtools.model.trace import ProcessGroup, RankInfo, Trace, entries_table
 
 MS = 1_000_000
+# what every op of these traces shares: an all_reduce of 4 floats on the default group
+_ALL_REDUCE = dict(pg_name="0", pg_desc="default_pg", p2p_seq_id=0, is_p2p=False,
+                   op="all_reduce", profiling_name="nccl:all_reduce", input_sizes="[[4]]",
+                   output_sizes="[[4]]", input_dtypes="Float", output_dtypes="Float")  # fmt: skip
 
 
 def _facts(
@@ -26,26 +30,9 @@ def _facts(
     for rank, mine in ops.items():
         for k, (seq, outcome) in enumerate(mine):
             done = outcome == "completed"
-            rows.append(
-                {
-                    "rank": rank,
-                    "record_id": k,
-                    "pg_name": "0",
-                    "pg_desc": "default_pg",
-                    "collective_seq_id": seq,
-                    "p2p_seq_id": 0,
-                    "is_p2p": False,
-                    "op": "all_reduce",
-                    "profiling_name": "nccl:all_reduce",
-                    "input_sizes": "[[4]]",
-                    "output_sizes": "[[4]]",
-                    "input_dtypes": "Float",
-                    "output_dtypes": "Float",
-                    "state": "scheduled" if gloo else ("completed" if done else "started"),
-                    "retired": done,
-                    "time_created_ns": (10 * seq + rank) * MS,
-                }
-            )
+            state = "scheduled" if gloo else ("completed" if done else "started")
+            row = dict(rank=rank, record_id=k, collective_seq_id=seq, state=state, retired=done)
+            rows.append({**_ALL_REDUCE, **row, "time_created_ns": (10 * seq + rank) * MS})
         info = RankInfo(rank=rank, host="node0", pid=100 + rank, local_rank=rank)
         info.device = f"cuda:{rank}"
         if rank in gone:

@@ -112,6 +112,8 @@ STRING_COLUMNS = tuple(name for name, codec in COLUMNS if codec == "s4")
 NUMBER_COLUMNS = tuple(name for name, codec in COLUMNS if codec != "s4")
 _STATE_CODE = {name: code for code, name in enumerate(STATE_CODES)}
 _ENTRY_VALUES = operator.attrgetter(*ENTRY_FIELDS)
+# a rank's fields the header carries under RankSummary's names (PackedRank has each)
+_RANK_SCALARS = tuple(f.name for f in fields(RankSummary) if f.name not in ("groups", "entries"))
 _ITEMSIZE = {codec: np.dtype(t).itemsize for codec, t in _NUMPY.items()}
 
 
@@ -608,26 +610,7 @@ def to_summaries(packed: PackedHost) -> list[RankSummary]:
             )
             for hg, f in r.groups
         ]
-        out.append(
-            RankSummary(
-                rank=r.rank,
-                world_size=r.world_size,
-                identity=r.identity,
-                groups=groups,
-                entries=entries,
-                taken_ns=r.taken_ns,
-                heartbeat_ns=r.heartbeat_ns,
-                stalled=r.stalled,
-                alive=r.alive,
-                wrapped=r.wrapped,
-                records_written=r.records_written,
-                omitted=r.omitted,
-                exit_kind=r.exit_kind,
-                exit_detail=r.exit_detail,
-                stacks=r.stacks,
-                notes=list(r.notes),
-                dump_time_ns=r.dump_time_ns,
-                startup_phase=r.startup_phase,
-            )
-        )
+        scalars = {name: getattr(r, name) for name in _RANK_SCALARS}
+        scalars["notes"] = list(r.notes)
+        out.append(RankSummary(**scalars, groups=groups, entries=entries))
     return out
