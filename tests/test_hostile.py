@@ -322,7 +322,9 @@ def test_dump_of_a_job_folder_with_planted_files(tmp_path: Path) -> None:
     assert sizes["rank_2.frt"] <= len(box)
     assert sizes["rank_3.frt"] == 800  # the garbage, kept for the reader to name
     summaries = {n for n in sizes if n.endswith(".summary")}  # the host's, docs/fleet.md
-    assert set(sizes) - summaries == {"rank_2.frt", "rank_3.frt", "manifest.json"}
+    devices = {n for n in sizes if n.startswith("device_") and n.endswith(".json")}
+    assert len(devices) == 1  # the host's device facts (docs/device-evidence.md)
+    assert set(sizes) - summaries - devices == {"rank_2.frt", "rank_3.frt", "manifest.json"}
     assert len(summaries) <= 1 and all(sizes[n] < 64 << 10 for n in summaries)
     ranks = json.loads((out / "manifest.json").read_text())["ranks"]
     assert "FIFO" in ranks["0"]["error"]
