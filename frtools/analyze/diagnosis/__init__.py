@@ -2,9 +2,13 @@
 
 ``facts``    what the inputs establish (present/absent ranks, group membership with sibling
              inference, how each process ended, which completion marks prove success);
-``graph``    the wait-for graph, built once, then read-only;
+``completion`` what counts as completed (the marks each format gives, ranks that left);
+``graph``    the wait-for graph on it, built once, then read-only;
 ``rules``    one function per rule, each returning a Finding; ``PRIORITY`` orders them;
-``wording``  a Finding in words (headline, reasons, evidence, what would decide it).
+             ``confidence.settle`` gives the chosen Finding its final confidence;
+``wording``  a Finding in words (headline, reasons, evidence, what would decide it): it
+             only renders.
+Then the verdict gets the guilty ranks' device evidence, the step diff and, last, the action.
 """
 
 from __future__ import annotations
