@@ -7,11 +7,14 @@ records are on its own disk), gathers the packed host summaries as the tasks fin
 summaries travel (~10 KB a host), never a black box (~4.5 MB a rank).
 
 It fits how Ray Train jobs already run: every worker's recorder writes under its node's
-``FRTOOLS_DIR`` (``<dir>/<job>/rank_<R>.frt``), and the driver (or anyone who can reach the
-cluster) calls ``analyze_on_ray(job=...)``. Which nodes are asked: every alive node, or
-those whose host name / IP is in ``nodes``, or that offer the custom ``resource``, or carry
-the node ``label`` (``key=value``). A node without records answers "nothing here"; a node
-that fails costs its ranks (they show as ranks without a record), not the analysis.
+``FRTOOLS_DIR`` (``<dir>/<job>/rank_<R>.frt``; PyTorch's own recorder writes
+``nccl_trace_rank_<R>`` where ``TORCH_FR_DUMP_TEMP_FILE`` says: a node finds whatever the
+analyzer reads, by its sniffing, narrowed by a file-name ``pattern``), and the driver (or
+anyone who can reach the cluster) calls ``analyze_on_ray(job=...)``. Which nodes are
+asked: every alive node, or those whose host name / IP is in ``nodes``, or that offer the
+custom ``resource``, or carry the node ``label`` (``key=value``). A node without records
+answers "nothing here"; a node that fails costs its ranks (they show as ranks without a
+record), not the analysis.
 
 Ray is an optional dependency (``pip install 'frtools[ray]'``); it is imported only when
 ``analyze_on_ray`` runs. ``summarize_node`` — what a task does — needs no Ray.
@@ -19,13 +22,16 @@ Ray is an optional dependency (``pip install 'frtools[ray]'``); it is imported o
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
+import glob
 import os
 import shutil
 import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +40,14 @@ from frtools.config import DIR
 from frtools.formats.manifest import rank_in_file_name
 from frtools.formats.summary_packed import DEFAULT_HOST_WINDOW, host_file_name
 
-__all__ = ["FleetResult", "NodeReport", "analyze_on_ray", "find_job_dirs", "summarize_node"]
+__all__ = [
+    "FleetResult",
+    "NodeReport",
+    "analyze_on_ray",
+    "find_job_dirs",
+    "matches",
+    "summarize_node",
+]
 
 
 class RayUnavailable(RuntimeError):
@@ -66,37 +79,72 @@ class FleetResult:
     seconds: float
 
 
-def find_job_dirs(root: Path) -> dict[str, Path]:
-    """Job id -> folder, for ``root`` itself when it holds rank files, else each folder
-    under it that does (the recorder's ``<FRTOOLS_DIR>/<job>`` layout)."""
+def matches(name: str, pattern: str | None) -> bool:
+    """Whether a file name is one ``pattern`` picks: a glob (``*``, ``?``, ``[``) matches
+    the whole name, anything else is a prefix (``nccl_trace_rank_``, as
+    ``TORCH_FR_DUMP_TEMP_FILE`` ends); no pattern picks every file."""
+    if not pattern:
+        return True
+    if glob.has_magic(pattern):
+        return fnmatch.fnmatchcase(name, pattern)
+    return name.startswith(pattern)
+
+
+def _holds_records(folder: Path, pattern: str | None) -> bool:
+    """Whether a file directly in ``folder`` is a record: a recorder box by its name (one
+    still being written counts), or any file a reader claims — the sniffing ``frtools
+    analyze`` and ``frtools summarize`` read with (``readers.files.classify``)."""
+    from frtools.analyze.readers.files import classify
+
+    try:
+        files = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    except OSError:
+        return False
+    for p in files:
+        if not matches(p.name, pattern) or not p.is_file():
+            continue
+        if rank_in_file_name(p.name) is not None or isinstance(classify(p), tuple):
+            return True
+    return False
+
+
+def find_job_dirs(root: Path, pattern: str | None = None) -> dict[str, Path]:
+    """Job id -> folder, for ``root`` itself when it holds records, else each folder under
+    it that does (the recorder's ``<FRTOOLS_DIR>/<job>`` layout). Records are what the
+    analyzer reads: black boxes, PyTorch Flight Recorder dumps (pickle or JSON, any name),
+    ``frtools dump`` folders, host summaries; ``pattern`` (``matches``) narrows them to
+    the files it picks."""
     if not root.is_dir():
         return {}
-    if any(rank_in_file_name(p.name) is not None for p in root.iterdir() if p.is_file()):
+    if _holds_records(root, pattern):
         return {root.name: root}
     return {
         child.name: child
         for child in sorted(root.iterdir())
-        if child.is_dir()
-        and any(rank_in_file_name(p.name) is not None for p in child.iterdir() if p.is_file())
+        if child.is_dir() and not child.name.startswith(".") and _holds_records(child, pattern)
     }
 
 
 def summarize_node(
-    root: str | None = None, job: str | None = None, window: int = DEFAULT_HOST_WINDOW
+    root: str | None = None,
+    job: str | None = None,
+    window: int = DEFAULT_HOST_WINDOW,
+    pattern: str | None = None,
 ) -> NodeReport:
     """The per-host step on this machine: summarize ``job``'s records under ``root``
-    (default: this node's ``$FRTOOLS_DIR``). Never raises: a failure is the report's
-    ``error``."""
+    (default: this node's ``$FRTOOLS_DIR``); with ``pattern``, only the files it picks
+    (``matches``). Never raises: a failure is the report's ``error``."""
     t0 = time.perf_counter()
     node = f"{socket.gethostname()} ({_node_ip()})"
     base = Path(root or DIR.read())
     try:
-        jobs = find_job_dirs(base)
+        jobs = find_job_dirs(base, pattern)
         if job is not None:
             jobs = {k: v for k, v in jobs.items() if k == job}
         if not jobs:
             what = f"no records of job {job!r}" if job else "no records"
-            return NodeReport(node, note=f"{what} under {base}", seconds=_since(t0))
+            picked = f" matching {pattern!r}" if pattern else ""
+            return NodeReport(node, note=f"{what}{picked} under {base}", seconds=_since(t0))
         if len(jobs) > 1:
             return NodeReport(
                 node,
@@ -106,7 +154,8 @@ def summarize_node(
         from frtools.analyze.summarize import summarize_path
 
         job_dir = next(iter(jobs.values()))
-        result = summarize_path(job_dir, window=window, workers=1)
+        with _picked(job_dir, pattern) as folder:
+            result = summarize_path(folder, window=window, workers=1)
         bad = [i for i in result.inputs if i.status == "error"]
         return NodeReport(
             node,
@@ -118,6 +167,24 @@ def summarize_node(
         )
     except Exception as e:  # noqa: BLE001 - one node's failure is a line in the report
         return NodeReport(node, error=f"{type(e).__name__}: {e}", seconds=_since(t0))
+
+
+@contextlib.contextmanager
+def _picked(folder: Path, pattern: str | None) -> Iterator[Path]:
+    """``folder`` itself, or with a pattern a temporary folder of links to the files it
+    picks there (a prefix folder such as /tmp often holds other jobs' files too); the
+    summarizer reads a folder, and the records are never copied or touched."""
+    if not pattern:
+        yield folder
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="frtools-picked-"))
+    try:
+        for p in sorted(folder.iterdir()):
+            if matches(p.name, pattern) and p.is_file():
+                (tmp / p.name).symlink_to(p.resolve())
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _since(t0: float) -> float:
@@ -170,6 +237,7 @@ def analyze_on_ray(
     *,
     root: str | None = None,
     window: int = DEFAULT_HOST_WINDOW,
+    pattern: str | None = None,
     nodes: Sequence[str] | None = None,
     resource: str | None = None,
     label: str | None = None,
@@ -183,7 +251,8 @@ def analyze_on_ray(
 
     ``address``: as ``ray.init`` takes it (``"auto"``: the running cluster; ignored when
     this process is already connected, as a Ray Train driver is). ``root``: where the
-    records are on each node (default: each node's ``$FRTOOLS_DIR``). ``summaries_dir``:
+    records are on each node (default: each node's ``$FRTOOLS_DIR``). ``pattern``: only the
+    files whose name it picks (a prefix or a glob: ``matches``). ``summaries_dir``:
     keep the host summaries there (default: a temporary folder, removed). Nodes that have
     not answered after ``timeout_s`` are left out (their ranks have no record).
     ``on_report``: called with each node's report as it arrives. Raises
@@ -207,7 +276,7 @@ def analyze_on_ray(
     pending = {
         task.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
-        ).remote(root, job, window): n
+        ).remote(root, job, window, pattern): n
         for n in chosen
     }
     keep = summaries_dir is not None

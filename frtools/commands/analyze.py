@@ -71,6 +71,11 @@ FORMATS = ("terminal", "json", "markdown", "github", "junit")
 )
 @click.option("--job", help="With --ray: the job's folder name under each node's PATH.")
 @click.option(
+    "--pattern",
+    help="With --ray: only the record files whose name starts with this prefix (e.g. "
+    "nccl_trace_rank_, as TORCH_FR_DUMP_TEMP_FILE ends) or matches this glob.",
+)
+@click.option(
     "--window",
     type=click.IntRange(1, 3840),
     default=None,
@@ -92,6 +97,7 @@ def analyze(
     catalog: Path | None,
     ray_address: str | None,
     job: str | None,
+    pattern: str | None,
     window: int | None,
     summaries_dir: Path | None,
 ) -> None:
@@ -104,9 +110,11 @@ def analyze(
     if ray_address is None:
         if path is None:
             fail("frtools analyze", "error: Missing argument 'PATH'.")
-        if job or window or summaries_dir:
-            fail("frtools analyze", "error: --job, --window and --summaries go with --ray")
-    fleet = (ray_address, job, window, summaries_dir)
+        if job or pattern or window or summaries_dir:
+            fail(
+                "frtools analyze", "error: --job, --pattern, --window and --summaries go with --ray"
+            )
+    fleet = (ray_address, job, window, summaries_dir, pattern)
     run_guarded(
         "frtools", lambda: _run(path, fmt, output, verbose, workers, world_size, catalog, fleet)
     )
@@ -120,7 +128,7 @@ def _run(
     workers: int | None,
     world_size: int | None = None,
     catalog: Path | None = None,
-    fleet: tuple[str | None, str | None, int | None, Path | None] = (None, None, None, None),
+    fleet: tuple[Any, ...] = (None,) * 5,  # Ray: address, job, window, summaries, pattern
 ) -> int:
     from frtools.commands._catalog import catalog_for, host_history, record_verdict
 
@@ -194,6 +202,7 @@ def _run_on_ray(
     job: str | None,
     window: int | None,
     summaries_dir: Path | None,
+    pattern: str | None = None,
 ) -> tuple[Any, Any]:
     """The Trace the nodes' summaries make and its verdict."""
     from frtools.analyze.ray_fleet import NodeReport, RayUnavailable, analyze_on_ray
@@ -215,6 +224,7 @@ def _run_on_ray(
             job,
             root=str(path) if path is not None else None,
             window=window or DEFAULT_HOST_WINDOW,
+            pattern=pattern,
             summaries_dir=summaries_dir,
             world_size=world_size,
             on_report=report,
