@@ -9,22 +9,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from frtools.commands._common import first_line
 from frtools.config import DRAIN_WINDOW, DURATION_UNITS, HISTORY
-from frtools.formats.incidents import (
-    CatalogError,
-    FindingRecord,
-    GuiltyRecord,
-    IncidentRecord,
-    Window,
-    open_catalog,
-    record_incident,
-    records_fingerprint,
-)
+
+if TYPE_CHECKING:  # the catalog (sqlite3) is imported only when there is one: start-up
+    from frtools.formats.incidents import IncidentRecord
 
 JOB_ID_LIMIT = 256
 T = TypeVar("T")
@@ -88,6 +81,8 @@ def record_identities(trace: Any) -> list[list[Any]]:
 
 
 def _fingerprint(verdict: Any, trace: Any, job_id: str, source: str) -> str:
+    from frtools.formats.incidents import records_fingerprint
+
     pg = verdict.process_group
     return records_fingerprint(
         None if source == "path" else job_id,  # a path is where the files are, not what
@@ -105,6 +100,8 @@ def _record(cls: type[T], source: Any, **fields: Any) -> T:
 
 def incident_from(verdict: Any, trace: Any, path: Path) -> IncidentRecord:
     """The catalog's record of one analysis."""
+    from frtools.formats.incidents import FindingRecord, GuiltyRecord, IncidentRecord
+
     job_id, source = job_identity(path, trace)
     dump_times = [
         i.dump_time_ns
@@ -164,6 +161,7 @@ def host_history(catalog: Path, verdict: Any, trace: Any, path: Path) -> Any:
     however often it was analyzed. A catalog not made yet holds none; one that cannot be read
     says why (recording it then warns too)."""
     from frtools.analyze.action import HostHistory
+    from frtools.formats.incidents import CatalogError, Window, open_catalog
 
     seconds = DRAIN_WINDOW.read()
     window = f"the last {duration_text(seconds)}"
@@ -185,6 +183,8 @@ def host_history(catalog: Path, verdict: Any, trace: Any, path: Path) -> Any:
 
 def record_verdict(catalog: Path, verdict: Any, trace: Any, path: Path) -> None:
     """Record the verdict in ``catalog``; a failure is one warning on stderr, nothing more."""
+    from frtools.formats.incidents import CatalogError, record_incident
+
     try:
         record_incident(catalog, incident_from(verdict, trace, path))
     except CatalogError as e:
