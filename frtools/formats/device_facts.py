@@ -11,9 +11,11 @@ becomes a ``model.devices`` value; anything else is dropped or refused with a on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -358,7 +360,21 @@ def write(directory: str | os.PathLike[str], facts: HostDevices) -> Path:
     if len(text) > MAX_FILE_BYTES:
         doc["kernel_events"], doc["ncclras"] = doc["kernel_events"][-32:], None
         text = json.dumps(doc)[:MAX_FILE_BYTES]
-    return write_new(Path(directory) / file_name(facts.host), text + "\n")
+    path = write_new(Path(directory) / file_name(facts.host), text + "\n")
+    _share_as_folder(path, Path(directory))
+    return path
+
+
+def _share_as_folder(path: Path, directory: Path) -> None:
+    """The file opens to the folder's group as the records beside it do: a folder the
+    recorder made 0750 for ``FRTOOLS_SHARE_GROUP`` gets 0640 files of that group; a private
+    folder keeps the file 0600."""
+    st = os.stat(directory, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode) or not st.st_mode & stat.S_IRGRP or st.st_mode & 0o007:
+        return
+    with contextlib.suppress(OSError):
+        os.chown(path, -1, st.st_gid, follow_symlinks=False)
+        os.chmod(path, 0o640)  # ours, just created in our folder
 
 
 def read(path: str | os.PathLike[str]) -> HostDevices:
