@@ -96,15 +96,14 @@ def _text(value: object, n: int = MAX_TEXT) -> str | None:
 
 def _count(value: object) -> int | None:
     """A non-negative counter of the file (a JSON int); None for anything else."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not isinstance(value, int):  # the file's own ints only: text is nvidia-smi's
         return None
-    return value if 0 <= value <= _COUNT_MAX else None
+    return limits.strict_int(value, lo=0, hi=_COUNT_MAX)
 
 
 def _xml_count(text: str | None) -> int | None:
     """A counter in nvidia-smi's XML (its text); None for 'N/A' or junk."""
-    text = text.strip() if isinstance(text, str) else ""
-    return _count(int(text)) if text.isdigit() and len(text) <= 19 else None
+    return limits.strict_int(text, lo=0, hi=_COUNT_MAX) if isinstance(text, str) else None
 
 
 def _number(value: object) -> float | None:

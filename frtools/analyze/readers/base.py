@@ -54,6 +54,9 @@ class Capabilities:
     lists_all_groups: bool = False
     # every record states the job's world size (a black box's header)
     states_world_size: bool = False
+    # its record says how the process ended, where it did (a black box's exit record): a
+    # record that says nothing was not ended by the process itself
+    records_ending: bool = False
     # one file may hold several ranks (``read_all``: a host summary)
     several_ranks: bool = False
     # many files are read in one call (``read_many``: packed host summaries)
@@ -65,6 +68,7 @@ class Capabilities:
         return cls(
             lists_all_groups=bool(getattr(reader, "LISTS_ALL_GROUPS", False)),
             states_world_size=bool(getattr(reader, "STATES_WORLD_SIZE", False)),
+            records_ending=bool(getattr(reader, "RECORDS_ENDING", False)),
             several_ranks=callable(getattr(reader, "read_all", None)),
             batches=callable(getattr(reader, "read_many", None)),
         )

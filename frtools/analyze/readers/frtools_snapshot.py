@@ -36,6 +36,8 @@ FORMAT = "frtools"
 LISTS_ALL_GROUPS = True
 # its header states the world size
 STATES_WORLD_SIZE = True
+# its exit record says how the process ended (none: the process was killed, or runs)
+RECORDS_ENDING = True
 # default groups of jobs larger than this are passed as "all ranks" (RankDump.default_pg_all)
 ALL_RANKS_ABOVE = 1024
 

@@ -38,6 +38,8 @@ from frtools.formats.manifest import (
 from frtools.model.ranks import MAX_WORLD_SIZE, format_ranks, valid_rank, valid_world_size
 from frtools.model.trace import InputFile, Trace
 
+from .registry import capabilities
+
 # the rank of a stacks file: the number its name ends with (``rank_3.stacks``,
 # ``host-a_3.stacks``)
 _STACKS_RE = re.compile(rf"(?:^|[^0-9])(\d+){re.escape(STACKS_SUFFIX)}$")
@@ -176,7 +178,7 @@ def apply_manifest(trace: Trace, root: str | os.PathLike[str]) -> None:
             alive = entry.get("alive")
             if isinstance(alive, bool):
                 info.alive = alive
-                if info.format == "frtools" and info.exit_kind in _UNENDED:
+                if capabilities(info.format).records_ending and info.exit_kind in _UNENDED:
                     # the box recorded no ending: liveness at collection time decides
                     info.exit_kind = "running" if alive else "killed"
             if info.host is None and isinstance(entry.get("host"), str):
