@@ -31,12 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from frtools.formats.blackbox import (
-    IDENTITY_OFFSET,
     PG_DTYPE,
     SLOT_DTYPE,
     StringTable,
     file_offsets,
-    pack_header,
+    pack_file,
 )
 from frtools.formats.manifest import rank_file_name
 
@@ -73,7 +72,8 @@ def box(rank: int, world: int, groups: int, capacity: int, stalled: int) -> byte
     ).encode()  # fmt: skip
     pg_off, slots_off, strings_off = file_offsets(capacity, groups)
     area = len(table.buf) + 64
-    head = pack_header(
+    return pack_file(
+        strings_off + area, identity=ident, pgs=pgs, ring=ring, strings=bytes(table.buf),
         capacity=capacity, pg_capacity=groups, pg_offset=pg_off, slots_offset=slots_off,
         strings_offset=strings_off, strings_bytes=area, file_bytes=strings_off + area,
         next_record_id=capacity, strings_used=len(table.buf), pg_count=groups,
@@ -81,13 +81,6 @@ def box(rank: int, world: int, groups: int, capacity: int, stalled: int) -> byte
         stalled=int(rank == stalled), stall_record_id=capacity - 1 if rank == stalled else -1,
         stall_time_ns=T0 + capacity * 1_000_000 if rank == stalled else 0,
     )  # fmt: skip
-    out = bytearray(strings_off + area)
-    out[: len(head)] = head
-    out[IDENTITY_OFFSET : IDENTITY_OFFSET + len(ident)] = ident
-    out[pg_off : pg_off + pgs.nbytes] = pgs.tobytes()
-    out[slots_off : slots_off + ring.nbytes] = ring.tobytes()
-    out[strings_off : strings_off + len(table.buf)] = table.buf
-    return bytes(out)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -30,6 +30,7 @@ from frtools.formats.blackbox import (
     SLOT_DTYPE,
     StringTable,
     file_offsets,
+    pack_file,
     pack_header,
 )
 
@@ -192,14 +193,8 @@ def snapshot(
         identity_bytes=len(ident),
     )
     fields.update(header)
-    out = bytearray(strings_offset + max(area, len(table.buf)))
-    head = pack_header(**fields)
-    out[: len(head)] = head
-    out[IDENTITY_OFFSET : IDENTITY_OFFSET + len(ident)] = ident
-    out[pg_offset : pg_offset + pgs.nbytes] = pgs.tobytes()
-    out[slots_offset : slots_offset + ring.nbytes] = ring.tobytes()
-    out[strings_offset : strings_offset + len(table.buf)] = table.buf
-    return bytes(out)
+    size = strings_offset + max(area, len(table.buf))
+    return pack_file(size, identity=ident, pgs=pgs, ring=ring, strings=bytes(table.buf), **fields)
 
 
 def valid_snapshot(rank: int = 0, world: int = 1) -> bytes:

@@ -485,6 +485,31 @@ class Snapshot:
         return dict(zip((int(i) for i in uniq), self.strings(uniq), strict=True))
 
 
+def pack_file(
+    size: int,
+    *,
+    identity: bytes,
+    pgs: np.ndarray,
+    ring: np.ndarray,
+    strings: bytes,
+    **fields: Any,
+) -> bytes:
+    """A whole file of ``size`` bytes from its tables, for a writer other than the native
+    black box (the simulator, tests, benchmarks): the header from ``fields`` (as
+    ``pack_header``), the identity, group table, slot ring and string area at the offsets
+    the header names. ``size`` is the caller's: a hostile test's header may claim another."""
+    head = pack_header(**fields)
+    pg_offset, slots_offset = fields["pg_offset"], fields["slots_offset"]
+    strings_offset = fields["strings_offset"]
+    out = bytearray(size)
+    out[: len(head)] = head
+    out[IDENTITY_OFFSET : IDENTITY_OFFSET + len(identity)] = identity
+    out[pg_offset : pg_offset + pgs.nbytes] = pgs.tobytes()
+    out[slots_offset : slots_offset + ring.nbytes] = ring.tobytes()
+    out[strings_offset : strings_offset + len(strings)] = strings
+    return bytes(out)
+
+
 def _refused(exc: InputRefused) -> SnapshotError:
     return SnapshotError(str(exc))
 

@@ -13,13 +13,12 @@ import json
 import numpy as np
 
 from frtools.formats.blackbox import (
-    IDENTITY_OFFSET,
     PAGE,
     PG_DTYPE,
     SLOT_DTYPE,
     StringTable,
     file_offsets,
-    pack_header,
+    pack_file,
 )
 from frtools.formats.manifest import rank_file_name
 from frtools.model.ranks import format_ranks
@@ -212,7 +211,12 @@ def rank_snapshot(job: Job, rank: int) -> bytes:
     stalled = bool(incomplete.any())
     stall_record = int(a.recs[np.argmax(incomplete)]) if stalled else -1
     heartbeat = int(a.created.max()) + 600_000_000_000 if len(a.created) else T0_NS
-    header = pack_header(
+    return pack_file(
+        file_bytes,
+        identity=identity,
+        pgs=pgs,
+        ring=ring,
+        strings=bytes(strings.buf),
         capacity=capacity,
         pg_capacity=PG_CAPACITY,
         pg_offset=pg_offset,
@@ -236,10 +240,3 @@ def rank_snapshot(job: Job, rank: int) -> bytes:
         owner_pid=200_000 + rank,
         exit_watched=1,  # a hang: every rank still running, no ending recorded
     )
-    out = bytearray(file_bytes)
-    out[: len(header)] = header
-    out[IDENTITY_OFFSET : IDENTITY_OFFSET + len(identity)] = identity
-    out[pg_offset : pg_offset + pgs.nbytes] = pgs.tobytes()
-    out[slots_offset : slots_offset + ring.nbytes] = ring.tobytes()
-    out[strings_offset : strings_offset + len(strings.buf)] = strings.buf
-    return bytes(out)
