@@ -195,12 +195,19 @@ def test_replay_of_a_subset_renumbers_the_guilty_rank(tmp_path: Path) -> None:
     assert sorted(verdict["waiting"]) == [1, 2]
 
 
-# cases whose verdict rests on what the records do not hold, so no replay of them can give it
+# cases whose verdict rests on what the records do not hold, or on a race the records do not
+# decide, so no replay of them gives it every time
 NOT_IN_THE_RECORDS = {
     # Gloo aborts rank 3, the highest, without a dump: the dumps show a 3-rank job, and the
     # verdict compares rank 1's Double with the sibling DP group's Float; the replay's rank 1
     # meets no rank 3 (missing [1]), the only job the records describe
     "multigroup-dtype-r1-fr",
+    # rank 5's all_to_all with the next call's splits meets its peers' in Gloo, which aborts a
+    # rank on the size mismatch (terminate, no exception) at a moment set by the scheduler:
+    # the replay runs the recorded ops but not that race, and on a busy machine ranks 4-7 die
+    # before their recorded stop ("dead 4-7"; 1 of 2 CI runs). Its verdict is checked on
+    # the job's own records (tests/test_real_corpus.py).
+    "moe8-skip-r5-frtools",
 }
 
 
