@@ -11,7 +11,8 @@ for the central step. ``rank_summary`` is the same for one ``RankDump``.
 
 The summaries are written as a packed host summary (``formats.summary_packed``); the
 analyzer maps them back onto the Trace exactly as the records they came from, so the
-verdict from summaries is the verdict from the records.
+verdict from summaries is the verdict from the records. ``merge_files`` merges host
+summaries (or partials) into one partial: a rack's, then the job's, wherever they are.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import socket
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,20 +37,35 @@ from frtools.formats.summary import (
     MAX_STRING_CHARS,
     RankSummary,
     SummaryEntry,
+    SummaryError,
     SummaryGroup,
     check_window,
     completed_ops,
     kept_positions,
     last_stacks,
 )
-from frtools.formats.summary_packed import DEFAULT_HOST_WINDOW, encode_packed
+from frtools.formats.summary_packed import (
+    DEFAULT_HOST_WINDOW,
+    PACKED_SUFFIX,
+    PackedHost,
+    decode_packed_many,
+    encode_packed,
+    merge_packed,
+)
 from frtools.model.trace import InputFile, Trace, empty_entries, is_default
 
-from .readers.base import RankDump
+from .readers.base import DumpError, RankDump, read_content
 from .readers.loader import read_rank_dumps
 from .readers.side_files import apply_side_files
 
-__all__ = ["DEFAULT_HOST_WINDOW", "HostSummary", "rank_summary", "summarize_path"]
+__all__ = [
+    "DEFAULT_HOST_WINDOW",
+    "HostSummary",
+    "Partial",
+    "merge_files",
+    "rank_summary",
+    "summarize_path",
+]
 
 
 @dataclass
@@ -300,3 +317,39 @@ def summarize_path(
         named = Counter(s.identity.get("host") for s in summaries if s.identity.get("host"))
         host = named.most_common(1)[0][0] if named else socket.gethostname()
     return HostSummary(host=str(host), summaries=summaries, inputs=trace.inputs, window=window)
+
+
+@dataclass
+class Partial:
+    """Merged packed summaries: the file's bytes, and the ranks, hosts and files it holds."""
+
+    data: bytes
+    ranks: list[int]
+    hosts: list[str]
+    files: list[Path]
+
+
+def merge_files(paths: Sequence[str | os.PathLike[str]]) -> Partial:
+    """One partial of the packed summaries at ``paths`` (files, or folders of
+    ``*.summary`` files): ``formats.summary_packed.merge_packed``. A file that is not a
+    valid packed summary, or a rank in two of them, is a ``SummaryError`` naming the file."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files.extend(sorted(p.glob(f"*{PACKED_SUFFIX}")) if p.is_dir() else [p])
+    if not files:
+        raise SummaryError(f"no {PACKED_SUFFIX} file to merge")
+    datas = []
+    for f in files:
+        try:
+            datas.append(read_content(f)[0])  # bounded as any dump file is
+        except DumpError as e:
+            raise SummaryError(f"{f}: {e}") from None
+    parts: list[PackedHost] = []
+    for f, part in zip(files, decode_packed_many(datas), strict=True):
+        if isinstance(part, SummaryError):
+            raise SummaryError(f"{f}: {part}")
+        parts.append(part)
+    data = merge_packed(parts, [str(f) for f in files])
+    ranks = sorted(r.rank for part in parts for r in part.ranks)
+    hosts = sorted({h for part in parts for h in (part.hosts or [part.host or ""]) if h})
+    return Partial(data=data, ranks=ranks, hosts=hosts, files=files)

@@ -2,8 +2,10 @@
 
 DIR is a host's recorder job folder (``$FRTOOLS_DIR/<job>``), an ``frtools dump`` folder or
 PyTorch Flight Recorder dumps; the summary is what the verdict needs of each rank there
-(docs/fleet.md). ``frtools analyze`` reads summaries like any dump. Exit codes: 0 written,
-2 nothing usable or a usage error.
+(docs/fleet.md). ``frtools analyze`` reads summaries like any dump. ``--merge A B ...``
+merges packed summaries (files or folders of them) into one partial: a rack's, then the
+job's (``analyze.summarize.merge_files``). Exit codes: 0 written, 2 nothing usable, a
+refused file or a usage error.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from frtools.commands._common import (
     fail,
     first_line,
     guarded,
-    path_argument,
     workers_option,
 )
 from frtools.formats.summary_packed import DEFAULT_HOST_WINDOW, host_file_name
@@ -26,7 +27,7 @@ from frtools.model.ranks import format_ranks
 
 
 @click.command("summarize", cls=OneLineCommand)
-@path_argument
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
     "-o",
     "--output",
@@ -51,15 +52,33 @@ from frtools.model.ranks import format_ranks
     help="packed: compact columnar file (docs/summary-format.md); json: the same as "
     "readable JSON (a host document of rank summaries), several times larger.",
 )
+@click.option(
+    "--merge",
+    is_flag=True,
+    help="Merge the packed summaries at PATHS (files, or folders of *.summary) into one "
+    "partial, e.g. a rack's: the same bytes whatever their order (docs/fleet.md).",
+)
 @workers_option
 @guarded("frtools")
 def summarize(
-    path: Path, output: Path | None, window: int, host: str | None, fmt: str, workers: int | None
+    paths: tuple[Path, ...],
+    output: Path | None,
+    window: int,
+    host: str | None,
+    fmt: str,
+    merge: bool,
+    workers: int | None,
 ) -> int:
-    """Summarize one host's flight records under PATH for a fleet analysis.
+    """Summarize one host's flight records under PATH for a fleet analysis, or with
+    --merge, merge host summaries into one partial.
 
-    Exit code 0: written; 2: no usable record, or a usage error.
+    Exit code 0: written; 2: no usable record, a refused file, or a usage error.
     """
+    if merge:
+        return _merge(paths, output)
+    if len(paths) != 1:
+        fail("frtools summarize", "error: summarize takes one PATH (several with --merge)")
+    (path,) = paths
     from frtools.analyze.readers import UnusableInput
     from frtools.analyze.summarize import summarize_path
 
@@ -76,17 +95,7 @@ def summarize(
     name = host_file_name(result.host)
     if fmt == "json":
         name = name.removesuffix(".summary") + ".summary.json"
-    target = output if output is not None else Path(name)
-    if str(target) == "-":
-        sys.stdout.buffer.write(data)
-        sys.stdout.flush()
-    else:
-        if target.is_dir():
-            target = target / name
-        try:
-            target.write_bytes(data)
-        except OSError as e:
-            fail("frtools summarize", f"error: cannot write {target}: {e.strerror or e}")
+    target = _write(data, output, name)
     bad = [i for i in result.inputs if i.status == "error"]
     ranks = [s.rank for s in result.summaries]
     where = "stdout" if str(target) == "-" else str(target)
@@ -97,4 +106,41 @@ def summarize(
     click.echo(line, err=True)
     for i in bad:
         click.echo(f"frtools summarize: {i.path}: {i.reason}", err=True)
+    return 0
+
+
+def _write(data: bytes, output: Path | None, name: str) -> Path:
+    """Write to ``output`` (a file, '-' for stdout, a folder: FOLDER/``name``)."""
+    target = output if output is not None else Path(name)
+    if str(target) == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        return target
+    if target.is_dir():
+        target = target / name
+    try:
+        target.write_bytes(data)
+    except OSError as e:
+        fail("frtools summarize", f"error: cannot write {target}: {e.strerror or e}")
+    return target
+
+
+def _merge(paths: tuple[Path, ...], output: Path | None) -> int:
+    from frtools.analyze.summarize import merge_files
+    from frtools.formats.summary import SummaryError
+
+    try:
+        partial = merge_files(paths)
+    except SummaryError as e:
+        fail("frtools summarize", f"error: {first_line(e, 'cannot merge')}")
+    hosts = partial.hosts
+    label = hosts[0] if len(hosts) == 1 else f"{hosts[0]}..{hosts[-1]}" if hosts else "partial"
+    target = _write(partial.data, output, host_file_name(label))
+    where = "stdout" if str(target) == "-" else str(target)
+    click.echo(
+        f"merged {len(partial.files)} file(s): {len(partial.ranks)} rank(s) "
+        f"{format_ranks(partial.ranks)} of {len(hosts)} host(s) -> {where} "
+        f"({len(partial.data) / 1024:.1f} KB)",
+        err=True,
+    )
     return 0

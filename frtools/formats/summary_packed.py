@@ -60,7 +60,7 @@ from frtools.formats.summary import (
     refuse_constant,
     want,
 )
-from frtools.model.ranks import RankTextError, format_ranks, parse_ranks
+from frtools.model.ranks import MAX_WORLD_SIZE, RankTextError, format_ranks, parse_ranks
 
 __all__ = [
     "COLUMNS",
@@ -69,6 +69,7 @@ __all__ = [
     "NUMBER_COLUMNS",
     "PACKED_KIND",
     "PACKED_SUFFIX",
+    "PARTIAL_VERSION",
     "STATE_CODES",
     "STRING_COLUMNS",
     "PackedHost",
@@ -78,6 +79,7 @@ __all__ = [
     "encode_packed",
     "host_file_name",
     "looks_packed",
+    "merge_packed",
     "to_summaries",
 ]
 
@@ -93,6 +95,15 @@ STATE_CODES = ("scheduled", "started", "completed")
 MAX_HOST_STRINGS = 4 * MAX_STRINGS
 MAX_HOST_ENTRIES = MAX_HOST_RANKS * MAX_ENTRIES
 MAX_HEADER_BYTES = 64 << 20
+# A partial (version 2, ``merge_packed``): many hosts' ranks in one file. Its bounds scale
+# with what its header declares (ranks, hosts), under these ceilings; its inflated size is
+# never more than its header and the columns the header describes.
+PARTIAL_VERSION = 2
+MAX_PARTIAL_RANKS = MAX_WORLD_SIZE
+MAX_PARTIAL_HEADER_BYTES = 1 << 30
+MAX_PARTIAL_BYTES = 4 << 30
+# how a partial's header starts (what lets its file be larger than a host's)
+PARTIAL_PREFIX = b'{"format":"frtools-summary","version":2,'
 _INT64_MAX = (1 << 63) - 1
 _ALL_LISTS, _SIX, _ALL_INTS = {list}, {6}, {int}
 
@@ -160,6 +171,8 @@ class PackedHost:
     offsets: np.ndarray
     columns: dict[str, np.ndarray]
     valid: dict[str, np.ndarray]  # nullable columns: True where a value is present
+    # the hosts whose ranks the file holds, sorted (a partial's; one host's file: its own)
+    hosts: list[str] = field(default_factory=list)
 
     @property
     def n_entries(self) -> int:
@@ -233,28 +246,19 @@ def encode_packed(
     for name in STRING_COLUMNS:
         rows[name] = [sid(v) for v in rows[name]]
     rows["state"] = [_STATE_CODE[v] for v in rows["state"]]
-    body: list[bytes] = []
     values: dict[str, np.ndarray] = {}
+    valid: dict[str, np.ndarray] = {}
     for name, spec in COLUMNS:
-        codec, nullable, base = _codec(spec)
+        codec, nullable, _base = _codec(spec)
         raw = rows[name]
         dtype = np.dtype(_NUMPY[codec])
         if nullable:
-            ok = np.array(
+            ok = valid[name] = np.array(
                 [v is not None and not (isinstance(v, float) and math.isnan(v)) for v in raw],
                 dtype=bool,
             )
-            body.append(np.packbits(ok).tobytes())
             raw = [v if k else 0 for v, k in zip(raw, ok, strict=True)]
-        a = np.array(raw, dtype=dtype) if raw else np.zeros(0, dtype=dtype)
-        values[name] = a
-        if codec == "d8" and len(a):
-            a = np.diff(a, prepend=np.int64(0))
-        elif codec == "r8":
-            a = a - values[base]  # type: ignore[index]
-            if nullable:
-                a[~ok] = 0
-        body.append(_shuffle(a.astype(dtype, copy=False)))
+        values[name] = np.array(raw, dtype=dtype) if raw else np.zeros(0, dtype=dtype)
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -266,25 +270,199 @@ def encode_packed(
         "columns": [list(c) for c in COLUMNS],
         "ranks": ranks_doc,
     }
+    return _pack(header, values, valid, level)
+
+
+def _pack(
+    header: dict[str, Any], values: dict[str, np.ndarray], valid: dict[str, np.ndarray], level: int
+) -> bytes:
+    """The file: ``header`` and the columns ``values`` (every one of ``COLUMNS``, absolute
+    values; ``valid``: each nullable column's validity), encoded by their codecs."""
+    body: list[bytes] = []
+    for name, spec in COLUMNS:
+        codec, nullable, base = _codec(spec)
+        dtype = np.dtype(_NUMPY[codec])
+        a = values[name].astype(dtype, copy=True)
+        if nullable:
+            ok = valid[name]
+            body.append(np.packbits(ok).tobytes())
+            a[~ok] = 0
+        if codec == "d8" and len(a):
+            a = np.diff(a, prepend=np.int64(0))
+        elif codec == "r8":
+            a = a - values[base].astype(dtype)  # type: ignore[index]
+            if nullable:
+                a[~ok] = 0
+        body.append(_shuffle(a.astype(dtype, copy=False)))
     head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     payload = struct.pack("<I", len(head)) + head + b"".join(body)
     return MAGIC + zlib.compress(payload, level)
 
 
+# -- merging -------------------------------------------------------------------------------
+
+
+def _hosts_of(part: PackedHost) -> list[str]:
+    return part.hosts or ([part.host] if part.host else [])
+
+
+def merge_packed(
+    parts: Sequence[PackedHost], names: Sequence[str] | None = None, *, level: int = 6
+) -> bytes:
+    """Several packed summaries (hosts, or partials already merged) as one partial
+    (version 2): every rank of every part, in rank order.
+
+    The result depends only on the set of ranks, not on the parts' order or grouping:
+    ``merge([merge([a, b]), c]) == merge([a, merge([c, b])])``, byte for byte. Ranks are
+    sorted; the strings are the sorted union of the parts' (``""`` first), the groups the
+    sorted union of ``[name, desc, ranks, local]``; each rank's rows and its own group list
+    keep their order. A window is the smallest of the parts' (None if one has none). A rank
+    in two parts is a ``SummaryError`` naming it and both parts (``names``: what to call
+    each part, default its hosts). Nothing is pruned: every op, frontier and fact a part
+    holds is kept (docs/summary-format.md, "Partials")."""
+    labels = (
+        list(names)
+        if names is not None
+        else [",".join(_hosts_of(p))[:80] or f"part {i}" for i, p in enumerate(parts)]
+    )
+    owner: dict[int, int] = {}
+    order: list[tuple[int, int, int]] = []  # (rank, part, position in part)
+    for i, part in enumerate(parts):
+        for k, r in enumerate(part.ranks):
+            j = owner.setdefault(r.rank, i)
+            if len(owner) == len(order):  # seen before: in another part, or twice in this one
+                where = f"both {labels[j]} and {labels[i]}" if j != i else f"{labels[i]} twice"
+                raise SummaryError(f"rank {r.rank} is in {where}")
+            order.append((r.rank, i, k))
+    order.sort()
+    want(len(order) <= MAX_PARTIAL_RANKS, f"a partial holds at most {MAX_PARTIAL_RANKS} ranks")
+    strings = sorted(set().union(*(p.strings for p in parts)) | {""})
+    string_index = {t: i for i, t in enumerate(strings)}
+    group_keys = sorted(set().union(*(((g[0], g[1], g[2], g[4]) for g in p.groups) for p in parts)))
+    group_index = {k: i for i, k in enumerate(group_keys)}
+    string_maps = [np.array([string_index[t] for t in p.strings], dtype=np.int64) for p in parts]
+    group_maps = [[group_index[(g[0], g[1], g[2], g[4])] for g in p.groups] for p in parts]
+
+    ranks_doc = []
+    starts: list[int] = []
+    counts: list[int] = []
+    base = np.concatenate([[0], np.cumsum([p.n_entries for p in parts])]).astype(np.int64)
+    for _, i, k in order:
+        part, r = parts[i], parts[i].ranks[k]
+        gmap = group_maps[i]
+        ranks_doc.append(
+            {
+                **rank_header(r),  # type: ignore[arg-type]  # PackedRank has its fields
+                "groups": [[gmap[hg], *f] for hg, f in r.groups],
+                "entries": r.n_entries,
+            }
+        )
+        starts.append(int(base[i] + part.offsets[k]))
+        counts.append(r.n_entries)
+    n = np.array(counts, dtype=np.int64)
+    total = int(n.sum())
+    # the rows of each rank in turn, as positions in the parts' columns laid end to end
+    at = np.repeat(np.array(starts, dtype=np.int64) - np.cumsum(n) + n, n) + np.arange(total)
+    values: dict[str, np.ndarray] = {}
+    valid: dict[str, np.ndarray] = {}
+    for name, spec in COLUMNS:
+        codec, nullable, _base = _codec(spec)
+        dtype = np.dtype(_NUMPY[codec])
+        fill = -1 if name == "group" else 0
+        cols = []
+        oks = []
+        for i, p in enumerate(parts):
+            c = p.columns.get(name)
+            if c is None:
+                c = np.full(p.n_entries, fill, dtype=dtype)
+            elif codec == "s4":
+                c = string_maps[i][c.astype(np.int64)]
+            cols.append(c.astype(dtype, copy=False))
+            if nullable:
+                ok = p.valid.get(name)
+                if ok is None:
+                    ok = np.full(p.n_entries, name in p.columns, dtype=bool)
+                oks.append(ok)
+        joined = np.concatenate(cols) if cols else np.zeros(0, dtype=dtype)
+        values[name] = joined[at]
+        if nullable:
+            valid[name] = (np.concatenate(oks) if oks else np.zeros(0, dtype=bool))[at]
+    windows = [p.window for p in parts]
+    hosts = sorted(set().union(*(_hosts_of(p) for p in parts)))
+    header = {
+        "format": FORMAT,
+        "version": PARTIAL_VERSION,
+        "kind": PACKED_KIND,
+        "host": hosts[0] if len(hosts) == 1 else None,
+        "hosts": hosts,
+        "window": None if not windows or None in windows else min(windows),  # type: ignore[type-var]
+        "strings": strings,
+        "groups": [list(k) for k in group_keys],
+        "columns": [list(c) for c in COLUMNS],
+        "ranks": ranks_doc,
+    }
+    return _pack(header, values, valid, level)
+
+
 # -- reading -------------------------------------------------------------------------------
 
 
-def _inflate(data: bytes) -> bytes:
-    d = zlib.decompressobj()
+def _inflate(d: Any, data: bytes, limit: int) -> bytes:
+    """Up to ``limit`` more bytes of the stream ``d`` (``zlib.decompressobj``)."""
     try:
-        out = d.decompress(data[len(MAGIC) :], MAX_DOCUMENT_BYTES)
+        return d.decompress(data, limit)
     except zlib.error as e:
         raise SummaryError(f"packed summary is corrupt: {e}") from None
-    if d.unconsumed_tail:
-        raise SummaryError(f"packed summary expands beyond {MAX_DOCUMENT_BYTES} bytes")
-    if not d.eof:
-        raise SummaryError("packed summary is truncated (compressed stream ended early)")
-    return out
+
+
+def _parse_header(raw: bytes, head_len: int) -> Any:
+    try:
+        return json.loads(raw[4 : 4 + head_len], parse_constant=refuse_constant)
+    except RecursionError:
+        raise SummaryError("packed summary header nests too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SummaryError(f"packed summary header is not JSON: {str(e)[:120]}") from None
+
+
+def _document(data: bytes) -> tuple[bytes, int, Any, Any]:
+    """The inflated document, its header's length and the header, bounded before each is
+    produced: a host's file to ``MAX_DOCUMENT_BYTES`` and its header to
+    ``MAX_HEADER_BYTES``. Only a partial, whose header starts with ``PARTIAL_PREFIX``, may
+    be larger: its header up to ``MAX_PARTIAL_HEADER_BYTES``, the rest no more than the
+    columns that header describes (``_partial_rest``). Also returns the stream."""
+    d = zlib.decompressobj()
+    raw = _inflate(d, data[len(MAGIC) :], MAX_DOCUMENT_BYTES)
+    more = bool(d.unconsumed_tail)
+    want(len(raw) >= 4, "packed summary without a header")
+    (head_len,) = struct.unpack_from("<I", raw)
+    partial = raw[4 : 4 + len(PARTIAL_PREFIX)] == PARTIAL_PREFIX
+    want(not more or partial, f"packed summary expands beyond {MAX_DOCUMENT_BYTES} bytes")
+    want(
+        head_len <= (MAX_PARTIAL_HEADER_BYTES if partial else MAX_HEADER_BYTES),
+        "packed summary header is cut",
+    )
+    if more and head_len > len(raw) - 4:
+        raw += _inflate(d, d.unconsumed_tail, 4 + head_len - len(raw))
+    want(head_len <= len(raw) - 4, "packed summary header is cut")
+    header = _parse_header(raw, head_len)
+    if partial:  # the prefix is no promise: a later "version" key would override it
+        want(
+            isinstance(header, dict) and header.get("version") == PARTIAL_VERSION,
+            "a partial's header names another version",
+        )
+    return raw, head_len, header, d
+
+
+def _partial_rest(raw: bytes, d: Any, head_len: int, columns: Any, n: int) -> bytes:
+    """The rest of a partial's document: exactly the column bytes its header describes
+    (one byte more is inflated to see whether it has more)."""
+    _, end = _layout(columns, None, n)
+    total = 4 + head_len + end
+    want(total <= MAX_PARTIAL_BYTES, f"partial expands beyond {MAX_PARTIAL_BYTES} bytes")
+    if len(raw) <= total and d.unconsumed_tail:
+        raw += _inflate(d, d.unconsumed_tail, total + 1 - len(raw))
+    want(not d.unconsumed_tail, "packed summary has bytes after its last column")
+    return raw
 
 
 def decode_packed(data: bytes) -> PackedHost:
@@ -334,43 +512,52 @@ class _Head:
 def _head(data: bytes) -> _Head:
     if not looks_packed(data):
         raise SummaryError("not a packed frtools host summary (no FRTSUMPK magic)")
-    raw = _inflate(bytes(data))
-    want(len(raw) >= 4, "packed summary without a header")
-    (head_len,) = struct.unpack_from("<I", raw)
-    want(head_len <= min(len(raw) - 4, MAX_HEADER_BYTES), "packed summary header is cut")
-    try:
-        header = json.loads(raw[4 : 4 + head_len], parse_constant=refuse_constant)
-    except RecursionError:
-        raise SummaryError("packed summary header nests too deeply") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SummaryError(f"packed summary header is not JSON: {str(e)[:120]}") from None
+    raw, head_len, header, d = _document(bytes(data))
     want(isinstance(header, dict) and header.get("format") == FORMAT, "not an frtools summary")
     version = header.get("version")
-    want(version == VERSION, f"unsupported summary version {version!r} (this reads {VERSION})")
+    want(
+        version in (VERSION, PARTIAL_VERSION),
+        f"unsupported summary version {version!r} (this reads {VERSION} and {PARTIAL_VERSION})",
+    )
     want(header.get("kind") == PACKED_KIND, f"unknown summary kind {header.get('kind')!r}")
+    hosts: list[str] = []
+    max_ranks, scale = MAX_HOST_RANKS, 1
+    if version == PARTIAL_VERSION:  # bounds scale with the hosts it holds
+        hosts = header.get("hosts")  # type: ignore[assignment]
+        want(
+            type(hosts) is list
+            and len(hosts) <= MAX_PARTIAL_RANKS
+            and all(type(h) is str and len(h) <= MAX_IDENTITY_CHARS for h in hosts),
+            "hosts is not a list of host names",
+        )
+        max_ranks, scale = MAX_PARTIAL_RANKS, max(1, len(hosts))
     strings = header.get("strings")
-    want(isinstance(strings, list) and 1 <= len(strings) <= MAX_HOST_STRINGS, "strings")
+    want(isinstance(strings, list) and 1 <= len(strings) <= MAX_HOST_STRINGS * scale, "strings")
     want(
         all(type(s) is str and len(s) <= MAX_STRING_CHARS for s in strings),
         "a string is too long or not one",
     )
     want(strings[0] == "", "strings[0] must be the empty string")
-    groups = _host_groups(header.get("groups"))
-    ranks = _ranks(header.get("ranks"), len(groups))
+    groups = _host_groups(header.get("groups"), MAX_GROUPS * 8 * scale)
+    ranks = _ranks(header.get("ranks"), len(groups), max_ranks)
     counts = np.array([r.n_entries for r in ranks], dtype=np.int64)
     n = int(counts.sum())
-    want(n <= MAX_HOST_ENTRIES, f"more than {MAX_HOST_ENTRIES} entries")
+    want(n <= MAX_HOST_ENTRIES * scale, f"more than {MAX_HOST_ENTRIES * scale} entries")
+    if version == PARTIAL_VERSION:
+        raw = _partial_rest(raw, d, head_len, header.get("columns"), n)
+    want(d.eof, "packed summary is truncated (compressed stream ended early)")
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     body = memoryview(raw)[4 + head_len :]
-    layout = _layout(header.get("columns"), len(body), n)
+    layout, _ = _layout(header.get("columns"), len(body), n)
     host = optional_str(header.get("host"), "host", MAX_IDENTITY_CHARS)
     window = optional_int(header.get("window"), "window", 1, MAX_ENTRIES)
     packed = PackedHost(host, window, strings, groups, ranks, offsets, {}, {})
+    packed.hosts = hosts if version == PARTIAL_VERSION else ([host] if host else [])
     return _Head(packed, np.frombuffer(body, dtype=np.uint8), len(strings), layout)
 
 
-def _host_groups(raw: Any) -> list[tuple[str, str, str, tuple[int, ...], bool]]:
-    want(isinstance(raw, list) and len(raw) <= MAX_GROUPS * 8, "groups is not a short list")
+def _host_groups(raw: Any, limit: int) -> list[tuple[str, str, str, tuple[int, ...], bool]]:
+    want(isinstance(raw, list) and len(raw) <= limit, "groups is not a short list")
     out = []
     for i, g in enumerate(raw):
         want(isinstance(g, list) and len(g) == 4, f"group {i} is not [name, desc, ranks, local]")
@@ -386,8 +573,8 @@ def _host_groups(raw: Any) -> list[tuple[str, str, str, tuple[int, ...], bool]]:
     return out
 
 
-def _ranks(raw: Any, n_groups: int) -> list[PackedRank]:
-    want(isinstance(raw, list) and len(raw) <= MAX_HOST_RANKS, "ranks is not a short list")
+def _ranks(raw: Any, n_groups: int, limit: int) -> list[PackedRank]:
+    want(isinstance(raw, list) and len(raw) <= limit, "ranks is not a short list")
     out = []
     for i, doc in enumerate(raw):
         want(isinstance(doc, dict), f"rank item {i} is not an object")
@@ -432,13 +619,16 @@ def _codec_checked(spec: str) -> tuple[str, bool, str | None]:
     return codec, nullable, base
 
 
-def _layout(raw: Any, size: int, n: int) -> dict[str, tuple[str, str | None, int, int]]:
-    """Where each column the header lists lies in the body, in the order listed; a column
-    this reader does not know is skipped by its codec's size, and the body must end with
-    the last one."""
+def _layout(
+    raw: Any, size: int | None, n: int
+) -> tuple[dict[str, tuple[str, str | None, int, int]], int]:
+    """Where each column the header lists lies in the body, in the order listed, and where
+    the last one ends; a column this reader does not know is skipped by its codec's size,
+    and the body (of ``size`` bytes; None: not known yet) must end with the last one."""
     want(isinstance(raw, list) and len(raw) <= 256, "columns is not a short list")
     layout: dict[str, tuple[str, str | None, int, int]] = {}
     pos = 0
+    limit = size if size is not None else _INT64_MAX
     for item in raw:
         want(
             type(item) is list and len(item) == 2 and all(type(x) is str for x in item),
@@ -453,15 +643,15 @@ def _layout(raw: Any, size: int, n: int) -> dict[str, tuple[str, str | None, int
         if nullable:
             bits = pos
             pos += (n + 7) // 8
-            want(pos <= size, f"column {name[:40]} is cut")
+            want(pos <= limit, f"column {name[:40]} is cut")
         start = pos
         pos += n * _ITEMSIZE[codec]
-        want(pos <= size, f"column {name[:40]} is cut")
+        want(pos <= limit, f"column {name[:40]} is cut")
         if codec == "r8":
             want(base in layout, f"column {name[:40]} is relative to a missing column")
         layout[name] = (codec, base, bits, start)
-    want(pos == size, "packed summary has bytes after its last column")
-    return layout
+    want(size is None or pos == size, "packed summary has bytes after its last column")
+    return layout, pos
 
 
 def _decode_columns(heads: list[_Head]) -> dict[int, SummaryError]:

@@ -1,0 +1,213 @@
+"""Merged host summaries (docs/summary-format.md, "Partials"; docs/fleet.md): a partial of
+many hosts' ranks is the same bytes whatever order and grouping the hosts were merged in,
+and ``frtools analyze`` of it gives the verdict of the folder of host summaries it came
+from, on every fault kind the simulator makes. Hostile inputs to a merge are refused with
+one line naming the file."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+from test_summaries import _boxes, _by_host
+
+from frtools.analyze.diagnose import diagnose
+from frtools.analyze.readers import load_trace
+from frtools.analyze.summarize import merge_files
+from frtools.formats.summary import SummaryError
+from frtools.formats.summary_packed import (
+    MAGIC,
+    PARTIAL_PREFIX,
+    decode_packed,
+    merge_packed,
+    to_summaries,
+)
+from frtools.synth import FAULTS
+
+pytestmark = pytest.mark.timeout(240)
+
+LAYOUT = {"world_size": 32, "tp": 2, "pp": 2}  # four hosts of 8 ranks
+
+
+def _key(v) -> tuple:
+    """What a user reads first: kind, guilty ranks, group, op, who waits, the headline."""
+    pg = v.process_group
+    return (
+        v.kind,
+        tuple(sorted(v.guilty_ranks)),
+        pg.name if pg else None,
+        v.op,
+        tuple(sorted(v.waiting)),
+        v.headline,
+    )
+
+
+def _random_tree(parts: list, rng: random.Random) -> bytes:
+    """Merge ``parts`` in a random order as a random tree of merges."""
+    level = [p for p in parts]
+    rng.shuffle(level)
+    while len(level) > 1:
+        fan_in = rng.randint(2, max(2, len(level)))
+        nxt = []
+        for i in range(0, len(level), fan_in):
+            group = level[i : i + fan_in]
+            nxt.append(group[0] if len(group) == 1 else decode_packed(merge_packed(group)))
+        rng.shuffle(nxt)
+        level = nxt
+    return merge_packed(level)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_merged_partial_is_one_set_of_bytes_and_gives_the_flat_verdict(tmp_path, fault):
+    boxes = _boxes(tmp_path, fault, seed=3, **LAYOUT)
+    hosts = _by_host(boxes, tmp_path / "hosts")
+    files = sorted(hosts.glob("*.summary"))
+    assert len(files) == 4
+    parts = [decode_packed(f.read_bytes()) for f in files]
+    flat = merge_packed(parts)
+    rng = random.Random(fault)
+    for _ in range(4):
+        assert _random_tree(parts, rng) == flat
+    merged = decode_packed(flat)
+    assert [r.rank for r in merged.ranks] == sorted(r.rank for p in parts for r in p.ranks)
+    assert merged.hosts == [p.host for p in parts]
+    # every rank's summary is the one its host wrote: nothing pruned, nothing changed
+    assert to_summaries(merged) == sorted(
+        (s for p in parts for s in to_summaries(p)), key=lambda s: s.rank
+    )
+    one = tmp_path / "partial"
+    one.mkdir()
+    (one / "job.summary").write_bytes(flat)
+    expected = _key(diagnose(load_trace(hosts, workers=1)))
+    assert _key(diagnose(load_trace(one, workers=1))) == expected
+
+
+def test_summarize_merge_per_rack_then_the_job_reads_as_the_hosts(tmp_path):
+    """The SLURM recipe's shape: hosts -> racks -> job with the command, then analyze."""
+    boxes = _boxes(tmp_path, "missing", **LAYOUT)
+    hosts = sorted(_by_host(boxes, tmp_path / "hosts").glob("*.summary"))
+    racks = tmp_path / "racks"
+    racks.mkdir()
+
+    def merge(*args: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "frtools", "summarize", "--merge", *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+    for rack in (hosts[:2], hosts[2:]):
+        res = merge(*map(str, rack), "-o", str(racks))
+        assert res.returncode == 0, res.stderr
+    assert "merged 2 file(s): 16 rank(s) 16-31 of 2 host(s) -> " in res.stderr
+    job = tmp_path / "job"
+    job.mkdir()
+    res = merge(str(racks), "-o", str(job / "job.summary"))
+    assert res.returncode == 0, res.stderr
+    assert (job / "job.summary").read_bytes() == merge_files(hosts[::-1]).data
+    out = [
+        subprocess.run(
+            [sys.executable, "-m", "frtools", "analyze", str(d), "--format", "json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        for d in (tmp_path / "hosts", job)
+    ]
+    assert [o.returncode for o in out] == [1, 1]
+    flat, merged = (json.loads(o.stdout)["verdict"] for o in out)
+    assert merged["kind"] == flat["kind"] == "missing"
+    assert merged["guilty"] == flat["guilty"]
+    assert merged["headline"] == flat["headline"]
+
+
+def _edit(data: bytes, change) -> bytes:
+    raw = zlib.decompress(data[len(MAGIC) :])
+    (n,) = struct.unpack_from("<I", raw)
+    header = json.loads(raw[4 : 4 + n])
+    body = change(header, raw[4 + n :])
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return MAGIC + zlib.compress(struct.pack("<I", len(head)) + head + body)
+
+
+def _with_extra(h: dict, body: bytes) -> bytes:
+    return body + b"\0"
+
+
+def _claims_one_host(h: dict, body: bytes) -> bytes:
+    h["hosts"] = 7
+    return body
+
+
+def _version_twice(data: bytes) -> bytes:
+    """A partial whose header starts as a partial's and names version 1 again at its end
+    (JSON keeps the last): it may not keep the ceilings its prefix claimed."""
+    raw = zlib.decompress(data[len(MAGIC) :])
+    (n,) = struct.unpack_from("<I", raw)
+    head = raw[4 : 4 + n - 1] + b',"version":1}'
+    return MAGIC + zlib.compress(struct.pack("<I", len(head)) + head + raw[4 + n :])
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory) -> list[Path]:
+    tmp = tmp_path_factory.mktemp("two")
+    boxes = _boxes(tmp, "missing", world_size=16, tp=2, pp=2)
+    return sorted(_by_host(boxes, tmp / "hosts").glob("*.summary"))
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda d, p: b"NOTMAGIC" + d[8:], "no FRTSUMPK magic"),
+        (lambda d, p: d[: len(d) // 2], "truncated"),
+        (lambda d, p: _edit(p, _with_extra), "bytes after its last column"),
+        (lambda d, p: _edit(p, _claims_one_host), "hosts is not a list"),
+        (lambda d, p: _version_twice(p), "names another version"),
+        (lambda d, p: d, "rank 0 is in both"),
+    ],
+)
+def test_a_hostile_merge_input_is_refused_with_one_line_naming_the_file(
+    tmp_path, two_hosts, make, reason
+):
+    good = two_hosts[0].read_bytes()
+    partial = merge_files(two_hosts).data
+    bad = tmp_path / "bad.summary"
+    bad.write_bytes(make(good, partial))
+    with pytest.raises(SummaryError, match=reason) as e:
+        merge_files([two_hosts[0], bad])
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
+    res = subprocess.run(
+        [sys.executable, "-m", "frtools", "summarize", "--merge", str(two_hosts[0]), str(bad)]
+        + ["-o", str(tmp_path / "out.summary")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2
+    assert res.stderr.count("\n") == 1 and str(bad) in res.stderr and reason in res.stderr
+    assert not (tmp_path / "out.summary").exists()
+
+
+def test_a_partial_larger_than_a_hosts_bound_reads_only_as_a_partial(two_hosts):
+    """Past a host file's 256 MiB only a partial may go, and only as far as its header's
+    columns reach: a host file's header does not get a partial's ceiling by claiming it."""
+    partial = merge_files(two_hosts).data
+    back = decode_packed(partial)
+    assert zlib.decompress(partial[len(MAGIC) :])[4:].startswith(PARTIAL_PREFIX)
+    assert len(back.ranks) == 16
+    z = zlib.compressobj(1)
+    head = b'{"format":"frtools-summary","version":1,' + b" " * 64 + b"}"
+    bomb = MAGIC + z.compress(struct.pack("<I", len(head)) + head)
+    bomb += b"".join(z.compress(bytes(1 << 20)) for _ in range(300)) + z.flush()
+    with pytest.raises(SummaryError, match="expands beyond"):
+        decode_packed(bomb)
+    head = b'{"format":"frtools-summary","version":2,"kind":"host-packed","hosts":[],'
+    head += b'"strings":[""],"groups":[],"columns":[],"ranks":[]}'
+    z = zlib.compressobj(1)
+    bomb = MAGIC + z.compress(struct.pack("<I", len(head)) + head)
+    bomb += b"".join(z.compress(bytes(1 << 20)) for _ in range(300)) + z.flush()
+    with pytest.raises(SummaryError, match="bytes after its last column"):
+        decode_packed(bomb)
