@@ -259,11 +259,20 @@ def test_ray_cluster_summarizes_on_each_node_and_gives_the_full_records_verdict(
     _connect(cluster)
     seen = []
     kept = tmp_path / "summaries"
-    result = analyze_on_ray(job=JOB, summaries_dir=kept, on_report=seen.append)
+    # merge tasks on the cluster, two summaries at a time: the driver receives one partial
+    result = analyze_on_ray(job=JOB, summaries_dir=kept, on_report=seen.append, fan_in=2)
     assert _verdict_key(result.verdict) == expected
     assert sorted(r for report in seen for r in report.ranks) == list(range(24))
     assert len(seen) == 4  # three nodes with records and the head without
-    assert sorted(p.name for p in kept.iterdir()) == [
+    assert [p.name for p in kept.iterdir()] == ["node00000..node00002.summary"]
+    assert [
+        r.rank for r in decode_packed((kept / "node00000..node00002.summary").read_bytes()).ranks
+    ] == list(range(24))
+    # the flat gather: every host summary to the driver
+    flat = tmp_path / "flat"
+    result = analyze_on_ray(job=JOB, summaries_dir=flat, fan_in=None)
+    assert _verdict_key(result.verdict) == expected
+    assert sorted(p.name for p in flat.iterdir()) == [
         "node00000.summary", "node00001.summary", "node00002.summary"
     ]  # fmt: skip
     # only the nodes with a custom resource (the head has none)

@@ -2,8 +2,11 @@
 
 ``analyze_on_ray`` runs the per-host step (``frtools.analyze.summarize``) as one Ray task
 per node, pinned to that node (``NodeAffinitySchedulingStrategy``, not soft: a node's
-records are on its own disk), gathers the packed host summaries as the tasks finish
-(``ray.wait``), writes them into one folder and diagnoses it like any dump folder. Only
+records are on its own disk), and hears from the tasks as they finish (``ray.wait``). The
+summaries themselves stay on the cluster: merge tasks combine them ``fan_in`` at a time
+(``formats.summary_packed.merge_packed``: the same partial whatever the order), level after
+level, so the driver receives one partial of the whole job and diagnoses it like any dump
+folder. ``fan_in=None`` gathers every host summary to the driver instead (flat). Only
 summaries travel (~10 KB a host), never a black box (~4.5 MB a rank).
 
 It fits how Ray Train jobs already run: every worker's recorder writes under its node's
@@ -41,13 +44,18 @@ from frtools.formats.manifest import rank_in_file_name
 from frtools.formats.summary_packed import DEFAULT_HOST_WINDOW, host_file_name
 
 __all__ = [
+    "DEFAULT_FAN_IN",
     "FleetResult",
     "NodeReport",
     "analyze_on_ray",
     "find_job_dirs",
     "matches",
+    "merge_summaries",
     "summarize_node",
 ]
+
+# summaries (or partials) one merge task combines: 131,072 hosts in five levels
+DEFAULT_FAN_IN = 16
 
 
 class RayUnavailable(RuntimeError):
@@ -169,6 +177,30 @@ def summarize_node(
         return NodeReport(node, error=f"{type(e).__name__}: {e}", seconds=_since(t0))
 
 
+def _summarize_apart(
+    root: str | None, job: str | None, window: int, pattern: str | None
+) -> tuple[NodeReport, bytes | None]:
+    """``summarize_node`` as two results: the report (to the driver, small) and the summary
+    (to a merge task, where it is)."""
+    report = summarize_node(root, job, window, pattern)
+    data, report.data = report.data, None
+    return report, data
+
+
+def merge_summaries(names: Sequence[str], *datas: bytes) -> bytes:
+    """One partial of packed summaries (a merge task's work; ``names``: what to call each
+    in an error). Raises ``SummaryError`` naming the one refused."""
+    from frtools.formats.summary import SummaryError
+    from frtools.formats.summary_packed import decode_packed_many, merge_packed
+
+    parts = []
+    for name, part in zip(names, decode_packed_many(datas), strict=True):
+        if isinstance(part, SummaryError):
+            raise SummaryError(f"{name}: {part}")
+        parts.append(part)
+    return merge_packed(parts, list(names))
+
+
 @contextlib.contextmanager
 def _picked(folder: Path, pattern: str | None) -> Iterator[Path]:
     """``folder`` itself, or with a pattern a temporary folder of links to the files it
@@ -245,6 +277,7 @@ def analyze_on_ray(
     timeout_s: float = 300.0,
     world_size: int | None = None,
     on_report: Callable[[NodeReport], None] | None = None,
+    fan_in: int | None = DEFAULT_FAN_IN,
 ) -> FleetResult:
     """Summarize ``job`` on every chosen node of the Ray cluster at ``address`` and
     diagnose the summaries here.
@@ -255,7 +288,10 @@ def analyze_on_ray(
     files whose name it picks (a prefix or a glob: ``matches``). ``summaries_dir``:
     keep the host summaries there (default: a temporary folder, removed). Nodes that have
     not answered after ``timeout_s`` are left out (their ranks have no record).
-    ``on_report``: called with each node's report as it arrives. Raises
+    ``on_report``: called with each node's report as it arrives. ``fan_in``: summaries a
+    merge task combines (the driver receives one partial: ``<first>..<last>.summary`` in
+    ``summaries_dir``); None: every host summary comes to the driver (``<host>.summary``
+    each). A merge that fails (a rank two nodes both hold) falls back to that. Raises
     ``RayUnavailable`` without Ray or a cluster, and ``frtools.analyze.readers
     .UnusableInput`` when no node had a record."""
     t0 = time.perf_counter()
@@ -272,17 +308,20 @@ def analyze_on_ray(
     chosen = _select_nodes(ray.nodes(), nodes, resource, label)
     if not chosen:
         raise RayUnavailable("no alive Ray node matches (nodes/resource/label)")
-    task = ray.remote(num_cpus=0, max_retries=0)(summarize_node)
-    pending = {
-        task.options(
+    task = ray.remote(num_cpus=0, max_retries=0, num_returns=2)(_summarize_apart)
+    pending = {}
+    for n in chosen:
+        meta, data = task.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
-        ).remote(root, job, window, pattern): n
-        for n in chosen
-    }
+        ).remote(root, job, window, pattern)
+        pending[meta] = (n, data)
+    if fan_in is not None and fan_in < 2:
+        raise ValueError("fan_in must be at least 2 (None: gather every summary)")
     keep = summaries_dir is not None
     out = Path(summaries_dir) if keep else Path(tempfile.mkdtemp(prefix="frtools-fleet-"))
     out.mkdir(parents=True, exist_ok=True)
     reports: list[NodeReport] = []
+    answered: list[tuple[NodeReport, dict[str, Any], Any]] = []  # report, node, data ref
     try:
         deadline = time.monotonic() + timeout_s
         while pending:
@@ -291,28 +330,40 @@ def analyze_on_ray(
                 break
             done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 5.0))
             for ref in done:
-                n = pending.pop(ref)
+                n, data = pending.pop(ref)
                 try:
                     report = ray.get(ref)
                 except Exception as e:  # noqa: BLE001 - a lost node, a failed worker
                     report = NodeReport(_node_name(n), error=f"{type(e).__name__}: {e}")
-                if report.data is not None:
-                    name = host_file_name(report.host or _node_name(n))
-                    target = out / name
-                    if target.exists():  # two nodes that go by one host name
-                        target = out / host_file_name(f"{report.host}-{n['NodeID'][:8]}")
-                    target.write_bytes(report.data)
+                if report.ranks and not report.error:
+                    answered.append((report, n, data))
                 reports.append(report)
                 if on_report is not None:
                     on_report(report)
-        for ref, n in pending.items():
-            ray.cancel(ref, force=True)
+        for _ref, (n, _data) in pending.items():
+            ray.cancel(_ref, force=True)
             reports.append(NodeReport(_node_name(n), error=f"no answer within {timeout_s:.0f} s"))
+        if answered and fan_in is not None:
+            try:
+                _write_partial(ray, answered, fan_in, out, deadline)
+            except Exception as e:  # noqa: BLE001 - the flat gather still works
+                for p in out.glob("*.summary"):
+                    p.unlink()
+                reports.append(NodeReport("merge", error=f"{type(e).__name__}: {e}"))
+                fan_in = None
+        if fan_in is None:
+            for report, n, data in answered:
+                name = host_file_name(report.host or _node_name(n))
+                target = out / name
+                if target.exists():  # two nodes that go by one host name
+                    target = out / host_file_name(f"{report.host}-{n['NodeID'][:8]}")
+                report.data = ray.get(data)
+                target.write_bytes(report.data)
         from frtools.analyze.align import align
         from frtools.analyze.diagnose import diagnose
         from frtools.analyze.readers import UnusableInput, load_trace
 
-        if not any(r.data for r in reports):
+        if not answered:
             lines = "; ".join(f"{r.node}: {r.error or r.note}" for r in reports)
             raise UnusableInput(f"no node of the Ray cluster had records: {lines}")
         trace = load_trace(out, world_size=world_size)
@@ -324,6 +375,32 @@ def analyze_on_ray(
     finally:
         if not keep:
             shutil.rmtree(out, ignore_errors=True)
+
+
+def _write_partial(
+    ray: Any,
+    answered: list[tuple[NodeReport, dict[str, Any], Any]],
+    fan_in: int,
+    out: Path,
+    deadline: float,
+) -> None:
+    """Merge the answered nodes' summaries on the cluster, ``fan_in`` at a time, level after
+    level, and write the one partial into ``out``."""
+    merge = ray.remote(num_cpus=0, max_retries=0)(merge_summaries)
+    level = [(report.host or _node_name(n), data) for report, n, data in answered]
+    hosts = sorted(name for name, _ in level)
+    while len(level) > 1:
+        level = [
+            (
+                f"partial of {group[0][0]}..",
+                merge.remote([name for name, _ in group], *(ref for _, ref in group)),
+            )
+            for group in (level[i : i + fan_in] for i in range(0, len(level), fan_in))
+        ]
+    ((_, top),) = level
+    data = ray.get(top, timeout=max(1.0, deadline - time.monotonic()) + 60)
+    label = hosts[0] if len(hosts) == 1 else f"{hosts[0]}..{hosts[-1]}"
+    (out / host_file_name(label)).write_bytes(data)
 
 
 def _node_name(n: dict[str, Any]) -> str:
