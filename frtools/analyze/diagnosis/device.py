@@ -119,25 +119,36 @@ def counters(al: Alignment) -> pd.DataFrame:
     )
 
 
-def _comparable(coll: pd.DataFrame, p2p: pd.DataFrame, counters: pd.DataFrame) -> pd.DataFrame:
+def _comparable(al: Alignment, counters: pd.DataFrame) -> pd.DataFrame:
     """The counters of groups that count collectives only: no send/recv recorded on the
     group, and no rank's entries past its own counter by more than the one op a host call
-    may hold."""
+    may hold. A rank's highest recorded seq on a group is its ``al.status`` ``last_issued``
+    where it has entries there (the alignment's own per-group maximum: no pass over the
+    millions of units)."""
     if not len(counters):
         return counters
     groups = set(counters["pg_name"])
+    p2p = al.p2p
     if len(p2p):
         groups -= set(p2p["pg_name"].astype(str).unique().tolist())
     keep = counters[counters["pg_name"].isin(groups).to_numpy()]
-    if not len(keep) or not len(coll):
+    if not len(keep) or not len(al.collectives):
         return keep
-    mine = coll[coll["pg_name"].astype(str).isin(groups).to_numpy()]
-    top = (
-        mine.assign(pg_name=mine["pg_name"].astype(str))
-        .groupby(["rank", "pg_name"], observed=True)["seq"]
-        .max()
-        .rename("top_seq")
+    st = al.status
+    names = st.index.get_level_values(1)
+    recorded = st["first_seq"].notna().to_numpy() & pd.notna(names)
+    top = pd.Series(
+        st["last_issued"].to_numpy(dtype="float64", na_value=np.nan)[recorded],
+        index=pd.MultiIndex.from_arrays(
+            [
+                st.index.get_level_values(0)[recorded].astype(np.int64),
+                names[recorded].astype(str),
+            ],
+            names=["rank", "pg_name"],
+        ),
+        name="top_seq",
     )
+    top = top[~top.index.duplicated(keep="last")]
     joined = keep.join(top, on=["rank", "pg_name"])
     bad = joined["top_seq"].notna() & (joined["top_seq"] > joined["enqueued"] + 1)
     bad_groups = set(joined.loc[bad, "pg_name"])
@@ -165,7 +176,7 @@ def device_lags(
     """Per rank, the groups where a peer completed an all-member collective that the rank
     never saw complete (see the module docstring)."""
     coll = al.collectives
-    counters = _comparable(coll, al.p2p, counted)
+    counters = _comparable(al, counted)
     if len(counters) < 2:
         return {}
     best = counters.groupby("pg_name")["completed"].transform("max")
@@ -210,7 +221,13 @@ def host_calls(trace: Trace, al: Alignment, counted: pd.DataFrame) -> dict[int, 
     counters = counted
     if not len(counters) or not len(coll):
         return {}
-    mine = coll[coll["rank"].isin(counters["rank"].unique()).to_numpy()]
+    # only units at some counter's last_enqueued + 1 can be one past their own: a table
+    # look-up per unit on the seq (a small range) before anything per unit is built
+    wanted = np.unique(counters["enqueued"].to_numpy(dtype=np.int64) + 1)
+    seq = coll["seq"].to_numpy()
+    near = np.isin(seq, wanted)  # numpy takes a table where the range is small
+    near &= np.isin(coll["rank"].to_numpy(), counters["rank"].unique())
+    mine = coll[near]
     if not len(mine):
         return {}
     keyed = pd.DataFrame(
