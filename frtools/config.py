@@ -258,6 +258,14 @@ JOBWIDE_POLL: Setting[float] = Setting(
     "seconds between the watcher's looks at the store",
     _non_negative(float),
 )
+PROGRESS_INTERVAL: Setting[float] = Setting(
+    "FRTOOLS_PROGRESS_INTERVAL",
+    5.0,
+    "`5`",
+    "seconds between two of a rank's progress beacons in the job's store (the op it is in, "
+    "its groups' frontiers: `frtools top --job-wide` on any host); `0`: none",
+    _non_negative(float),
+)
 STORE_PREFIX: Setting[str] = Setting(
     "FRTOOLS_STORE_PREFIX",
     DEFAULT_STORE_PREFIX,
@@ -457,6 +465,7 @@ SETTINGS: tuple[Setting[Any], ...] = (
     SHARE_GROUP,
     JOBWIDE,
     JOBWIDE_POLL,
+    PROGRESS_INTERVAL,
     STORE_PREFIX,
     CUDART,
     DEBUG,

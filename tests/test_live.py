@@ -21,6 +21,7 @@ from jobs import free_port, kill_group, rank_env, stop
 
 from frtools.collect.live import read_job
 from frtools.collect.metrics import METRIC_NAMES
+from frtools.formats import progress as beacon
 
 pytestmark = pytest.mark.torch
 
@@ -133,6 +134,63 @@ def test_top_job_wide_reads_every_rank_through_the_store(hung_job: HungJob) -> N
     assert head.startswith("job j  4 rank(s)") and "STALLED since" in head, proc.stdout
     assert "STALLED" in rank_line(proc.stdout, HUNG)
     assert head.endswith("lagging: 0, 1, 2")
+
+
+@pytest.mark.timeout(120)
+def test_top_job_wide_shows_other_hosts_ranks_from_their_beacons(
+    hung_job: HungJob, tmp_path: Path
+) -> None:
+    """Seen from a host that holds none of the boxes (an empty recorder folder), every rank
+    comes from the progress beacon its recorder writes into the store: rank 3's op, group,
+    sequence id and stall, and the laggards, as the boxes themselves say."""
+    elsewhere = tmp_path / "other-host"
+    elsewhere.mkdir(mode=0o700)
+    deadline = time.monotonic() + 30
+    while True:
+        proc = frtools("top", "--once", "--job-wide", "--store", f"127.0.0.1:{hung_job.port}",
+                       "--dir", str(elsewhere))  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        if "STALLED" in proc.stdout or time.monotonic() > deadline:
+            break
+    hung = rank_line(proc.stdout, HUNG)
+    assert "STALLED" in hung and "gloo:all_reduce" in hung, proc.stdout
+    assert hung.split()[3:5] == ["0", "4"]  # group 0, sequence id 4, from the beacon
+    assert "from its beacon" in proc.stdout
+    head = proc.stdout.splitlines()[0]
+    assert "STALLED since" in head and head.endswith("lagging: 0, 1, 2"), proc.stdout
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"[1, 2]",
+        b"\xff\xfe",
+        b"[" * 20000,
+        b'{"seq": true, "state": "rm -rf", "stalled": 1, "groups": [["g", "d", "x", -1, 2]]}',
+        b'{"op": "' + b"x" * 20000 + b'"}',
+    ],
+    ids=["empty", "list", "not-utf8", "deep", "wrong-types", "too-big"],
+)
+def test_a_hostile_beacon_is_no_beacon_or_its_checked_fields_only(raw: bytes) -> None:
+    """The store is not authenticated: a beacon is bounded, its ints strict, its state from
+    a closed set, a group row with a bad number dropped."""
+    now = beacon.decode(raw)
+    if raw.startswith(b'{"seq"'):  # a beacon whose fields are all wrong
+        assert now is not None and now.seq is None and now.state is None
+        assert now.stalled is False and now.groups == []
+    else:
+        assert now is None
+
+
+def test_a_beacon_reads_back_as_written() -> None:
+    sent = beacon.Progress(op="gloo:all_reduce", group="0", seq=4, state="scheduled",
+                           pending=True, last_progress_ns=5, stalled=True, stall_time_ns=6,
+                           time_ns=7, interval_s=5.0,
+                           groups=[beacon.GroupProgress(name="0", desc="default_pg",
+                                   digest=beacon.members_digest((0, 1, 2, 3)),
+                                   last_issued=4, last_completed=3)])  # fmt: skip
+    assert beacon.decode(beacon.encode(sent)) == sent
 
 
 def test_top_job_wide_names_an_unreachable_store_in_one_line() -> None:

@@ -11,7 +11,8 @@ request or a store write, so looking cannot hurt the job.
   state (running / stalled since T / exited) and the lagging ranks.
 * ``read_job_wide(store_addr)`` -> ``JobLive``: every rank that registered in the job's
   TCPStore (read only: ``check``/``get``); ranks on this host read from their boxes, the
-  others shown with the host and pid they registered.
+  others from the progress beacon each rank's recorder writes there (``formats.progress``),
+  with its age.
 
 A box is hostile data: an unreadable one is a ``RankLive`` with ``error`` naming the file
 and the reason, and the others are still shown.
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from frtools.formats import progress as beacon
 from frtools.formats.blackbox import (
     FLAG_FAILED,
     STATE_NAMES,
@@ -56,15 +58,15 @@ class GroupLive:
 
     name: str
     desc: str
-    ranks: tuple[int, ...]
+    digest: str  # its member list's (``formats.progress.members_digest``)
     last_issued: int
     last_completed: int
     behind: int = 0  # ops the group's most advanced member (here) issued that this one did not
 
     @property
-    def key(self) -> tuple[str, tuple[int, ...]]:
+    def key(self) -> tuple[str, str]:
         """Groups are one group across ranks by name and member set (names can repeat)."""
-        return (self.name, self.ranks)
+        return (self.name, self.digest)
 
 
 @dataclass(kw_only=True)
@@ -163,53 +165,41 @@ def read_rank(path: str | os.PathLike[str], rank: int | None = None) -> RankLive
     live.alive = owner_alive(header, ident)
     live.ending, _ = snap.ending(live.alive)
     live.startup_phase = snap.startup_phase
-    live.stalled = snap.stalled
-    live.stall_time_ns = int(header["stall_time_ns"]) if header["stall_time_ns"] > 0 else None
-    for g in snap.groups[:MAX_GROUPS]:
-        live.groups.append(
-            GroupLive(
-                name=g.name,
-                desc=g.desc,
-                ranks=g.ranks,
-                last_issued=int(g.last_enqueued_collective),
-                last_completed=int(g.last_completed_collective),
-            )
-        )
     try:
+        _take(live, beacon.of_snapshot(snap))
         _read_ops(live, snap)
     except SnapshotError as exc:  # a string beyond the limits: the rank, without its ops
+        _take(live, beacon.of_snapshot(snap, ops=False))
         live.note = f"{path}: ops not read: {exc}"
+    live.groups = live.groups[:MAX_GROUPS]
     return live
 
 
+def _take(live: RankLive, now: beacon.Progress) -> None:
+    """What ``now`` (a box's progress, or a remote rank's beacon) says, into ``live``."""
+    live.op, live.group, live.seq, live.state = now.op, now.group, now.seq, now.state
+    live.pending, live.last_progress_ns = now.pending, now.last_progress_ns
+    live.stalled, live.stall_time_ns = now.stalled, now.stall_time_ns
+    live.groups = [
+        GroupLive(
+            name=g.name,
+            desc=g.desc,
+            digest=g.digest,
+            last_issued=g.last_issued,
+            last_completed=g.last_completed,
+        )
+        for g in now.groups
+    ]
+
+
 def _read_ops(live: RankLive, snap: Snapshot) -> None:
-    """The current op (the stalled one, else the oldest unfinished, else the newest), the
-    last progress and the finished slots, from the ring in numpy."""
+    """The finished slots (for the exporter's op counters), from the ring in numpy."""
     slots = snap.slots
-    times = [int(v) for v in snap.phase_times().values()] + [int(snap.header["created_ns"])]
     if not len(slots):
-        live.last_progress_ns = max(times) if any(times) else None
         return
     failed = (slots["flags"] & FLAG_FAILED) != 0
     done = (slots["state"] == _COMPLETED) | failed
-    newest = max(
-        int(slots[col].max())
-        for col in ("time_created_ns", "time_started_ns", "time_completed_ns", "time_failed_ns")
-    )
-    live.last_progress_ns = max([newest, *times])
     live.oldest_record = int(slots["record_id"][0])
-    pending = np.flatnonzero(~done)
-    stall_id = int(snap.header["stall_record_id"])
-    at = np.flatnonzero(slots["record_id"] == stall_id) if live.stalled and stall_id >= 0 else []
-    i = int(at[0]) if len(at) else int(pending[0]) if len(pending) else len(slots) - 1
-    slot = slots[i]
-    live.op = snap.string(int(slot["op"]))
-    live.pending = not bool(done[i])
-    live.state = "failed" if failed[i] else STATE_NAMES[int(slot["state"])]
-    live.seq = int(slot["p2p_seq_id"] if slot["is_p2p"] else slot["collective_seq_id"])
-    pg = int(slot["pg"])
-    if 0 <= pg < len(snap.groups):
-        live.group = snap.groups[pg].name
     live.op_name = snap.string
     live.finished = np.rec.fromarrays(
         [slots["record_id"][done], slots["op"][done], failed[done]],
@@ -258,6 +248,26 @@ def read_jobs(root: str | os.PathLike[str] | None = None, job: str | None = None
     if job in jobs:
         return [read_job(jobs[job])]
     return [JobLive(job=job, notes=[f"no boxes of job {job!r} under this host's recorder folder"])]
+
+
+def _from_beacon(live: RankLive, store: Any, key: str) -> str:
+    """A rank of another host, as its last beacon says (``formats.progress``); the note
+    says how old that is, and when the beacons stopped (threads that cannot run, or gone)."""
+    now = beacon.decode(store.get(key)) if store.check([key]) else None
+    if now is None:
+        return f"runs on {live.host}: no progress beacon (`frtools top` there reads its box)"
+    _take(live, now)
+    live.groups = live.groups[:MAX_GROUPS]
+    if now.time_ns is None:
+        return "from its beacon"
+    age = max(0.0, (time.time_ns() - now.time_ns) / 1e9)
+    every = now.interval_s or 5.0
+    if age > max(3 * every, every + 10.0):
+        return (
+            f"no beacon for {age:.0f} s (every {every:g} s): its Python threads do not run "
+            "(GIL held?), or it is gone"
+        )
+    return f"from its beacon {age:.0f} s ago"
 
 
 def _settle(job: JobLive) -> None:
@@ -324,7 +334,7 @@ def read_job_wide(
             live.note = (
                 "never registered (recorder not on?)"
                 if not reg
-                else f"runs on {host}: its box is read by `frtools top` there"
+                else _from_beacon(live, store, protocol.progress_key(prefix, rank))
             )
         job.ranks[rank] = live
         if name and job.job == store_addr:

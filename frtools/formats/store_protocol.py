@@ -16,6 +16,9 @@ here, so neither side imports the other. All keys sit under one prefix
   wrote, for the user to read; a collector checks it before reading there), files,
   copy_seq (the request its copy was written for: an earlier one when rate limited), note.
 * ``<P>rank/<R>`` — a rank's registration when its watcher starts: host, pid, blackbox, job.
+* ``<P>progress/<R>`` — a rank's beacon, rewritten every ``FRTOOLS_PROGRESS_INTERVAL`` s and
+  when a stall is flagged: the op it is in and its groups' frontiers (``formats.progress``),
+  for ``frtools top --job-wide`` on any host.
 
 The store has no authentication: anyone who can reach it can write these keys. What a rank
 reads from it is a request number and a label; what a collector reads from it is shown, or
@@ -56,6 +59,10 @@ def answer_key(prefix: str, seq: int, rank: int) -> str:
 
 def rank_key(prefix: str, rank: int) -> str:
     return f"{prefix}rank/{rank}"
+
+
+def progress_key(prefix: str, rank: int) -> str:
+    return f"{prefix}progress/{rank}"
 
 
 def world_size_key(prefix: str) -> str:

@@ -21,6 +21,11 @@ chooses a path (a ``dir`` in a request is ignored), temporary files get unpredic
 request in between is answered with the last copy — into fixed names (``rank_<R>.frt``,
 ``rank_<R>.stacks``: one copy per rank, the older one replaced).
 
+Every ``FRTOOLS_PROGRESS_INTERVAL`` s (and at once when a stall is flagged) the thread also
+writes this rank's *beacon* into the store: the op it is in and its groups' frontiers, read
+from its own box (``frtools.formats.progress``), so ``frtools top --job-wide`` on any host shows
+every rank. One small ``set`` per rank every 5 s beside the poll's ``add`` every 0.5 s.
+
 A rank whose Python threads cannot run (another thread holds the GIL) cannot answer here;
 its black box stays on its host, where ``frtools dump`` (per host) still collects it.
 Nothing here may hurt the job: every failure warns once and the thread goes on or stops.
@@ -49,9 +54,12 @@ from frtools.config import (
     DUMP_INTERVAL,
     JOBWIDE,
     JOBWIDE_POLL,
+    PROGRESS_INTERVAL,
     STORE_PREFIX,
 )
+from frtools.formats import progress as beacon
 from frtools.formats import store_protocol as protocol
+from frtools.formats.blackbox import read_snapshot
 from frtools.formats.manifest import BOX_SUFFIX, STACKS_SUFFIX, Manifest, rank_file_name
 from frtools.recorder import private
 from frtools.recorder.notices import note
@@ -169,6 +177,8 @@ class JobWideWatcher:
         self.prefix = prefix if prefix is not None else STORE_PREFIX.read()
         self.poll_s = poll_s or JOBWIDE_POLL.read()
         self.interval_s = DUMP_INTERVAL.read() if interval_s is None else interval_s
+        self.progress_s = PROGRESS_INTERVAL.read()
+        self.next_beacon = 0.0  # time.monotonic() of the next progress beacon
         self.copy_seq: int | None = None  # the request whose copy is in dump_dir
         self.copy_time = 0.0  # time.monotonic() of that copy
         self.copy_files: list[str] = []
@@ -226,12 +236,28 @@ class JobWideWatcher:
         if self.stalled is not None:
             stalled = bool(self.stalled())
             if stalled and not self.was_stalled:  # a new stall episode
+                self.next_beacon = 0.0  # say so in the beacon at once
                 self._on_stall()
             self.was_stalled = stalled
+        if self.progress_s > 0 and time.monotonic() >= self.next_beacon:
+            self.next_beacon = time.monotonic() + self.progress_s
+            self._publish_progress()
         latest = protocol.latest_request(self.store, self.prefix, self.last_seq)
         if latest is not None:
             self.last_seq, request = latest
             self._answer(self.last_seq, request)
+
+    def _publish_progress(self) -> None:
+        """This rank's beacon (``formats.progress``) into the store, read from its own box.
+        A failure here costs the beacons (one warning), never the dump requests."""
+        try:
+            now = beacon.of_snapshot(read_snapshot(self.blackbox_path))
+            now.time_ns, now.interval_s = time.time_ns(), self.progress_s
+            self.store.set(protocol.progress_key(self.prefix, self.rank), beacon.encode(now))
+        except Exception as exc:
+            self.progress_s = 0.0
+            if _job_running() and not _interpreter_ending():
+                note(f"rank {self.rank}: progress beacons off: {type(exc).__name__}: {exc}")
 
     def _write_copy(self, seq: int) -> tuple[list[str], str]:
         """This rank's snapshot and stacks in its dump folder for request ``seq``, unless a
