@@ -47,6 +47,32 @@ def test_real_megatron_gpu_hang_names_the_faulted_ranks(case: str) -> None:
         assert "GPU stopped on rank(s) 12,14" in verdict["headline"]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(REAL_CASES))
+def test_real_gpu_hang_whose_faulted_ranks_left_no_dump_still_names_them(
+    case: str, tmp_path: Path
+) -> None:
+    """The guilty ranks often write nothing (a dead GPU, a held GIL): with their dumps taken
+    away, the others' records still point at exactly them."""
+    folder = REAL_GPU / case
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is absent (the shared real-GPU dumps)")
+    _, guilty = REAL_CASES[case]
+    for dump in folder.glob("_dump_*"):
+        if int(dump.name.rsplit("_", 1)[1]) not in guilty:
+            (tmp_path / dump.name).write_bytes(dump.read_bytes())
+    proc = subprocess.run(
+        [sys.executable, "-m", "frtools", "analyze", str(tmp_path), "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 1, proc.stderr
+    verdict = json.loads(proc.stdout)["verdict"]
+    assert sorted(g["rank"] for g in verdict["guilty"]) == guilty, verdict["headline"]
+    assert verdict["kind"] in ("dead", "missing"), verdict["headline"]
+
+
 # --- tiny NCCL dumps: only the active entries, as a job's watchdog dumps them -------------
 
 

@@ -535,7 +535,8 @@ def _odd_dtype(facts: JobFacts, major: pd.Series, pg_name: str, seq: int) -> tup
         return ()
     coll = facts.al.collectives
     peers = coll[(coll["seq"] == seq).to_numpy() & coll["pg_name"].isin(same_kind).to_numpy()]
-    peers = peers[peers["op"].astype(str).map(family_of) == family_of(str(major[OP]))]
+    family = family_of(str(major[OP]))  # per row in Python: pandas 3 maps strings to strings
+    peers = peers[np.fromiter((family_of(str(o)) == family for o in peers["op"]), bool, len(peers))]
     if len(peers) < 2:
         return ()
     rule = semantics(str(major[OP]))
