@@ -73,6 +73,33 @@ def test_real_gpu_hang_whose_faulted_ranks_left_no_dump_still_names_them(
     assert verdict["kind"] in ("dead", "missing"), verdict["headline"]
 
 
+@pytest.mark.timeout(120)
+def test_real_gil_hang_with_lost_healthy_dumps_says_which_ranks_are_alive(tmp_path: Path) -> None:
+    """lock_gil_1st without ranks 12 and 15's dumps: their peers wait for them too, so they
+    are blamed beside 9 and 14, but the verdict and its action say 9 and 14 are alive and
+    never issued the all_to_all, and 12 and 15 only left no record."""
+    folder = REAL_GPU / "lock_gil_1st"
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is absent (the shared real-GPU dumps)")
+    for dump in folder.glob("_dump_*"):
+        if dump.name not in ("_dump_12", "_dump_15"):
+            (tmp_path / dump.name).write_bytes(dump.read_bytes())
+    proc = subprocess.run(
+        [sys.executable, "-m", "frtools", "analyze", str(tmp_path), "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    verdict, action = out["verdict"], out["verdict"]["action"]
+    assert sorted(g["rank"] for g in verdict["guilty"]) == [9, 12, 14, 15]
+    assert verdict["headline"].startswith("Rank(s) 12, 15 dead or without a record, and rank(s)")
+    assert "9, 14 alive but never issued all_to_all #45265" in verdict["headline"]
+    assert "ranks 9,14 are alive" in action["reasons"][0]
+    assert "ranks 12,15 died or left no record" in action["reasons"][0]
+
+
 # --- tiny NCCL dumps: only the active entries, as a job's watchdog dumps them -------------
 
 

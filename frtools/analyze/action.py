@@ -283,12 +283,25 @@ def _restart_or_investigate(verdict: Verdict, causes: Causes, floor: float) -> A
         )
         rule = "straggler"
     else:
-        who = _ranks_text(ranks) if ranks else "no rank"
-        why = (
-            f"{who} is alive in code of its own while its peers wait ({verdict.kind}): its "
-            "stack says where (data loading, a hang in user code, a collective behind a "
-            "condition)"
-        )
+        # beside ranks alive elsewhere, a mixed verdict can blame ranks without a record
+        gone = [r for r in ranks if causes.get(r, ("",))[0] in TRANSIENT_CAUSES]
+        alive = [r for r in ranks if r not in gone]
+        parts = []
+        if alive or not gone:
+            one = len(alive) == 1
+            its = "its" if one else "their"
+            parts.append(
+                f"{_ranks_text(alive) if alive else 'no rank'} {'is' if one else 'are'} alive "
+                f"in code of {its} own while {its} peers wait ({verdict.kind}): "
+                f"{'its stack says' if one else 'their stacks say'} where (data loading, a "
+                "hang in user code, a collective behind a condition)"
+            )
+        if gone:
+            parts.append(
+                f"{_ranks_text(gone)} died or left no record (peers wait for "
+                f"{'it' if len(gone) == 1 else 'them'} too; a lost dump looks the same)"
+            )
+        why = "; ".join(parts)
         rule = "alive_elsewhere"
     missing = [*verdict.decide, *device_missing]
     if not verdict.stacks and verdict.kind in ("missing", "straggler") and ranks:

@@ -211,12 +211,30 @@ class _Wording:
         who = ", ".join(_who(g) for g in guilty[:4]) + (" …" if len(guilty) > 4 else "")
         ranks = "Rank" if len(guilty) == 1 else "Ranks"
         n = len(finding.waiting)
+        alive = [b for b in finding.blames if b.reason is Reason.MISSING]
+        if kind is VerdictKind.DEAD and alive and len(alive) < len(finding.blames):
+            return self.mixed_dead_headline(finding, guilty, alive)
         if kind is VerdictKind.DEAD:
             return f"{ranks} {who} dead: {n} rank(s) wait for it in {where}"
         if kind is VerdictKind.MISMATCH and point is not None:
             attrs = "/".join(point.mismatch_attrs) or "signature"
             return f"{ranks} {who} issued a different {attrs} at {where}"
         return f"{ranks} {who} never issued {where}; {n} rank(s) wait"
+
+    def mixed_dead_headline(
+        self, finding: Finding, guilty: list[GuiltyRank], alive: list[Blame]
+    ) -> str:
+        """Ranks without a record (or gone) and ranks alive that never issued the op their
+        peers wait in: both named for what they are, not all called dead."""
+        live = {b.rank for b in alive}
+        dead = [_who(g) for g in guilty if g.rank not in live][:4]
+        never = [_who(g) for g in guilty if g.rank in live][:4]
+        missed = self.point_name(alive[0].point) if alive[0].point is not None else "its op"
+        return (
+            f"Rank(s) {', '.join(dead)} dead or without a record, and rank(s) "
+            f"{', '.join(never)} alive but never issued {missed}; "
+            f"{len(finding.waiting)} rank(s) wait"
+        )
 
     def inconclusive_headline(self, finding: Finding) -> str:
         kinds = {n.kind for n in finding.notes}
