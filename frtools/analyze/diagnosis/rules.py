@@ -113,11 +113,22 @@ def stopped_device(ev: Evidence) -> Finding | None:
         points[r] = min(mine, key=lambda p: (p.time_ns or float("inf"), p.pg_name))
         blames.append(Blame(r, Reason.DEVICE_STOPPED, point=points[r]))
     point = min(points.values(), key=lambda p: p.time_ns)
-    waiting = (set(g.blocked_at) | set(g.waiting) | set(g.roots)) - set(lags)
+    # a rank without a record that ranks wait for is blamed as the roots rule blames it, not
+    # counted among the waiting: the other faulted GPU often leaves no dump
+    # (waited for by a rank whose GPU runs: a stopped one's waits prove nothing)
+    awaited = {t for r in g.blocked_at if r not in lags for t in g.targets_of(r)}
+    absent = frozenset(r for r in g.roots if r in f.absent and r in awaited) - set(lags)
+    found = _root_reasons(ev, absent)
+    for r in sorted(absent):
+        reason, p = found.get(r, (Reason.ABSENT, point))
+        blames.append(Blame(r, reason, point=p))
+    blames.sort(key=lambda b: b.rank)
+    waiting = (set(g.blocked_at) | set(g.waiting) | set(g.roots)) - set(lags) - absent
     notes = [Note(NoteKind.DEVICE_LAGS, ranks=tuple(sorted(lags)))]
     notes += [Note(NoteKind.BLOCKED, point=p) for p in g.points.values() if p.blockers][:4]
+    conf = Confidence.STUCK_DEVICE - (Confidence.MIXED_KINDS if absent else 0)
     return Finding(
-        kind=VerdictKind.STUCK, confidence=Confidence.STUCK_DEVICE, blames=tuple(blames), waiting=frozenset(waiting), point=point,
+        kind=VerdictKind.STUCK, confidence=conf, blames=tuple(blames), waiting=frozenset(waiting), point=point,
         notes=tuple(notes),
     )  # fmt: skip
 

@@ -166,10 +166,17 @@ class _Wording:
                 f"issued collectives in a different order than {'its' if one else 'their'} peers"
             )
         if kind is VerdictKind.STUCK and Reason.DEVICE_STOPPED in reasons:
-            blamed = format_ranks([g.rank for g in guilty])
+            stopped = [b.rank for b in finding.blames if b.reason is Reason.DEVICE_STOPPED]
+            absent = [b.rank for b in finding.blames if b.reason is not Reason.DEVICE_STOPPED]
             return (
-                f"GPU stopped on rank(s) {blamed}: ops their peers completed never completed "
-                f"there, from {where}; {len(finding.waiting)} rank(s) wait"
+                f"GPU stopped on rank(s) {format_ranks(stopped)}: ops their peers completed "
+                f"never completed there, from {where}"
+                + (
+                    f"; rank(s) {format_ranks(absent)} left no record and peers wait for them"
+                    if absent
+                    else ""
+                )
+                + f"; {len(finding.waiting)} rank(s) wait"
             )
         if kind is VerdictKind.STUCK:
             never = Reason.NEVER_STARTED in reasons
