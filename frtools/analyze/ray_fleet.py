@@ -5,8 +5,8 @@ per node, pinned to that node (``NodeAffinitySchedulingStrategy``, not soft: a n
 records are on its own disk), and hears from the tasks as they finish (``ray.wait``). The
 summaries themselves stay on the cluster: merge tasks combine them ``fan_in`` at a time
 (``formats.summary_packed.merge_packed``: the same partial whatever the order), level after
-level, so the driver receives one partial of the whole job and diagnoses it like any dump
-folder. ``fan_in=None`` gathers every host summary to the driver instead (flat). Only
+level, so the driver receives a few partials (at most ``fan_in``) of the whole job and
+diagnoses them like any dump folder. ``fan_in=None`` gathers every host summary to the driver instead (flat). Only
 summaries travel (~10 KB a host), never a black box (~4.5 MB a rank).
 
 It fits how Ray Train jobs already run: every worker's recorder writes under its node's
@@ -289,9 +289,9 @@ def analyze_on_ray(
     keep the host summaries there (default: a temporary folder, removed). Nodes that have
     not answered after ``timeout_s`` are left out (their ranks have no record).
     ``on_report``: called with each node's report as it arrives. ``fan_in``: summaries a
-    merge task combines (the driver receives one partial: ``<first>..<last>.summary`` in
-    ``summaries_dir``); None: every host summary comes to the driver (``<host>.summary``
-    each). A merge that fails (a rank two nodes both hold) falls back to that. Raises
+    merge task combines (the driver receives at most ``fan_in`` partials, each
+    ``<first>..<last>.summary`` in ``summaries_dir``); None: every host summary comes to
+    the driver (``<host>.summary`` each). A merge that fails (a rank two nodes both hold) falls back to that. Raises
     ``RayUnavailable`` without Ray or a cluster, and ``frtools.analyze.readers
     .UnusableInput`` when no node had a record."""
     t0 = time.perf_counter()
@@ -384,23 +384,29 @@ def _write_partial(
     out: Path,
     deadline: float,
 ) -> None:
-    """Merge the answered nodes' summaries on the cluster, ``fan_in`` at a time, level after
-    level, and write the one partial into ``out``."""
+    """Merge the answered nodes' summaries on the cluster, ``fan_in`` at a time (hosts in
+    name order: a rack's are neighbours), level after level until at most ``fan_in``
+    partials are left, and write those into ``out``. The last merge is the central step's
+    own read: it decodes the few partials together, one numpy call per column, rather
+    than one task merging the whole job alone."""
     merge = ray.remote(num_cpus=0, max_retries=0)(merge_summaries)
-    level = [(report.host or _node_name(n), data) for report, n, data in answered]
-    hosts = sorted(name for name, _ in level)
-    while len(level) > 1:
+    # (first host, last host, ref): a partial's hosts name it
+    level = sorted((r.host or _node_name(n), r.host or _node_name(n), d) for r, n, d in answered)
+    first = True
+    while first or len(level) > fan_in:
+        first = False
         level = [
             (
-                f"partial of {group[0][0]}..",
-                merge.remote([name for name, _ in group], *(ref for _, ref in group)),
+                group[0][0],
+                group[-1][1],
+                merge.remote([f"{a}..{z}" for a, z, _ in group], *(ref for _, _, ref in group)),
             )
             for group in (level[i : i + fan_in] for i in range(0, len(level), fan_in))
         ]
-    ((_, top),) = level
-    data = ray.get(top, timeout=max(1.0, deadline - time.monotonic()) + 60)
-    label = hosts[0] if len(hosts) == 1 else f"{hosts[0]}..{hosts[-1]}"
-    (out / host_file_name(label)).write_bytes(data)
+    timeout = max(1.0, deadline - time.monotonic()) + 60
+    for (a, z, _), data in zip(level, ray.get([ref for _, _, ref in level], timeout=timeout),
+                               strict=True):  # fmt: skip
+        (out / host_file_name(a if a == z else f"{a}..{z}")).write_bytes(data)
 
 
 def _node_name(n: dict[str, Any]) -> str:

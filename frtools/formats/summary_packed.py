@@ -706,27 +706,28 @@ def _decode_columns(heads: list[_Head]) -> dict[int, SummaryError]:
 
 def _check_columns(heads: list[_Head], rows: np.ndarray) -> dict[int, SummaryError]:
     """The hosts whose columns name what their header lacks, with the first reason each
-    fails on. One pass per check over every host's rows."""
+    fails on. Per check one pass over every host's rows: each host's smallest and largest
+    value (``reduceat``), compared with its bounds, not a comparison per row."""
     errors: dict[int, SummaryError] = {}
 
-    def fail(bad_hosts: Any, reason: str) -> None:
-        for k in np.flatnonzero(bad_hosts).tolist():
-            errors.setdefault(k, SummaryError(reason))
+    def fail(have: list[int], bad: Any, reason: str) -> None:
+        for i in np.flatnonzero(bad).tolist():
+            errors.setdefault(have[i], SummaryError(reason))
 
-    def per_host(name: str, bad: Any) -> np.ndarray:
-        """bad(column values, host of each row, hosts with the column) -> per-row bool;
-        per host: any."""
-        have = [k for k, h in enumerate(heads) if name in h.host.columns]
-        out = np.zeros(len(heads), dtype=bool)
+    def joined(name: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """The hosts with rows in the column, their rows end to end, each one's first row."""
+        have = [k for k, h in enumerate(heads) if name in h.host.columns and rows[k] > 0]
+        arrays = [heads[k].host.columns[name] for k in have]
+        values = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else None
+        starts = np.cumsum(rows[have]) - rows[have]
+        return have, values, starts  # type: ignore[return-value]
+
+    def extremes(name: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+        have, values, starts = joined(name)
         if not have:
-            return out
-        values = np.concatenate([heads[k].host.columns[name] for k in have])
-        if not len(values):
-            return out
-        owner = np.repeat(np.array(have, dtype=np.int64), rows[have])
-        hit = bad(values, owner, have)
-        out[np.unique(owner[hit])] = True
-        return out
+            return have, np.zeros(0, np.int64), np.zeros(0, np.int64)
+        lo = np.minimum.reduceat(values, starts).astype(np.int64)
+        return have, lo, np.maximum.reduceat(values, starts).astype(np.int64)
 
     for k, h in enumerate(heads):
         for name in ("record_id", "state", "time_created_ns"):
@@ -734,26 +735,25 @@ def _check_columns(heads: list[_Head], rows: np.ndarray) -> dict[int, SummaryErr
                 errors.setdefault(k, SummaryError(f"columns lack {name}"))
     n_strings = np.array([h.n_strings for h in heads], dtype=np.int64)
     for name in STRING_COLUMNS:
-        fail(
-            per_host(name, lambda v, o, _: v.astype(np.int64) >= n_strings[o]),
-            f"column {name} names a string beyond the table",
-        )
-    fail(per_host("state", lambda v, o, _: v >= len(STATE_CODES)), "unknown state code")
-    fail(per_host("retired", lambda v, o, _: (v < 0) | (v > 1)), "retired is not 0 or 1")
-    # a row's group index is within its rank's own group list
-    n_groups = [
-        np.repeat(np.array([len(r.groups) for r in h.host.ranks], dtype=np.int64),
-                  np.diff(h.host.offsets))
-        for h in heads
-    ]  # fmt: skip
-    fail(
-        per_host(
-            "group",
-            lambda v, o, have: (v < -1) | (v >= np.concatenate([n_groups[k] for k in have])),
-        ),
-        "group out of range",
-    )
-    fail(per_host("is_p2p", lambda v, o, _: v > 1), "is_p2p is not 0 or 1")
+        have, _lo, hi = extremes(name)
+        fail(have, hi >= n_strings[have], f"column {name} names a string beyond the table")
+    have, _lo, hi = extremes("state")
+    fail(have, hi >= len(STATE_CODES), "unknown state code")
+    have, lo, hi = extremes("retired")
+    fail(have, (lo < 0) | (hi > 1), "retired is not 0 or 1")
+    have, _lo, hi = extremes("is_p2p")
+    fail(have, hi > 1, "is_p2p is not 0 or 1")
+    # a row's group index is within its rank's own group list (a bound per rank: per row)
+    have, values, starts = joined("group")
+    if have:
+        limit = np.concatenate(
+            [np.repeat(np.array([len(r.groups) for r in heads[k].host.ranks], dtype=np.int64),
+                       np.diff(heads[k].host.offsets)) for k in have]
+        )  # fmt: skip
+        bad_rows = np.flatnonzero((values < -1) | (values >= limit))
+        bad = np.zeros(len(have), dtype=bool)
+        bad[np.searchsorted(starts, bad_rows, side="right") - 1] = True
+        fail(have, bad, "group out of range")
     return errors
 
 
