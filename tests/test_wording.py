@@ -102,7 +102,7 @@ def test_wording_shows_the_confidence_the_rules_settled():
     ev = _evidence(trace)
     finding = first_finding(ev)
     assert finding.unexplained == (2,)
-    assert finding.confidence == pytest.approx(0.75)
+    assert finding.confidence == pytest.approx(0.85 - 0.1 - 0.4 / 8)  # 1 of 8 ranks unseen
     verdict = verdict_of(finding, ev.facts)
     assert verdict.confidence == finding.confidence
     assert (

@@ -18,6 +18,9 @@ def settle(finding: Finding, facts: JobFacts) -> Finding:
     unexplained = tuple(sorted(facts.absent - set(finding.guilty)))
     confidence = float(finding.confidence)
     if unexplained:
-        confidence -= Confidence.UNEXPLAINED_ABSENT
+        # and the more of the job is unseen, the less any verdict rests on: one record of
+        # sixteen names a suspect, not a cause
+        share = len(unexplained) / max(1, len(facts.absent | facts.present))
+        confidence -= Confidence.UNEXPLAINED_ABSENT + Confidence.UNSEEN_SHARE * share
     confidence = float(min(Confidence.CEILING, max(Confidence.FLOOR, confidence)))
     return replace(finding, confidence=confidence, unexplained=unexplained)

@@ -242,6 +242,7 @@ class Confidence:
     # adjustments
     MIXED_KINDS = 0.1  # guilty ranks of several kinds
     UNEXPLAINED_ABSENT = 0.1  # ranks without a record that the verdict does not explain
+    UNSEEN_SHARE = 0.4  # times the share of the job those unexplained ranks are
     PLACED_MEMBER = 0.1  # a guilty rank placed in its group by sibling inference
     FLOOR = 0.05
     CEILING = 1.0
