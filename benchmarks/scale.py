@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -418,26 +419,45 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _cpu() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of its reaped children (workers)."""
+    me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
 def profile(args: argparse.Namespace) -> None:
-    """Where ``frtools analyze``'s time goes: reading vs diagnosis, and the hottest calls."""
+    """Where ``frtools analyze``'s time goes: each stage's wall and CPU time (reading: the
+    workers' and this process's), then the hottest calls of the diagnosis and of reading."""
     import cProfile
     import pstats
 
-    from frtools.analyze.diagnose import diagnose
+    from frtools.analyze.memory import keep_freed_memory, spare_the_collector
     from frtools.analyze.readers import load_trace
 
     d = make_dumps(Path(args.dir), args.profile, args.entries, "torch", args.tp, args.pp)
-    t0 = time.perf_counter()
+    keep_freed_memory()  # as frtools analyze does
+    marks = [("start", time.perf_counter(), _cpu())]
     trace = load_trace(d)
-    t1 = time.perf_counter()
+    marks.append(("load_trace", time.perf_counter(), _cpu()))
+    spare_the_collector()
+    from frtools.analyze.align import align
+    from frtools.analyze.diagnose import diagnose
+
+    al = align(trace)
+    marks.append(("align", time.perf_counter(), _cpu()))
     prof = cProfile.Profile()
     prof.enable()
-    verdict = diagnose(trace)
+    verdict = diagnose(trace, al)
     prof.disable()
-    t2 = time.perf_counter()
+    marks.append(("diagnose", time.perf_counter(), _cpu()))
     print(
-        f"load_trace: {t1 - t0:.1f} s ({trace.entries.num_rows:,} entries); diagnose: {t2 - t1:.1f} s -> {verdict.kind}"
+        f"{trace.entries.num_rows:,} entries -> {verdict.kind}; load average {os.getloadavg()[0]:.1f}"
     )
+    for (_, w0, (me0, kids0)), (name, w1, (me1, kids1)) in zip(marks[:-1], marks[1:], strict=True):
+        print(
+            f"  {name:10s} wall {w1 - w0:6.2f} s  CPU {me1 - me0:6.2f} s here, "
+            f"{kids1 - kids0:6.2f} s in worker processes"
+        )
     pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
     t3 = time.perf_counter()
     prof = cProfile.Profile()
