@@ -26,12 +26,8 @@ REAL_CASES = {
 }
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", sorted(REAL_CASES))
-def test_real_megatron_gpu_hang_names_the_faulted_ranks(case: str) -> None:
-    folder = REAL_GPU / case
-    if not folder.is_dir():
-        pytest.skip(f"{folder} is absent (the shared real-GPU dumps)")
+def _analyze(folder: Path) -> dict:
+    """``frtools analyze FOLDER --format json`` of a hung job (exit status 1), parsed."""
     proc = subprocess.run(
         [sys.executable, "-m", "frtools", "analyze", str(folder), "--format", "json"],
         capture_output=True,
@@ -39,7 +35,24 @@ def test_real_megatron_gpu_hang_names_the_faulted_ranks(case: str) -> None:
         timeout=100,
     )
     assert proc.returncode == 1, proc.stderr
-    verdict = json.loads(proc.stdout)["verdict"]
+    return json.loads(proc.stdout)
+
+
+def _without(folder: Path, ranks: list[int], out: Path) -> Path:
+    """A copy of a real dump folder in ``out`` without the dumps of ``ranks``."""
+    for dump in folder.glob("_dump_*"):
+        if int(dump.name.rsplit("_", 1)[1]) not in ranks:
+            (out / dump.name).write_bytes(dump.read_bytes())
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(REAL_CASES))
+def test_real_megatron_gpu_hang_names_the_faulted_ranks(case: str) -> None:
+    folder = REAL_GPU / case
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is absent (the shared real-GPU dumps)")
+    verdict = _analyze(folder)["verdict"]
     kind, guilty = REAL_CASES[case]
     assert (verdict["kind"], sorted(g["rank"] for g in verdict["guilty"])) == (kind, guilty)
     if case.startswith("gpu_error"):
@@ -61,17 +74,7 @@ def test_real_gpu_hang_whose_faulted_ranks_left_no_dump_still_names_them(
         pytest.skip(f"{folder} is absent (the shared real-GPU dumps)")
     _, guilty = REAL_CASES[case]
     dropped = {"both": guilty, "first": guilty[:1], "second": guilty[1:]}[lost]
-    for dump in folder.glob("_dump_*"):
-        if int(dump.name.rsplit("_", 1)[1]) not in dropped:
-            (tmp_path / dump.name).write_bytes(dump.read_bytes())
-    proc = subprocess.run(
-        [sys.executable, "-m", "frtools", "analyze", str(tmp_path), "--format", "json"],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert proc.returncode == 1, proc.stderr
-    verdict = json.loads(proc.stdout)["verdict"]
+    verdict = _analyze(_without(folder, dropped, tmp_path))["verdict"]
     assert sorted(g["rank"] for g in verdict["guilty"]) == guilty, verdict["headline"]
     assert verdict["kind"] in ("dead", "missing", "stuck"), verdict["headline"]
 
@@ -84,17 +87,7 @@ def test_real_gil_hang_with_lost_healthy_dumps_says_which_ranks_are_alive(tmp_pa
     folder = REAL_GPU / "lock_gil_1st"
     if not folder.is_dir():
         pytest.skip(f"{folder} is absent (the shared real-GPU dumps)")
-    for dump in folder.glob("_dump_*"):
-        if dump.name not in ("_dump_12", "_dump_15"):
-            (tmp_path / dump.name).write_bytes(dump.read_bytes())
-    proc = subprocess.run(
-        [sys.executable, "-m", "frtools", "analyze", str(tmp_path), "--format", "json"],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert proc.returncode == 1, proc.stderr
-    out = json.loads(proc.stdout)
+    out = _analyze(_without(folder, [12, 15], tmp_path))
     verdict, action = out["verdict"], out["verdict"]["action"]
     assert sorted(g["rank"] for g in verdict["guilty"]) == [9, 12, 14, 15]
     assert verdict["headline"].startswith("Rank(s) 12, 15 dead or without a record, and rank(s)")

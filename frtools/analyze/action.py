@@ -288,7 +288,7 @@ def _restart_or_investigate(verdict: Verdict, causes: Causes, floor: float) -> A
         alive = [r for r in ranks if r not in gone]
         parts = []
         if alive or not gone:
-            one = len(alive) == 1
+            one = len(alive) <= 1  # "no rank is alive …" when none is
             its = "its" if one else "their"
             parts.append(
                 f"{_ranks_text(alive) if alive else 'no rank'} {'is' if one else 'are'} alive "

@@ -171,7 +171,6 @@ def read_rank(path: str | os.PathLike[str], rank: int | None = None) -> RankLive
     except SnapshotError as exc:  # a string beyond the limits: the rank, without its ops
         _take(live, beacon.of_snapshot(snap, ops=False))
         live.note = f"{path}: ops not read: {exc}"
-    live.groups = live.groups[:MAX_GROUPS]
     return live
 
 
@@ -188,7 +187,7 @@ def _take(live: RankLive, now: beacon.Progress) -> None:
             last_issued=g.last_issued,
             last_completed=g.last_completed,
         )
-        for g in now.groups
+        for g in now.groups[:MAX_GROUPS]
     ]
 
 
@@ -257,7 +256,6 @@ def _from_beacon(live: RankLive, store: Any, key: str) -> str:
     if now is None:
         return f"runs on {live.host}: no progress beacon (`frtools top` there reads its box)"
     _take(live, now)
-    live.groups = live.groups[:MAX_GROUPS]
     if now.time_ns is None:
         return "from its beacon"
     age = max(0.0, (time.time_ns() - now.time_ns) / 1e9)
