@@ -174,7 +174,15 @@ def test_pattern_without_ray_is_a_usage_error() -> None:
     )  # fmt: skip
     assert out.returncode == 2
     assert out.stderr.strip() == (
-        "frtools analyze: error: --job, --pattern, --window and --summaries go with --ray"
+        "frtools analyze: error: --job, --pattern, --window, --summaries and --fan-in go with --ray"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "frtools", "analyze", "--ray", "--fan-in", "1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert (
+        out.stderr.strip() == "frtools analyze: error: --fan-in must be at least 2 (0: no merging)"
     )
 
 
@@ -278,11 +286,13 @@ def test_ray_cluster_summarizes_on_each_node_and_gives_the_full_records_verdict(
     assert len(analyze_on_ray(job=JOB, resource="frtools_host").reports) == 3
     ray.shutdown()
     # the command line, from another process, to the same cluster
-    out = _cli_on_ray(cluster, "--job", JOB)
+    cli_kept = tmp_path / "cli-summaries"
+    out = _cli_on_ray(cluster, "--job", JOB, "--fan-in", "2", "--summaries", str(cli_kept))
     assert out.returncode == 1, out.stderr[-2000:]
     verdict = json.loads(out.stdout)["verdict"]
     assert verdict["kind"] == expected[0]
     assert sorted(g["rank"] for g in verdict["guilty"]) == list(expected[1])
+    assert sorted(p.name for p in cli_kept.iterdir()) == [p.name for p in partials]
 
 
 @pytest.mark.ray
@@ -303,7 +313,7 @@ def test_ray_cluster_reads_pytorch_dumps_spread_over_its_nodes(torch_job, cluste
             list(range(a, b)) for a, b in PT_SPLIT
         ]
     ray.shutdown()
-    out = _cli_on_ray(cluster, "--job", PT_JOB, "--pattern", "nccl_trace_rank_")
+    out = _cli_on_ray(cluster, "--job", PT_JOB, "--pattern", "nccl_trace_rank_", "--fan-in", "0")
     assert out.returncode == 1, out.stderr[-2000:]
     verdict = json.loads(out.stdout)["verdict"]
     assert verdict["kind"] == "missing"

@@ -87,6 +87,14 @@ FORMATS = ("terminal", "json", "markdown", "github", "junit")
     type=click.Path(file_okay=False, path_type=Path),
     help="With --ray: keep the host summaries in this folder (frtools analyze reads it).",
 )
+@click.option(
+    "--fan-in",
+    type=click.IntRange(min=0),
+    default=None,
+    help="With --ray: host summaries a merge task on the cluster combines, level after level, "
+    "until at most this many partials reach the driver (default: 16); 0: every host "
+    "summary comes to the driver instead.",
+)
 def analyze(
     path: Path | None,
     fmt: str,
@@ -100,6 +108,7 @@ def analyze(
     pattern: str | None,
     window: int | None,
     summaries_dir: Path | None,
+    fan_in: int | None,
 ) -> None:
     """Find the hung collective and the guilty rank in the dumps under PATH.
 
@@ -110,11 +119,14 @@ def analyze(
     if ray_address is None:
         if path is None:
             fail("frtools analyze", "error: Missing argument 'PATH'.")
-        if job or pattern or window or summaries_dir:
+        if job or pattern or window or summaries_dir or fan_in is not None:
             fail(
-                "frtools analyze", "error: --job, --pattern, --window and --summaries go with --ray"
+                "frtools analyze",
+                "error: --job, --pattern, --window, --summaries and --fan-in go with --ray",
             )
-    fleet = (ray_address, job, window, summaries_dir, pattern)
+    if fan_in == 1:
+        fail("frtools analyze", "error: --fan-in must be at least 2 (0: no merging)")
+    fleet = (ray_address, job, window, summaries_dir, pattern, fan_in)
     run_guarded(
         "frtools", lambda: _run(path, fmt, output, verbose, workers, world_size, catalog, fleet)
     )
@@ -128,7 +140,7 @@ def _run(
     workers: int | None,
     world_size: int | None = None,
     catalog: Path | None = None,
-    fleet: tuple[Any, ...] = (None,) * 5,  # Ray: address, job, window, summaries, pattern
+    fleet: tuple[Any, ...] = (None,) * 6,  # Ray: address, job, window, summaries, pattern, fan-in
 ) -> int:
     from frtools.commands._catalog import catalog_for, host_history, record_verdict
 
@@ -203,9 +215,15 @@ def _run_on_ray(
     window: int | None,
     summaries_dir: Path | None,
     pattern: str | None = None,
+    fan_in: int | None = None,
 ) -> tuple[Any, Any]:
     """The Trace the nodes' summaries make and its verdict."""
-    from frtools.analyze.ray_fleet import NodeReport, RayUnavailable, analyze_on_ray
+    from frtools.analyze.ray_fleet import (
+        DEFAULT_FAN_IN,
+        NodeReport,
+        RayUnavailable,
+        analyze_on_ray,
+    )
     from frtools.analyze.readers import UnusableInput
     from frtools.formats.summary_packed import DEFAULT_HOST_WINDOW
 
@@ -228,6 +246,7 @@ def _run_on_ray(
             summaries_dir=summaries_dir,
             world_size=world_size,
             on_report=report,
+            fan_in=DEFAULT_FAN_IN if fan_in is None else (fan_in or None),
         )
     except (RayUnavailable, UnusableInput) as e:
         fail("frtools", f"error: {first_line(e, 'Ray analysis failed')}")
