@@ -228,6 +228,32 @@ _LEFT_TO_PYTHON = {"sizes and dtypes Python cleans", "unexpected int column type
 
 
 @pytest.mark.timeout(30)
+def test_surrogates_outside_the_entries_are_cleaned_natively_as_python_cleans_them(
+    tmp_path: Path,
+) -> None:
+    """The native path skips the per-text cleaning of the top level when the parser saw no
+    surrogate; one in the host, a group's description or a group name must still be
+    replaced, as the Python path replaces it."""
+    clean = fr_dump("2.10", n=2)
+    assert _frpickle.parse(pickle.dumps(clean, protocol=2))[1]["surrogates"] is False
+    for where in ("host", "desc", "group"):
+        dump = fr_dump("2.10", n=2)
+        if where == "host":
+            dump["host"] = "node\ud8007"
+        elif where == "desc":
+            dump["pg_config"]["0"]["desc"] = "default_pg\udcff"
+        else:
+            for entry in dump["entries"]:
+                entry["process_group"] = ["0", "tp\ud800"]
+        data = pickle.dumps(dump, protocol=2)
+        assert _frpickle.parse(data)[1]["surrogates"] is True, where
+        got = assert_same(data, tmp_path / "rank_0.pkl", native_required=True)
+        texts = repr((got.rank_info, got.process_groups, _plain(got.entries).to_pylist()))
+        assert "\\ufffd" in texts or "\ufffd" in texts, where
+        assert "\\ud8" not in texts and "\\udc" not in texts, where
+
+
+@pytest.mark.timeout(30)
 def test_empty_all_malformed_and_shared_entry_lists_read_natively(tmp_path: Path) -> None:
     path = tmp_path / "rank_0.pkl"
     empty, old_empty = fr_dump("2.10", n=0), fr_dump("1.0", n=0)

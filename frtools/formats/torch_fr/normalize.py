@@ -265,13 +265,17 @@ def normalize_native(
     columns: the same ``TorchDump``, built with numpy over the few distinct values instead
     of a Python loop over every entry."""
     notes: list[str] = []
-    top = _top_level(encodable(top_dump, skip="entries"), name_rank, name_host, notes)
+    # every text the parser read is valid UTF-8 unless it says some holds a surrogate
+    clean = native.get("surrogates", True)
+    top = _top_level(
+        encodable(top_dump, skip="entries") if clean else top_dump, name_rank, name_host, notes
+    )
     cols, pg_id_to_name, pg_descs, unmapped, bad = _native_columns(native, top.groups)
     if bad:
         notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
     cols["rank"] = pa.array(np.full(native["n"], top.rank, dtype=np.int32))
     table = _table(cols, notes)
-    return _torch_dump(top, table, pg_id_to_name, pg_descs, unmapped, bad)
+    return _torch_dump(top, table, pg_id_to_name, pg_descs, unmapped, bad, clean)
 
 
 def _top_level(
@@ -360,9 +364,11 @@ def _torch_dump(
     pg_descs: dict[str, str],
     unmapped: set[str],
     bad: int,
+    clean: bool = True,
 ) -> TorchDump:
     groups, notes, dump = top.groups, top.notes, top.dump
-    pg_id_to_name, pg_descs = encodable(pg_id_to_name), encodable(pg_descs)
+    if clean:
+        pg_id_to_name, pg_descs = encodable(pg_id_to_name), encodable(pg_descs)
     for name, desc in pg_descs.items():
         g = groups.get(name)
         if g is None:
@@ -405,6 +411,10 @@ def _retired_at_issue(table: pa.Table) -> pa.Table:
         return table
     names = table["profiling_name"]
     if pa.types.is_dictionary(names.type):
+        # no hooked engine among the few distinct names (an NCCL or Gloo dump): done, without
+        # decoding two columns of every entry
+        if not any(pc.any(pc.starts_with(c.dictionary, HOOK_ENGINE)).as_py() for c in names.chunks):
+            return table
         names = names.cast(names.type.value_type)
     states = table["state"]
     if pa.types.is_dictionary(states.type):
@@ -470,18 +480,28 @@ def encodable_text(text: str) -> str:
 def encodable(value: Any, skip: str | None = None, depth: int = 0) -> Any:
     """``value`` with every text in it (keys too) made ``encodable_text``: what a dump holds
     besides its entries (``skip``), which every output writes as UTF-8 further on."""
+    cls = value.__class__
+    if cls in _SCALARS:  # most of a dump's top level: no call per number
+        return value
     if isinstance(value, str):
         return encodable_text(value)
     if depth > 64:
         return value
     if isinstance(value, Mapping):
         return {
-            encodable(k, None, depth + 1): v if k == skip else encodable(v, None, depth + 1)
+            encodable(k, None, depth + 1): v
+            if k == skip or v.__class__ in _SCALARS
+            else encodable(v, None, depth + 1)
             for k, v in value.items()
         }
     if isinstance(value, list | tuple):
+        if all(v.__class__ in _SCALARS for v in value):
+            return value if cls is tuple else list(value)
         return type(value)(encodable(v, None, depth + 1) for v in value)
     return value
+
+
+_SCALARS = frozenset((int, float, bool, type(None)))
 
 
 _CLEANERS = {
@@ -634,6 +654,8 @@ def _columns(
 
 # all_to_all split sizes (elements per member, sent and received: pytorch#194559, dump 2.11)
 SPLIT_KEYS = ("input_split_sizes", "output_split_sizes")
+_SPLIT_SUFFIX = b"_split_sizes"
+assert all(k.encode().endswith(_SPLIT_SUFFIX) for k in SPLIT_KEYS)
 MAX_SPLIT_MEMBERS = 1 << 16
 
 
@@ -874,8 +896,9 @@ def _native_columns(
 
 
 def has_split_keys(data: bytes) -> bool:
-    """The raw dump names an all_to_all split key (a pickle writes a key's text once)."""
-    return SPLIT_KEYS[0].encode() in data or SPLIT_KEYS[1].encode() in data
+    """The raw dump may name an all_to_all split key (a pickle writes a key's text once):
+    one scan for what both keys end with (a false positive only costs the Python path)."""
+    return _SPLIT_SUFFIX in data
 
 
 def _native_peers(

@@ -65,8 +65,9 @@ inline uint64_t le_uint(const uint8_t* p, int n) {
   return v;
 }
 
-// UTF-8 as Python's unpickler accepts it (errors="surrogatepass": lone surrogates pass).
-bool valid_utf8(const uint8_t* s, size_t n) {
+// UTF-8 as Python's unpickler accepts it (errors="surrogatepass": lone surrogates pass);
+// *surrogates is set where a surrogate (ED A0..BF ..) is among them.
+bool valid_utf8(const uint8_t* s, size_t n, bool* surrogates) {
   size_t i = 0;
   while (i < n) {
     if (i + 8 <= n) {
@@ -98,6 +99,7 @@ bool valid_utf8(const uint8_t* s, size_t n) {
     }
     if (n - i <= static_cast<size_t>(extra)) return false;
     if (s[i + 1] < lo || s[i + 1] > hi) return false;
+    if (c == 0xED && s[i + 1] >= 0xA0) *surrogates = true;
     for (int k = 2; k <= extra; ++k)
       if ((s[i + k] & 0xC0) != 0x80) return false;
     i += extra + 1;
@@ -176,6 +178,7 @@ class Parser {
   bool expansion_within(uint64_t max_values) const;
 
   const uint8_t* data_;
+  bool surrogates = false;  // some text holds a surrogate (UTF-8 cannot carry it as is)
   std::vector<Node>& nodes;
   std::vector<std::vector<uint32_t>>& conts;  // only the first nconts are this pickle's
   std::vector<uint64_t>& expanded_;            // as conts
@@ -310,7 +313,7 @@ class Parser {
     if (ascii_only) {
       for (size_t i = 0; i < n; ++i)
         if (s[i] >= 0x80) return false;
-    } else if (!valid_utf8(s, n)) {
+    } else if (!valid_utf8(s, n, &surrogates)) {
       return false;
     }
     stack_.push_back(add(K_STR, static_cast<uint64_t>(s - data_), static_cast<uint32_t>(n)));
@@ -1188,7 +1191,8 @@ PyObject* Builder::columns(const Extractor& ex) {
   PyObject* cols = PyDict_New();
   if (!cols) return nullptr;
   bool ok = set_new(cols, "n", PyLong_FromSize_t(ex.n)) == 0 &&
-            set_new(cols, "bad", PyLong_FromSize_t(ex.bad)) == 0;
+            set_new(cols, "bad", PyLong_FromSize_t(ex.bad)) == 0 &&
+            set_new(cols, "surrogates", PyBool_FromLong(ps_.surrogates)) == 0;
   PyObject* first = ok ? PyList_New(0) : nullptr;
   for (int k = 0; first && k < NKEYS; ++k) {
     if (!ex.first_has[k]) continue;
