@@ -295,8 +295,11 @@ def _duplicates_by_span(rank: np.ndarray, pg: np.ndarray, seq: np.ndarray) -> np
     hold many more slots than there are rows (seqs far apart): the sort is cheaper then."""
     most = 4 * len(seq) + 1024
     groups = int(pg.max()) + 2  # codes -1 .. max
+    # 32-bit numbers where they fit: every array here is fresh memory, and on a VM its first
+    # touch costs more than the arithmetic (8 M rows: 1.3 s on fresh memory, 0.3 s reused)
+    small = most < 2**31 - 2**26
     if (int(rank.max()) + 1) * groups <= most:  # (rank, group) numbered densely: no hashing
-        unit = rank.astype(np.int64)
+        unit = rank.astype(np.int32 if small else np.int64)
         unit *= groups
         unit += pg
         unit += 1
@@ -316,12 +319,19 @@ def _duplicates_by_span(rank: np.ndarray, pg: np.ndarray, seq: np.ndarray) -> np
     total = int(span.sum())
     if total > most:
         return None
-    slot = (np.cumsum(span) - span - low)[unit]
+    base = np.cumsum(span) - span - low  # >= -2**25: seqs are below that
+    slot = base.astype(np.int32)[unit] if small else base[unit]
     slot += seq
-    counts = np.bincount(slot, minlength=total)
-    if counts.max(initial=0) < 2:
+    # each slot keeps one of its rows (whichever): a row that is not kept shares its slot
+    rows = np.arange(len(seq), dtype=slot.dtype)
+    kept = np.empty(total, dtype=slot.dtype)
+    kept[slot] = rows
+    lost = kept[slot] != rows
+    if not lost.any():
         return np.zeros(len(seq), dtype=bool)
-    return counts[slot] > 1
+    shared = np.zeros(total, dtype=bool)
+    shared[slot[lost]] = True
+    return shared[slot]
 
 
 def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
@@ -538,9 +548,18 @@ def _status(coll: pd.DataFrame, ps: pd.DataFrame) -> pd.DataFrame:
     if len(coll):
         # group by one int64 (rank, group code) key: a two-column group-by with a
         # categorical costs several times more on millions of units
-        codes, cats = category_codes(coll["pg_name"])
-        rank = coll["rank"].to_numpy().astype(np.int64)
-        key = rank * (len(cats) + 1) + codes + 1  # code -1 (no group) shifted to 0
+        names = coll["pg_name"]
+        if isinstance(names.dtype, pd.CategoricalDtype):  # the codes themselves, no copy
+            codes, cats = names.cat.codes.to_numpy(), names.cat.categories
+        else:
+            codes, cats = category_codes(names)
+        rank = coll["rank"].to_numpy()
+        # 32-bit where it fits (fresh memory is what costs, as in _duplicates_by_span)
+        wide = (int(rank.max()) + 1) * (len(cats) + 1) >= 2**31
+        key = rank.astype(np.int64 if wide else np.int32)
+        key *= len(cats) + 1
+        key += codes
+        key += 1  # code -1 (no group) shifted to 0
         # one factorization, then the three reductions by index (pandas' group-by hashes the
         # 8 M keys once per group-by: 2.5x slower at 131,072 ranks)
         unit, k = _numbered(key, 4 * len(key) + 1024)
@@ -601,7 +620,7 @@ def _numbered(key: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
     seen = np.zeros(int(key.max()) + 1, dtype=bool)
     seen[key] = True
     k = np.flatnonzero(seen)
-    number = np.zeros(len(seen), dtype=np.intp)
+    number = np.zeros(len(seen), dtype=np.int32 if len(seen) < 2**31 else np.intp)
     number[k] = np.arange(len(k))
     return number[key], k
 
