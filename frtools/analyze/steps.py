@@ -315,15 +315,17 @@ def step_diff(trace: Trace) -> StepDiff:
 
     diff = StepDiff(ranks_examined=len(blocks))
     lengths: dict[int, int] = {}
-    good_tokens: set[int] = set()  # ops some rank issued in its last good step (no line)
-    found: list[tuple[int, int, int, int, np.ndarray]] = []  # rank, p, first, end, rows
-    offset = 0
+    good: list[np.ndarray] = []  # per rank, its last good step's ops (no line)
+    found: list[tuple[int, int, int, int, int, int]] = []  # rank, p, first, end, offset, n
+    sizes = np.array([len(idx) for _, idx in blocks], dtype=np.int64)
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    hinted = _HintedRuns(token, offsets, sizes)
     hint: int | None = None
-    for rank, idx in blocks:
-        positions = np.arange(offset, offset + len(idx))
-        offset += len(idx)
-        seq = token[positions]
-        period = _period(seq, hint)
+    for b, (rank, _) in enumerate(blocks):
+        offset, n = int(offsets[b]), int(sizes[b])
+        period = hinted.period(b, hint) if hint is not None and n >= 3 and hint < n else None
+        if period is None:
+            period = _period(token[offset : offset + n], None)  # the hint did not fit
         if period is None:
             continue
         p, first, end = period
@@ -331,20 +333,79 @@ def step_diff(trace: Trace) -> StepDiff:
         diff.ranks_repeating += 1
         lengths[p] = lengths.get(p, 0) + 1
         fail_start = first + ((end - first) // p) * p
-        good_tokens.update(moved[positions[max(first, fail_start - p) : fail_start]].tolist())
-        if end < len(seq):
-            found.append((rank, p, first, end, positions))
+        good.append(moved[offset + max(first, fail_start - p) : offset + fail_start])
+        if end < n:
+            found.append((rank, p, first, end, offset, n))
     diff.step_length = max(lengths, key=lambda k: lengths[k]) if lengths else None
-    changes = [
-        _change(rank, p, first, end, positions, (token, moved), op_at, good_tokens)
-        for rank, p, first, end, positions in found
-    ]
     # the failing step is the first that differs: a job that went on past it (a size
-    # mismatch Gloo let through) ends its loop later, and that end is no change
-    failing = min((c.step for c in changes), default=0)
-    changes = [c for c in changes if c.step == failing]
-    diff.changes, diff.more_changes = changes[:MAX_CHANGES], max(0, len(changes) - MAX_CHANGES)
+    # mismatch Gloo let through) ends its loop later, and that end is no change. Only the
+    # changes listed are worked out (at 131,072 ranks every rank may have one)
+    step_of = [(end - first) // p + 1 for _, p, first, end, _, _ in found]
+    failing = min(step_of, default=0)
+    at_failing = [f for f, step in zip(found, step_of, strict=True) if step == failing]
+    good_tokens = set(np.unique(np.concatenate(good)).tolist()) if good else set()
+    diff.changes = [
+        _change(
+            rank, p, first, end, np.arange(offset, offset + n), (token, moved), op_at, good_tokens
+        )
+        for rank, p, first, end, offset, n in at_failing[:MAX_CHANGES]
+    ]
+    diff.more_changes = max(0, len(at_failing) - MAX_CHANGES)
     return diff
+
+
+class _HintedRuns:
+    """``_period(seq, hint)``'s hinted answer for every rank at once: the ranks of a job
+    mostly share one step length, and one pass over all their tokens per length costs less
+    than a few numpy calls per rank (131,072 ranks). A length is tried at most ``_LENGTHS``
+    times this way; past that, rank by rank."""
+
+    _LENGTHS = 4
+
+    def __init__(self, token: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> None:
+        self.token, self.offsets, self.sizes = token, offsets, sizes
+        self.by_length: dict[int, dict[int, tuple[int, int, int]]] = {}
+
+    def period(self, block: int, p: int) -> tuple[int, int, int] | None:
+        got = self.by_length.get(p)
+        if got is None:
+            if len(self.by_length) >= self._LENGTHS:
+                start = int(self.offsets[block])
+                seq = self.token[start : start + int(self.sizes[block])]
+                return _period(seq, p) if _hint_fits(seq, p) else None
+            got = self.by_length[p] = self._all(p)
+        return got.get(block)
+
+    def _all(self, p: int) -> dict[int, tuple[int, int, int]]:
+        """Block -> (p, first, end) where the first long enough run of S[i] == S[i-p]
+        exists, as ``_period`` gives it for a hint (runs never cross blocks: a block's
+        first p records compare with nothing)."""
+        token, offsets, sizes = self.token, self.offsets, self.sizes
+        within = np.arange(len(token)) - np.repeat(offsets, sizes)  # index inside the block
+        same = np.zeros(len(token), dtype=bool)
+        same[p:] = token[p:] == token[:-p]
+        same &= within >= p
+        padded = np.concatenate(([False], same, [False]))
+        edges = np.flatnonzero(padded[1:] != padded[:-1])
+        starts, run = edges[::2], edges[1::2] - edges[::2]
+        keep = run >= _min_run(p)
+        starts, run = starts[keep], run[keep]
+        block = np.searchsorted(offsets, starts, side="right") - 1
+        block, first = np.unique(block, return_index=True)  # each block's first such run
+        at = within[starts[first]]  # the run's first record, inside its block
+        out = {}
+        for b, s, n in zip(block.tolist(), at.tolist(), run[first].tolist(), strict=True):
+            if sizes[b] >= 3 and p < sizes[b]:
+                out[b] = (p, s - p, s + n)
+        return out
+
+
+def _hint_fits(seq: np.ndarray, p: int) -> bool:
+    """Whether ``_period`` would take ``p`` as given (a long enough run exists)."""
+    eq = seq[p:] == seq[:-p]
+    padded = np.concatenate(([False], eq, [False]))
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    return bool(((edges[1::2] - edges[::2]) >= _min_run(p)).any())
 
 
 def _change(
