@@ -581,6 +581,26 @@ def test_worker_processes_give_the_same_trace(tmp_path: Path) -> None:
     assert [i.to_dict() for i in parallel.inputs] == [i.to_dict() for i in serial.inputs]
 
 
+@pytest.mark.timeout(30)
+def test_a_few_large_files_are_read_by_worker_processes(tmp_path: Path) -> None:
+    """Many files, or a few whose bytes are worth a worker each (merged fleet partials of
+    ~30 MB); a single file or a few small ones stay in-process."""
+    from frtools.analyze.readers.parallel import PARALLEL_MIN_BYTES, _worth_workers
+
+    def sized(name: str, size: int) -> Path:
+        path = tmp_path / name
+        with open(path, "wb") as f:
+            f.truncate(size)  # sparse: the size is what counts
+        return path
+
+    big = [sized(f"p{i}.summary", PARALLEL_MIN_BYTES // 2) for i in range(2)]
+    assert _worth_workers(big)
+    assert not _worth_workers(big[:1] + [sized("small", 1024)])
+    assert not _worth_workers([sized("huge", 4 * PARALLEL_MIN_BYTES)])  # one file: no split
+    assert _worth_workers([sized(f"r{i}", 10) for i in range(65)])
+    assert not _worth_workers(big[:1] + [tmp_path / "gone"])  # unreadable: its reader says
+
+
 @pytest.mark.timeout(60)
 def test_the_spool_of_a_killed_analysis_is_removed_by_the_next(tmp_path: Path) -> None:
     import subprocess
