@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import jsonschema
+import numpy as np
+import pyarrow as pa
 import pytest
 
 from frtools.analyze.readers import load_trace
@@ -108,6 +110,21 @@ def test_healthy_moe_splits_changing_every_step_are_no_change() -> None:
     """all_to_all sizes change every step by design (MoE routing): not part of the step."""
     diff = step_diff(load_trace(SAMPLES / "moe-healthy"))
     assert diff.ranks_repeating == 8 and diff.changes == []
+
+
+def test_ranks_whose_rows_are_apart_give_the_same_diff() -> None:
+    """A reader that writes ranks' rows interleaved (rank order lost, each rank's record order
+    kept) changes nothing: each rank's rows are gathered before its step is looked for."""
+    trace = load_trace(SAMPLES / "order")
+    expected = step_diff(trace).to_dict()
+    ranks = trace.entries.column("rank").to_numpy()
+    by_rank = [np.flatnonzero(ranks == r).tolist() for r in sorted(set(ranks.tolist()))]
+    mixed = [row for at in range(max(map(len, by_rank))) for rows in by_rank[::-1]
+             for row in rows[at : at + 1]]  # fmt: skip
+    assert mixed != sorted(mixed)
+    trace.entries = trace.entries.take(pa.array(mixed))
+    assert step_diff(trace).to_dict() == expected
+    assert expected["changes"][0]["rank"] == 1
 
 
 def test_step_diff_costs_little_per_rank() -> None:

@@ -192,24 +192,25 @@ def step_diff_lines(diff: StepDiff) -> list[str]:
     return lines
 
 
-def _rank_blocks(ranks: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """Each rank's row positions, in record order (readers write a rank's rows together)."""
-    if not len(ranks):
-        return []
+def _rank_blocks(ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Each rank, its number of rows looked at (its last ``WINDOW``) and those rows' positions
+    rank after rank, in record order (None: every row, as they stand). Readers write a rank's
+    rows together; one pass over the rows, not one array per rank (131,072 ranks)."""
     bounds = np.flatnonzero(np.diff(ranks)) + 1
     starts = np.concatenate(([0], bounds))
-    ends = np.concatenate((bounds, [len(ranks)]))
-    if len(np.unique(ranks[starts])) == len(starts):
-        return [
-            (int(ranks[s]), np.arange(max(s, e - WINDOW), e))
-            for s, e in zip(starts, ends, strict=True)
-        ]
-    order = np.argsort(ranks, kind="stable")
-    sorted_ranks = ranks[order]
-    bounds = np.flatnonzero(np.diff(sorted_ranks)) + 1
-    starts = np.concatenate(([0], bounds))
-    parts = np.split(order, bounds)
-    return [(int(sorted_ranks[s]), part[-WINDOW:]) for s, part in zip(starts, parts, strict=True)]
+    order = None
+    if len(np.unique(ranks[starts])) != len(starts):  # a rank's rows are apart: gather them
+        order = np.argsort(ranks, kind="stable")
+        ranks = ranks[order]
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(ranks)) + 1))
+    ends = np.concatenate((starts[1:], [len(ranks)]))
+    kept = np.maximum(starts, ends - WINDOW)
+    sizes = ends - kept
+    if order is None and (kept == starts).all():
+        return ranks[starts], sizes, None
+    before = np.cumsum(sizes) - sizes  # where each rank's kept rows start among them
+    rows = np.repeat(kept - before, sizes) + np.arange(int(sizes.sum()))
+    return ranks[starts], sizes, rows if order is None else order[rows]
 
 
 def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[Any]]:
@@ -279,17 +280,17 @@ def step_diff(trace: Trace) -> StepDiff:
     table = trace.entries
     if table.num_rows == 0:
         return StepDiff()
-    ranks = table.column("rank").to_numpy()
-    blocks = _rank_blocks(ranks)
-    rows = np.concatenate([idx for _, idx in blocks]) if blocks else np.zeros(0, dtype=np.int64)
-    window = table.select(list(_TOKEN_COLUMNS)).take(pa.array(rows))
+    block_ranks, sizes, rows = _rank_blocks(table.column("rank").to_numpy())
+    window = table.select(list(_TOKEN_COLUMNS))
+    if rows is not None:
+        window = window.take(pa.array(rows))
     codes = {}
     values: dict[str, list[Any]] = {}
     for name in _TOKEN_COLUMNS:
         codes[name], values[name] = _codes(window.column(name))
     free = np.array([family_of(op) in _FREE_SIZES for op in values["op"]] + [False])
     sized = ~free[codes["op"]]
-    token = np.zeros(len(rows), dtype=np.uint64)
+    token = np.zeros(window.num_rows, dtype=np.uint64)
     for name in _TOKEN_COLUMNS:
         part = codes[name]
         if name in ("input_sizes", "output_sizes"):
@@ -313,16 +314,16 @@ def step_diff(trace: Trace) -> StepDiff:
             call_site=text("call_site") or None,
         )
 
-    diff = StepDiff(ranks_examined=len(blocks))
+    diff = StepDiff(ranks_examined=len(block_ranks))
     lengths: dict[int, int] = {}
     good: list[np.ndarray] = []  # per rank, its last good step's ops (no line)
     found: list[tuple[int, int, int, int, int, int]] = []  # rank, p, first, end, offset, n
-    sizes = np.array([len(idx) for _, idx in blocks], dtype=np.int64)
-    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    offsets = np.cumsum(sizes) - sizes
     hinted = _HintedRuns(token, offsets, sizes)
     hint: int | None = None
-    for b, (rank, _) in enumerate(blocks):
-        offset, n = int(offsets[b]), int(sizes[b])
+    for b, (rank, offset, n) in enumerate(
+        zip(block_ranks.tolist(), offsets.tolist(), sizes.tolist(), strict=True)
+    ):
         period = hinted.period(b, hint) if hint is not None and n >= 3 and hint < n else None
         if period is None:
             period = _period(token[offset : offset + n], None)  # the hint did not fit
