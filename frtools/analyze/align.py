@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from frtools.analyze import membership
+from frtools.model.codes import dense_unique
 from frtools.model.ops import OP, P2P_OPS, OpFamily, family_of, parts_must_agree
 from frtools.model.trace import ProcessGroup, Trace
 
@@ -615,14 +616,11 @@ def _status(coll: pd.DataFrame, ps: pd.DataFrame) -> pd.DataFrame:
 def _numbered(key: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
     """``pd.factorize`` of non-negative int keys, numbered in sorted order: by a dense
     look-up table where the keys are below ``most`` (hashing 8 M keys cost 0.3 s here)."""
-    if not len(key) or key.min() < 0 or key.max() >= most:
+    got = dense_unique(key, most)
+    if got is None:
         return pd.factorize(key)
-    seen = np.zeros(int(key.max()) + 1, dtype=bool)
-    seen[key] = True
-    k = np.flatnonzero(seen)
-    number = np.zeros(len(seen), dtype=np.int32 if len(seen) < 2**31 else np.intp)
-    number[k] = np.arange(len(k))
-    return number[key], k
+    k, number = got
+    return number, k
 
 
 def _pair_p2p(p2p: pd.DataFrame, trace: Trace) -> pd.DataFrame:

@@ -26,6 +26,7 @@ from frtools.formats.blackbox import (
     read_snapshot,
 )
 from frtools.formats.limits import strict_int
+from frtools.model.codes import dense_unique
 from frtools.model.ops import op_name
 from frtools.model.trace import ENTRY_SCHEMA, ProcessGroup, RankInfo, is_default, is_user_frame
 
@@ -213,8 +214,11 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
 
     # every string id of every column, decoded once
     ids = np.concatenate([c[name] for name in STRING_COLUMNS])
-    uniq, inverse = np.unique(ids, return_inverse=True)
-    inverse = inverse.astype(np.int32)
+    # string ids are small (offsets into the box's string table): numbered by a table
+    uniq, inverse = dense_unique(ids, 4 * len(ids) + (1 << 20)) or np.unique(
+        ids, return_inverse=True
+    )
+    inverse = inverse.astype(np.int32, copy=False)
     texts = snap.strings(uniq)
     col_index = {name: inverse[k * n : (k + 1) * n] for k, name in enumerate(STRING_COLUMNS)}
     text_dict = pa.array(texts, type=pa.string())
@@ -237,7 +241,11 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
     pg_names = pa.array([g.name for g in snap.groups] or [""], type=pa.string())
     pg_descs = pa.array([g.desc for g in snap.groups] or [""], type=pa.string())
 
-    threads, thread_idx = np.unique(c["thread_id"], return_inverse=True)
+    thread = c["thread_id"]
+    if (thread == thread[0]).all():  # one thread issues every op: no sort
+        threads, thread_idx = thread[:1], np.zeros(n, dtype=np.int32)
+    else:
+        threads, thread_idx = np.unique(thread, return_inverse=True)
     peer = c["peer"]
     started = c["time_started_ns"]
     completed = c["time_completed_ns"]

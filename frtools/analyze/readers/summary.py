@@ -40,6 +40,7 @@ from frtools.formats.summary_packed import (
     decode_packed_many,
     looks_packed,
 )
+from frtools.model.codes import dense_unique
 from frtools.model.ops import op_name
 from frtools.model.trace import (
     ENTRY_SCHEMA,
@@ -275,10 +276,11 @@ def _text_column(
 def _distinct(codes: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(codes, return_inverse=True)`` for codes in ``[0, size)``, by counting
     rather than sorting: a partial of 131,072 ranks has 8 M rows a column."""
-    used = np.flatnonzero(np.bincount(codes, minlength=size))
-    target = np.zeros(max(size, 1), dtype=np.int64)
-    target[used] = np.arange(len(used))
-    return used, target[codes]
+    got = dense_unique(codes, max(size, 1))
+    if got is None:  # not in range: the caller's bug, but sorted all the same
+        used, inverse = np.unique(codes, return_inverse=True)
+        return used, inverse
+    return got
 
 
 def _op_name(text: str) -> str:
