@@ -127,7 +127,7 @@ def _comparable(al: Alignment, counters: pd.DataFrame) -> pd.DataFrame:
     millions of units)."""
     if not len(counters):
         return counters
-    groups = set(counters["pg_name"])
+    groups = set(counters["pg_name"].unique().tolist())  # not row by row: a row per rank
     p2p = al.p2p
     if len(p2p):
         groups -= set(p2p["pg_name"].astype(str).unique().tolist())
