@@ -232,6 +232,19 @@ def _min_run(p: int) -> int:
     return max(2, (p + 1) // 2)
 
 
+def _runs(tokens: np.ndarray, p: int) -> tuple[int, int, int]:
+    """(longest run, start and length of the first long enough run) of S[i] == S[i-p]."""
+    eq = tokens[p:] == tokens[:-p]
+    padded = np.concatenate(([False], eq, [False]))
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    lengths = edges[1::2] - edges[::2]
+    enough = np.flatnonzero(lengths >= _min_run(p))
+    if not enough.size:
+        return 0, 0, 0
+    first = int(enough[0])
+    return int(lengths.max()), int(edges[2 * first]) + p, int(lengths[first])
+
+
 def _period(tokens: np.ndarray, hint: int | None) -> tuple[int, int, int] | None:
     """(step length p, first index of the periodic stretch, index after it): p is the
     distance whose repetition spans the most records, the stretch the first run of it that
@@ -240,20 +253,8 @@ def _period(tokens: np.ndarray, hint: int | None) -> tuple[int, int, int] | None
     if n < 3:
         return None
 
-    def runs(p: int) -> tuple[int, int, int]:
-        """(longest run, start and length of the first long enough run) of S[i] == S[i-p]."""
-        eq = tokens[p:] == tokens[:-p]
-        padded = np.concatenate(([False], eq, [False]))
-        edges = np.flatnonzero(padded[1:] != padded[:-1])
-        lengths = edges[1::2] - edges[::2]
-        enough = np.flatnonzero(lengths >= _min_run(p))
-        if not enough.size:
-            return 0, 0, 0
-        first = int(enough[0])
-        return int(lengths.max()), int(edges[2 * first]) + p, int(lengths[first])
-
     if hint is not None and hint < n:
-        _, start, length = runs(hint)
+        _, start, length = _runs(tokens, hint)
         if length:
             return hint, start - hint, start + length
     # a token seen once a step recurs at the step length: the rarest repeated tokens first
@@ -269,7 +270,7 @@ def _period(tokens: np.ndarray, hint: int | None) -> tuple[int, int, int] | None
     best: tuple[int, int, int] | None = None
     best_span = 0
     for p in candidates:
-        longest, start, length = runs(p)
+        longest, start, length = _runs(tokens, p)
         if length and longest + p > best_span:
             best_span, best = longest + p, (p, start - p, start + length)
     return best
@@ -371,9 +372,9 @@ class _HintedRuns:
         got = self.by_length.get(p)
         if got is None:
             if len(self.by_length) >= self._LENGTHS:
-                start = int(self.offsets[block])
-                seq = self.token[start : start + int(self.sizes[block])]
-                return _period(seq, p) if _hint_fits(seq, p) else None
+                offset = int(self.offsets[block])
+                _, start, length = _runs(self.token[offset : offset + int(self.sizes[block])], p)
+                return (p, start - p, start + length) if length else None
             got = self.by_length[p] = self._all(p)
         return got.get(block)
 
@@ -399,14 +400,6 @@ class _HintedRuns:
             if sizes[b] >= 3 and p < sizes[b]:
                 out[b] = (p, s - p, s + n)
         return out
-
-
-def _hint_fits(seq: np.ndarray, p: int) -> bool:
-    """Whether ``_period`` would take ``p`` as given (a long enough run exists)."""
-    eq = seq[p:] == seq[:-p]
-    padded = np.concatenate(([False], eq, [False]))
-    edges = np.flatnonzero(padded[1:] != padded[:-1])
-    return bool(((edges[1::2] - edges[::2]) >= _min_run(p)).any())
 
 
 def _change(
