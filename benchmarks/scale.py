@@ -12,6 +12,7 @@ since ``frtools analyze`` reads files in worker processes. torchfrtrace is stopp
 
     python benchmarks/scale.py --ranks 256,1024,4096 --runs 3 --torch-limit 600
     python benchmarks/scale.py --profile 1024     # where frtools' time goes
+    python benchmarks/scale.py --profile-folder DIR  # the same on any folder
 
 Fleet scale (issue #14; docs/fleet.md): ``--fleet-ranks`` times the central step through
 per-host summaries (``frtools synth --format summary`` writes the 8-rank host summaries
@@ -419,10 +420,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _cpu() -> tuple[float, float]:
-    """CPU seconds (user + system) of this process and of its reaped children (workers)."""
+def _cpu() -> tuple[float, float, float, float]:
+    """CPU seconds (user + system) of this process and of its reaped children (workers),
+    then the system seconds of each: on a VM, system time is mostly memory touched for the
+    first time (docs/benchmarks.md), not work."""
     me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime, me.ru_stime, kids.ru_stime
 
 
 def profile(args: argparse.Namespace) -> None:
@@ -434,7 +437,11 @@ def profile(args: argparse.Namespace) -> None:
     from frtools.analyze.memory import keep_freed_memory, spare_the_collector
     from frtools.analyze.readers import load_trace
 
-    d = make_dumps(Path(args.dir), args.profile, args.entries, "torch", args.tp, args.pp)
+    d = (
+        Path(args.profile_folder)
+        if args.profile_folder
+        else make_dumps(Path(args.dir), args.profile, args.entries, "torch", args.tp, args.pp)
+    )
     keep_freed_memory()  # as frtools analyze does
     marks = [("start", time.perf_counter(), _cpu())]
     trace = load_trace(d)
@@ -453,10 +460,11 @@ def profile(args: argparse.Namespace) -> None:
     print(
         f"{trace.entries.num_rows:,} entries -> {verdict.kind}; load average {os.getloadavg()[0]:.1f}"
     )
-    for (_, w0, (me0, kids0)), (name, w1, (me1, kids1)) in zip(marks[:-1], marks[1:], strict=True):
+    for (_, w0, c0), (name, w1, c1) in zip(marks[:-1], marks[1:], strict=True):
+        me, kids, me_sys, kids_sys = (b - a for a, b in zip(c0, c1, strict=True))
         print(
-            f"  {name:10s} wall {w1 - w0:6.2f} s  CPU {me1 - me0:6.2f} s here, "
-            f"{kids1 - kids0:6.2f} s in worker processes"
+            f"  {name:10s} wall {w1 - w0:6.2f} s  CPU {me:6.2f} s here (system {me_sys:5.2f}), "
+            f"{kids:6.2f} s in worker processes (system {kids_sys:5.2f})"
         )
     pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
     t3 = time.perf_counter()
@@ -517,8 +525,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile", type=int, metavar="RANKS", help="profile frtools at this size instead"
     )
+    ap.add_argument(
+        "--profile-folder",
+        metavar="DIR",
+        help="profile frtools on this folder instead (snapshots, partials, real dumps)",
+    )
     args = ap.parse_args(argv)
-    if args.profile:
+    if args.profile or args.profile_folder:
         profile(args)
         return 0
     print(f"machine: {os.cpu_count()} CPUs; dumps under {args.dir}", flush=True)
