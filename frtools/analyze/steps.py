@@ -316,73 +316,106 @@ def step_diff(trace: Trace) -> StepDiff:
         )
 
     diff = StepDiff(ranks_examined=len(block_ranks))
-    lengths: dict[int, int] = {}
-    good: list[np.ndarray] = []  # per rank, its last good step's ops (no line)
-    found: list[tuple[int, int, int, int, int, int]] = []  # rank, p, first, end, offset, n
     offsets = np.cumsum(sizes) - sizes
-    hinted = _HintedRuns(token, offsets, sizes)
-    hint: int | None = None
-    for b, (rank, offset, n) in enumerate(
-        zip(block_ranks.tolist(), offsets.tolist(), sizes.tolist(), strict=True)
-    ):
-        period = hinted.period(b, hint) if hint is not None and n >= 3 and hint < n else None
-        if period is None:
-            period = _period(token[offset : offset + n], None)  # the hint did not fit
-        if period is None:
-            continue
-        p, first, end = period
-        hint = p
-        diff.ranks_repeating += 1
-        lengths[p] = lengths.get(p, 0) + 1
-        fail_start = first + ((end - first) // p) * p
-        good.append(moved[offset + max(first, fail_start - p) : offset + fail_start])
-        if end < n:
-            found.append((rank, p, first, end, offset, n))
-    diff.step_length = max(lengths, key=lambda k: lengths[k]) if lengths else None
+    steps = _Steps(token, offsets, sizes)
+    diff.ranks_repeating = int(len(steps.block))
+    uniq, counts = np.unique(steps.p, return_counts=True)
+    lengths = dict(zip(uniq.tolist(), counts.tolist(), strict=True))
+    if lengths:  # the most common; ties: the one a rank had first, as ranks were read
+        top = max(lengths.values())
+        diff.step_length = next(int(p) for p in steps.p.tolist() if lengths[p] == top)
+    # the ops some rank issued in its last good step (no line): one range a rank
+    fail_start = steps.first + ((steps.end - steps.first) // steps.p) * steps.p
+    lo = offsets[steps.block] + np.maximum(steps.first, fail_start - steps.p)
+    hi = offsets[steps.block] + fail_start
+    edge = np.zeros(len(token) + 1, dtype=np.int64)
+    np.add.at(edge, lo, 1)
+    np.add.at(edge, hi, -1)
+    good_tokens = set(np.unique(moved[np.cumsum(edge[:-1]) > 0]).tolist())
     # the failing step is the first that differs: a job that went on past it (a size
     # mismatch Gloo let through) ends its loop later, and that end is no change. Only the
     # changes listed are worked out (at 131,072 ranks every rank may have one)
-    step_of = [(end - first) // p + 1 for _, p, first, end, _, _ in found]
-    failing = min(step_of, default=0)
-    at_failing = [f for f, step in zip(found, step_of, strict=True) if step == failing]
-    good_tokens = set(np.unique(np.concatenate(good)).tolist()) if good else set()
-    diff.changes = [
-        _change(
-            rank, p, first, end, np.arange(offset, offset + n), (token, moved), op_at, good_tokens
+    ends = steps.end < sizes[steps.block]
+    step_of = (steps.end - steps.first) // steps.p + 1
+    failing = int(step_of[ends].min()) if ends.any() else 0
+    listed = np.flatnonzero(ends & (step_of == failing))
+    diff.changes = []
+    for i in listed[:MAX_CHANGES].tolist():
+        k = int(steps.block[i])
+        offset, n = int(offsets[k]), int(sizes[k])
+        positions = np.arange(offset, offset + n)
+        p, first, end = int(steps.p[i]), int(steps.first[i]), int(steps.end[i])
+        diff.changes.append(
+            _change(
+                int(block_ranks[k]), p, first, end, positions, (token, moved), op_at, good_tokens
+            )
         )
-        for rank, p, first, end, offset, n in at_failing[:MAX_CHANGES]
-    ]
-    diff.more_changes = max(0, len(at_failing) - MAX_CHANGES)
+    diff.more_changes = max(0, len(listed) - MAX_CHANGES)
     return diff
 
 
-class _HintedRuns:
-    """``_period(seq, hint)``'s hinted answer for every rank at once: the ranks of a job
-    mostly share one step length, and one pass over all their tokens per length costs less
-    than a few numpy calls per rank (131,072 ranks). A length is tried at most ``_LENGTHS``
-    times this way; past that, rank by rank."""
+class _Steps:
+    """Every rank's ``_period``, as ranks one after another would find it: each rank first
+    tries the step length the rank before it had (the hint), then searches. The hinted answer
+    is worked out for all ranks at once (a job's ranks mostly share one step length: one pass
+    over all their tokens, not a few numpy calls a rank at 131,072 ranks), and a stretch of
+    ranks it answers is taken in one go. At most ``_LENGTHS`` lengths are tried this way;
+    past that, rank by rank. ``block``, ``p``, ``first``, ``end``: the ranks that repeat a
+    step (their index among the blocks), in order."""
 
     _LENGTHS = 4
 
     def __init__(self, token: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> None:
         self.token, self.offsets, self.sizes = token, offsets, sizes
-        self.by_length: dict[int, dict[int, tuple[int, int, int]]] = {}
+        self._tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        hint: int | None = None
+        b, blocks = 0, len(sizes)
+        while b < blocks:
+            table = self._table(hint) if hint is not None else None
+            if table is not None:
+                last, first, end = table
+                stop = int(last[b])
+                if stop > b:  # ranks b..stop-1 take the hint as it is
+                    parts.append((np.arange(b, stop), np.full(stop - b, hint), first[b:stop],
+                                  end[b:stop]))  # fmt: skip
+                    b = stop
+                    continue
+            found = self._one(b, hint, table is None)
+            if found is not None:
+                hint = found[0]
+                parts.append(tuple(np.array([v]) for v in (b, *found)))  # type: ignore[arg-type]
+            b += 1
+        columns = [
+            np.concatenate(c) if c else np.zeros(0, np.int64) for c in zip(*parts, strict=True)
+        ]
+        self.block, self.p, self.first, self.end = (
+            columns if parts else [np.zeros(0, dtype=np.int64)] * 4
+        )
 
-    def period(self, block: int, p: int) -> tuple[int, int, int] | None:
-        got = self.by_length.get(p)
-        if got is None:
-            if len(self.by_length) >= self._LENGTHS:
-                offset = int(self.offsets[block])
-                _, start, length = _runs(self.token[offset : offset + int(self.sizes[block])], p)
-                return (p, start - p, start + length) if length else None
-            got = self.by_length[p] = self._all(p)
-        return got.get(block)
+    def _one(self, b: int, hint: int | None, try_hint: bool) -> tuple[int, int, int] | None:
+        offset, n = int(self.offsets[b]), int(self.sizes[b])
+        seq = self.token[offset : offset + n]
+        if try_hint and hint is not None and n >= 3 and hint < n:
+            _, start, length = _runs(seq, hint)
+            if length:
+                return hint, start - hint, start + length
+        return _period(seq, None)  # the hint did not fit: search
 
-    def _all(self, p: int) -> dict[int, tuple[int, int, int]]:
-        """Block -> (p, first, end) where the first long enough run of S[i] == S[i-p]
-        exists, as ``_period`` gives it for a hint (runs never cross blocks: a block's
-        first p records compare with nothing)."""
+    def _table(self, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Per block, for step length ``p``: the first block at or after it that ``p`` does
+        not answer, and ``p``'s (first, end) there; None past ``_LENGTHS`` lengths."""
+        got = self._tables.get(p)
+        if got is None and len(self._tables) < self._LENGTHS:
+            got = self._tables[p] = self._all(p)
+        return got
+
+    def _all(self, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where the first long enough run of S[i] == S[i-p] of each block starts and ends,
+        as ``_period`` gives it for a hint (runs never cross blocks: a block's first p
+        records compare with nothing)."""
         token, offsets, sizes = self.token, self.offsets, self.sizes
+        blocks = len(sizes)
         within = np.arange(len(token)) - np.repeat(offsets, sizes)  # index inside the block
         same = np.zeros(len(token), dtype=bool)
         same[p:] = token[p:] == token[:-p]
@@ -393,13 +426,19 @@ class _HintedRuns:
         keep = run >= _min_run(p)
         starts, run = starts[keep], run[keep]
         block = np.searchsorted(offsets, starts, side="right") - 1
-        block, first = np.unique(block, return_index=True)  # each block's first such run
-        at = within[starts[first]]  # the run's first record, inside its block
-        out = {}
-        for b, s, n in zip(block.tolist(), at.tolist(), run[first].tolist(), strict=True):
-            if sizes[b] >= 3 and p < sizes[b]:
-                out[b] = (p, s - p, s + n)
-        return out
+        block, at = np.unique(block, return_index=True)  # each block's first such run
+        start = within[starts[at]]  # the run's first record, inside its block
+        first = np.zeros(blocks, dtype=np.int64)
+        end = np.zeros(blocks, dtype=np.int64)
+        first[block] = start - p
+        end[block] = start + run[at]
+        ok = np.zeros(blocks, dtype=bool)
+        ok[block] = True
+        ok &= (sizes >= 3) & (sizes > p)
+        # for every block, the first block from it on that p does not answer
+        index = np.where(ok, blocks, np.arange(blocks))
+        last = np.minimum.accumulate(index[::-1])[::-1]
+        return last, first, end
 
 
 def _change(
