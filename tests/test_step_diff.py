@@ -127,6 +127,19 @@ def test_ranks_whose_rows_are_apart_give_the_same_diff() -> None:
     assert expected["changes"][0]["rank"] == 1
 
 
+@pytest.mark.parametrize("sample", ["order", "op-mismatch", "moe-healthy", "size-mismatch"])
+def test_rank_by_rank_search_gives_the_batched_answer(sample: str, monkeypatch) -> None:  # noqa: ANN001
+    """The all-ranks table of a step length is a shortcut: with it off (past its few
+    lengths every rank is searched on its own) the diff is the same."""
+    from frtools.analyze import steps
+
+    trace = load_trace(SAMPLES / sample)
+    batched = step_diff(trace).to_dict()
+    monkeypatch.setattr(steps._Steps, "_LENGTHS", 0)
+    assert step_diff(trace).to_dict() == batched
+    assert batched["ranks_repeating"] > 0
+
+
 def test_step_diff_costs_little_per_rank() -> None:
     """Bounded work per rank: each rank's last WINDOW records, a few numpy passes."""
     trace = load_trace(SAMPLES / "order")
