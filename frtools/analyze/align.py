@@ -253,11 +253,7 @@ def _duplicated_units(coll: pd.DataFrame) -> np.ndarray:
     values do not fit."""
     if not len(coll):
         return np.zeros(0, dtype=bool)
-    names = coll["pg_name"]
-    if isinstance(names.dtype, pd.CategoricalDtype):
-        pg = names.cat.codes.to_numpy()  # the codes themselves, not an int64 copy
-    else:
-        pg = category_codes(names)[0]
+    pg = category_codes(coll["pg_name"], wide=False)[0]
     rank = coll["rank"].to_numpy()
     seq = coll["collective_seq_id"].to_numpy()
     if not (rank.min() >= 0 and rank.max() < 2**22 and pg.max() < 2**16 - 1 and seq.max() < 2**25):
@@ -448,10 +444,12 @@ def _rank_slots(rank: np.ndarray, ranks: np.ndarray | None = None) -> tuple[np.n
     return np.searchsorted(ranks, rank), ranks
 
 
-def category_codes(values: pd.Series) -> tuple[np.ndarray, pd.Index]:
-    """int64 codes (-1 for missing) and the distinct values of a column."""
+def category_codes(values: pd.Series, wide: bool = True) -> tuple[np.ndarray, pd.Index]:
+    """int64 codes (-1 for missing) and the distinct values of a column; ``wide=False``: a
+    categorical's own codes as they are (int8/int16: no copy of millions of rows)."""
     if isinstance(values.dtype, pd.CategoricalDtype):
-        return values.cat.codes.to_numpy().astype(np.int64), values.cat.categories
+        codes = values.cat.codes.to_numpy()
+        return (codes.astype(np.int64) if wide else codes), values.cat.categories
     codes, uniques = pd.factorize(values)
     return codes.astype(np.int64), pd.Index(uniques)
 
@@ -549,11 +547,7 @@ def _status(coll: pd.DataFrame, ps: pd.DataFrame) -> pd.DataFrame:
     if len(coll):
         # group by one int64 (rank, group code) key: a two-column group-by with a
         # categorical costs several times more on millions of units
-        names = coll["pg_name"]
-        if isinstance(names.dtype, pd.CategoricalDtype):  # the codes themselves, no copy
-            codes, cats = names.cat.codes.to_numpy(), names.cat.categories
-        else:
-            codes, cats = category_codes(names)
+        codes, cats = category_codes(coll["pg_name"], wide=False)
         rank = coll["rank"].to_numpy()
         # 32-bit where it fits (fresh memory is what costs, as in _duplicates_by_span)
         wide = (int(rank.max()) + 1) * (len(cats) + 1) >= 2**31

@@ -386,21 +386,13 @@ class _Steps:
                 hint = found[0]
                 parts.append(tuple(np.array([v]) for v in (b, *found)))  # type: ignore[arg-type]
             b += 1
-        columns = [
-            np.concatenate(c) if c else np.zeros(0, np.int64) for c in zip(*parts, strict=True)
-        ]
-        self.block, self.p, self.first, self.end = (
-            columns if parts else [np.zeros(0, dtype=np.int64)] * 4
-        )
+        none = [np.zeros(0, dtype=np.int64)] * 4
+        columns = [np.concatenate(c) for c in zip(*parts, strict=True)] if parts else none
+        self.block, self.p, self.first, self.end = columns
 
     def _one(self, b: int, hint: int | None, try_hint: bool) -> tuple[int, int, int] | None:
         offset, n = int(self.offsets[b]), int(self.sizes[b])
-        seq = self.token[offset : offset + n]
-        if try_hint and hint is not None and n >= 3 and hint < n:
-            _, start, length = _runs(seq, hint)
-            if length:
-                return hint, start - hint, start + length
-        return _period(seq, None)  # the hint did not fit: search
+        return _period(self.token[offset : offset + n], hint if try_hint else None)
 
     def _table(self, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Per block, for step length ``p``: the first block at or after it that ``p`` does

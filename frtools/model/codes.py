@@ -15,9 +15,10 @@ def dense_unique(values: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]
     index among them) for non-negative ints below ``most``; None where they are not."""
     if not len(values):
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
-    if values.min() < 0 or values.max() >= most:
+    top = int(values.max())
+    if values.min() < 0 or top >= most:
         return None
-    seen = np.zeros(int(values.max()) + 1, dtype=bool)
+    seen = np.zeros(top + 1, dtype=bool)
     seen[values] = True
     uniq = np.flatnonzero(seen)
     number = np.zeros(len(seen), dtype=np.int32 if len(seen) < 2**31 else np.intp)

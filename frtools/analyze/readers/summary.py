@@ -276,11 +276,8 @@ def _text_column(
 def _distinct(codes: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(codes, return_inverse=True)`` for codes in ``[0, size)``, by counting
     rather than sorting: a partial of 131,072 ranks has 8 M rows a column."""
-    got = dense_unique(codes, max(size, 1))
-    if got is None:  # not in range: the caller's bug, but sorted all the same
-        used, inverse = np.unique(codes, return_inverse=True)
-        return used, inverse
-    return got
+    # out of range (the caller's bug): sorted all the same
+    return dense_unique(codes, max(size, 1)) or np.unique(codes, return_inverse=True)
 
 
 def _op_name(text: str) -> str:
