@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from frtools.analyze.align import _duplicated_units, align
+from frtools.analyze.align import _duplicated_units, align, as_texts
 from frtools.model.trace import ProcessGroup, RankInfo, Trace, entries_table
 
 pytestmark = pytest.mark.timeout(60)
@@ -152,3 +152,26 @@ def test_duplicated_units_are_the_rows_sharing_rank_group_and_seq(top_seq):
     got = _duplicated_units(frame)
     assert got.tolist() == expected.tolist()
     assert not _duplicated_units(frame.drop_duplicates()).any()
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        pd.Series(pd.Categorical(["tp", None, "dp", "tp"])),
+        pd.Series(pd.Categorical([3, 1, None])),
+        pd.Series(["a", "b", "a"], dtype=object),
+        pd.Series(["a", None, 3], dtype=object),
+        pd.Series(["a", "b"], dtype="str"),
+        pd.Series([1, 2, 3]),
+        pd.Series(pd.Categorical([], categories=["x"])),
+    ],
+)
+def test_as_texts_is_astype_str_to_numpy(values: pd.Series) -> None:
+    """The diagnosis's groups and ops as text, without pandas 3's Arrow detour: the same
+    object array ``astype(str).to_numpy()`` gives, NaN where a value is missing."""
+    got, want = as_texts(values), values.astype(str).to_numpy()
+    assert got.dtype == object and len(got) == len(want)
+    assert [None if isinstance(v, float) else v for v in got] == [
+        None if isinstance(v, float) else v for v in want
+    ]
+    assert all(type(v) is str or (isinstance(v, float) and np.isnan(v)) for v in got)

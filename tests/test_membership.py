@@ -120,6 +120,29 @@ def test_most_common_member_list_wins_and_an_unsupported_one_is_refused() -> Non
     assert "claims 1,000,001" in stated.refused["9"]
 
 
+def test_a_group_object_shared_by_many_dumps_counts_once_for_each() -> None:
+    """The ranks of a host share their ProcessGroup objects (a partial: thousands of ranks
+    one object): membership counts each dump that names it, not each distinct object."""
+    from frtools.analyze.readers.base import RankDump
+    from frtools.model.trace import RankInfo, empty_entries
+
+    shared = ProcessGroup("5", "dp", (0, 1, 2))
+    lone = [ProcessGroup("5", "data", (0, 2)) for _ in range(2)]
+    dumps = [RankDump(RankInfo(rank=r), empty_entries(), {"5": shared}) for r in (0, 1, 2)]
+    dumps += [
+        RankDump(RankInfo(rank=r), empty_entries(), {"5": g})
+        for r, g in ((3, lone[0]), (4, lone[1]))
+    ]
+    stated = membership.stated(dumps, lambda d: (), lambda d: True)
+    assert stated.groups["5"].ranks == (0, 1, 2) and stated.groups["5"].desc == "dp"
+    assert stated.disputed == {"5"}
+    # two more dumps name the lone lists: four uses against the shared object's three
+    dumps += [RankDump(RankInfo(rank=r), empty_entries(), {"5": lone[r % 2]}) for r in (5, 6)]
+    stated = membership.stated(dumps, lambda d: (), lambda d: True)
+    assert stated.groups["5"].ranks == (0, 2) and stated.groups["5"].desc == "data"
+    assert all(d.process_groups["5"].ranks is stated.groups["5"].ranks for d in dumps[3:])
+
+
 @pytest.mark.parametrize(
     ("name", "desc", "default"),
     [

@@ -202,3 +202,73 @@ def test_summarize_command_writes_a_host_file_that_analyze_reads_mixed_with_boxe
     trace = load_trace(out, workers=1)
     assert sorted(trace.ranks) == list(range(16))
     assert _verdict_key(diagnose(trace)) == _verdict_key(full)
+
+
+def _rank_item(change):
+    def edit(h):
+        change(h["ranks"][1])
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda r: None,
+        lambda r: r.update(rank=True),
+        lambda r: r.update(rank=-1),
+        lambda r: r.update(world_size="8"),
+        lambda r: r.update(world_size=r["rank"]),
+        lambda r: r.update(identity={"host": "h" * 600, "pid": 7}),
+        lambda r: r.update(identity={"host": "a", "colour": "blue"}),
+        lambda r: r.update(identity={"pid": 2**70}),
+        lambda r: r.update(identity={"local_rank": True}),
+        lambda r: r.update(identity=["host"]),
+        lambda r: r.update(exit={"kind": "vanished"}),
+        lambda r: r.update(exit={"kind": ["exit"]}),
+        lambda r: r.update(exit={"kind": "signal", "detail": "SIGKILL"}),
+        lambda r: r.update(exit="exit"),
+        lambda r: r.update(notes=["a note", None]),
+        lambda r: r.update(notes="a note"),
+        lambda r: r.update(taken_ns=-5),
+        lambda r: r.update(taken_ns=None),
+        lambda r: r.update(heartbeat_ns=None, dump_time_ns=12),
+        lambda r: r.update(records_written=True),
+        lambda r: r.update(omitted=2**64),
+        lambda r: r.update(stalled=1),
+        lambda r: r.update(alive=True, wrapped=None),
+        lambda r: r.update(stacks=5),
+        lambda r: r.update(stacks="x" * 70000),
+        lambda r: r.update(startup_phase="nope"),
+        lambda r: r.update(startup_phase=["init"]),
+        lambda r: r.update(startup_phase="init"),
+        lambda r: r["groups"][0].__setitem__(1, True),
+        lambda r: r["groups"][0].__setitem__(1, -2),
+        lambda r: r["groups"][0].__setitem__(0, -1),
+        lambda r: r["groups"].__setitem__(0, r["groups"][0][:3]),
+        lambda r: r.update(groups="0"),
+        lambda r: r.update(groups=[]),
+        lambda r: r.update(entries="64"),
+        lambda r: r.clear(),
+    ],
+)
+def test_a_rank_header_reads_as_the_field_by_field_checks_read_it(tmp_path, monkeypatch, change):
+    """A partial's 131,072 rank headers are taken whole where nothing in them is unusual
+    (``_plain_rank_fields``, ``_plain_groups``): whatever the header, the file reads back,
+    or is refused with the reason, exactly as with those shortcuts off."""
+    import frtools.formats.summary as summary
+    import frtools.formats.summary_packed as packed
+
+    boxes = _boxes(tmp_path, "missing", world_size=8, tp=2, pp=2)
+    data = _with_header(summarize_path(boxes, workers=1).encode(), _rank_item(change))
+
+    def read() -> object:
+        try:
+            return to_summaries(decode_packed(data))
+        except SummaryError as e:
+            return f"refused: {e}"
+
+    fast = read()
+    monkeypatch.setattr(summary, "_plain_rank_fields", lambda doc: None)
+    monkeypatch.setattr(packed, "_plain_groups", lambda raw, n: False)
+    assert read() == fast

@@ -454,6 +454,22 @@ def category_codes(values: pd.Series, wide: bool = True) -> tuple[np.ndarray, pd
     return codes.astype(np.int64), pd.Index(uniques)
 
 
+def as_texts(values: pd.Series) -> np.ndarray:
+    """``values.astype(str).to_numpy()``: an object array of str, NaN where missing. A
+    categorical of text is taken by code from its categories, a column already of str is
+    passed as it is: pandas 3 would build an Arrow string array row by row and convert
+    it back (131,072 ranks: ~0.1 s a column, half a second a diagnosis)."""
+    dtype = values.dtype
+    if isinstance(dtype, pd.CategoricalDtype) and dtype.categories.inferred_type == "string":
+        names = np.asarray(dtype.categories, dtype=object)
+        return np.append(names, np.nan).take(values.cat.codes.to_numpy())
+    if values.dtype == object:
+        array = values.to_numpy()
+        if set(map(type, array)) <= {str}:
+            return array
+    return values.astype(str).to_numpy()
+
+
 _FAMILIES = {f: i + 1 for i, f in enumerate(OpFamily)}
 
 

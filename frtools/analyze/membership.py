@@ -28,6 +28,7 @@ Which group is the default one is ``frtools.model.trace.is_default``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -105,24 +106,32 @@ def stated(
     # size, nobody's ops need to be looked at for it
     everyone: set[str] = set()
     refused: dict[str, str] = {}
-    for d in dumps:
-        for name, g in d.process_groups.items():
-            dc = descs.get(name)
-            if dc is None:
-                dc = descs[name] = {}
-                listed[name] = {}
-            if g.desc:
-                dc[g.desc] = dc.get(g.desc, 0) + 1
-            if g.ranks:
-                same = seen.get(id(g.ranks))
-                if same is None:
-                    same = seen[id(g.ranks)] = canonical.setdefault(g.ranks, g.ranks)
-                    by_id[id(same)] = same
-                g.ranks = same
-                lc = listed[name]
-                lc[id(same)] = lc.get(id(same), 0) + 1
-            elif d.default_pg_all and g.is_default:
-                everyone.add(name)
+    # the ranks of a host (of a partial) share their ProcessGroup objects: each distinct
+    # (object, name, "all ranks") is looked at once, with how many dumps name it
+    pgs: dict[int, ProcessGroup] = {}
+    uses = Counter(
+        (id(pgs.setdefault(id(g), g)), name, d.default_pg_all)
+        for d in dumps
+        for name, g in d.process_groups.items()
+    )
+    for (gid, name, all_ranks), n in uses.items():
+        g = pgs[gid]
+        dc = descs.get(name)
+        if dc is None:
+            dc = descs[name] = {}
+            listed[name] = {}
+        if g.desc:
+            dc[g.desc] = dc.get(g.desc, 0) + n
+        if g.ranks:
+            same = seen.get(id(g.ranks))
+            if same is None:
+                same = seen[id(g.ranks)] = canonical.setdefault(g.ranks, g.ranks)
+                by_id[id(same)] = same
+            g.ranks = same
+            lc = listed[name]
+            lc[id(same)] = lc.get(id(same), 0) + n
+        elif all_ranks and g.is_default:
+            everyone.add(name)
 
     # a member list the records cannot support (a tiny file naming a million members) is
     # not believed: the group is inferred as if no file listed it

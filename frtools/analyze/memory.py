@@ -11,10 +11,12 @@ never does.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import sys
+from collections.abc import Iterator
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -46,6 +48,25 @@ def _no_huge_pages() -> None:
         if setter is not None:
             setter(False)
             return
+
+
+@contextlib.contextmanager
+def no_cyclic_gc() -> Iterator[None]:
+    """The cyclic GC off for a stage that builds many objects in no cycle, on again after.
+
+    Reading: a dump parses into ~100 small containers per entry, which the collector would
+    rescan again and again (half the read time on big dumps). Aligning and diagnosing
+    after ``spare_the_collector``: on CPython 3.11 a frozen heap still leaves every young
+    collection costly (131,072 ranks: one comprehension over the ranks' groups 0.22 s with
+    the collector off, 1.4 s on; align 4.7 -> 3.2 s), and what those stages leave in cycles
+    is a few pandas frames, collected when the collector runs again."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def spare_the_collector() -> None:

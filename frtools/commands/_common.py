@@ -234,7 +234,7 @@ def load_and_diagnose(
 ) -> tuple[Any, Any, Any]:
     """Read the dumps under ``path``, align them once and diagnose: ``(trace, alignment,
     verdict)``. Unusable input is a one-line error, exit 2."""
-    from frtools.analyze.memory import keep_freed_memory, spare_the_collector
+    from frtools.analyze.memory import keep_freed_memory, no_cyclic_gc, spare_the_collector
     from frtools.analyze.readers import UnusableInput, load_trace
 
     def import_diagnosis() -> None:  # pandas & co: 0.5 s, while the readers work
@@ -255,7 +255,7 @@ def load_and_diagnose(
     from frtools.analyze.align import align
     from frtools.analyze.diagnose import diagnose
 
-    with phase("aligning and diagnosing", progress):
+    with phase("aligning and diagnosing", progress), no_cyclic_gc():
         alignment = align(trace)
         verdict = diagnose(trace, alignment)
     return trace, alignment, verdict

@@ -629,8 +629,88 @@ def rank_fields(doc: dict[str, Any]) -> dict[str, Any]:
     """A rank's identity, failure facts and scalars, checked: the fields the JSON rank
     summary and the packed host summary's rank header share (each adds its groups and ops).
 
-    Written out rather than field by field through helpers: a fleet's central step checks
-    131,072 of these."""
+    A fleet's central step checks 131,072 of these: a header that passes the plain checks
+    of ``_plain_rank_fields`` is taken at once; any other is checked field by field, which
+    names what is wrong."""
+    return _plain_rank_fields(doc) or _checked_rank_fields(doc)
+
+
+# identity values and the ends a plain header's fields lie in (``_plain_rank_fields``)
+_IDENTITY_SET = frozenset(_IDENTITY_KEYS)
+_WORLD_TOP = MAX_WORLD_SIZE
+_ENDINGS: list[frozenset[str]] = []  # EXIT_KINDS and STARTUP_PHASES, once imported
+
+
+def _plain_rank_fields(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """``rank_fields`` of a header with nothing unusual in it (what every writer of this
+    project writes), without building an error text per check; None for any other header,
+    which ``_checked_rank_fields`` then refuses or reads."""
+    if not _ENDINGS:
+        from frtools.model.trace import EXIT_KINDS, STARTUP_PHASES  # as below
+
+        _ENDINGS.extend((frozenset(EXIT_KINDS), frozenset(STARTUP_PHASES)))
+    exit_kinds, phases = _ENDINGS
+    get = doc.get
+    rank, world = get("rank"), get("world_size")
+    if type(rank) is not int or not 0 <= rank < _WORLD_TOP:
+        return None
+    if world is not None and (type(world) is not int or not rank < world <= _WORLD_TOP):
+        return None
+    ident = get("identity") or {}
+    if type(ident) is not dict or not _IDENTITY_SET.issuperset(ident):
+        return None
+    lo, hi = _INT64
+    for value in ident.values():
+        kind = type(value)
+        if not (
+            (kind is str and len(value) <= MAX_IDENTITY_CHARS)
+            or (kind is int and lo <= value <= hi)
+        ):
+            return None
+    exit_ = get("exit") or {}
+    if type(exit_) is not dict:
+        return None
+    exit_kind, detail = exit_.get("kind"), exit_.get("detail")
+    if exit_kind is not None and (type(exit_kind) is not str or exit_kind not in exit_kinds):
+        return None
+    if detail is not None and (type(detail) is not str or len(detail) > MAX_STRING_CHARS):
+        return None
+    if get("notes"):  # a rank with notes is rare: read field by field
+        return None
+    out: dict[str, Any] = {
+        "rank": rank,
+        "world_size": world,
+        "identity": {k: ident[k] for k in _IDENTITY_KEYS if k in ident},
+    }
+    for key, default, low, nullable in _RANK_INTS:
+        value = get(key, default)
+        if type(value) is int:
+            if not low <= value <= hi:
+                return None
+        elif value is not None or not nullable:
+            return None
+        out[key] = value
+    for key in ("stalled", "alive", "wrapped"):
+        value = get(key)
+        if value is not None and type(value) is not bool:
+            return None
+        out[key] = value
+    out["wrapped"] = bool(out["wrapped"])
+    stacks, phase = get("stacks"), get("startup_phase")
+    if stacks is not None and (type(stacks) is not str or len(stacks) > MAX_STACKS_CHARS):
+        return None
+    if phase is not None and (type(phase) is not str or phase not in phases):
+        return None
+    out["exit_kind"] = exit_kind
+    out["exit_detail"] = detail
+    out["stacks"] = stacks
+    out["notes"] = []
+    out["startup_phase"] = phase
+    return out
+
+
+def _checked_rank_fields(doc: dict[str, Any]) -> dict[str, Any]:
+    """``rank_fields`` field by field: what refuses a header, with the reason."""
     from frtools.model.trace import EXIT_KINDS, STARTUP_PHASES  # pyarrow: not in a training
     # process's path
 

@@ -574,8 +574,44 @@ def _host_groups(raw: Any, limit: int) -> list[tuple[str, str, str, tuple[int, .
     return out
 
 
+def _plain_groups(raw: list[Any], n_groups: int) -> bool:
+    """Every rank item an object whose groups are lists of 6 integers in range, checked
+    for all ranks at once (a partial of 32,768 ranks: 0.3 s rank by rank); False: some
+    item is not, and ``_ranks`` finds it and says which."""
+    if set(map(type, raw)) != {dict}:
+        return False
+    lists = [doc.get("groups") for doc in raw]
+    if set(map(type, lists)) != {list} or max(map(len, lists)) > MAX_GROUPS:
+        return False
+    rows = list(chain.from_iterable(lists))
+    if not rows:
+        return True
+    if set(map(type, rows)) != _ALL_LISTS or set(map(len, rows)) != _SIX:
+        return False
+    flat = list(chain.from_iterable(rows))
+    if set(map(type, flat)) != _ALL_INTS:
+        return False
+    first = flat[0::6]
+    return min(first) >= 0 and max(first) < n_groups and min(flat) >= -1 and max(flat) <= _INT64_MAX
+
+
 def _ranks(raw: Any, n_groups: int, limit: int) -> list[PackedRank]:
     want(isinstance(raw, list) and len(raw) <= limit, "ranks is not a short list")
+    if raw and _plain_groups(raw, n_groups):
+        top = MAX_ENTRIES
+        out = []
+        for doc in raw:
+            n = doc.get("entries")
+            out.append(
+                PackedRank(
+                    **rank_fields(doc),
+                    groups=[(g[0], tuple(g[1:])) for g in doc["groups"]],  # type: ignore[misc]
+                    n_entries=n
+                    if type(n) is int and 0 <= n <= top
+                    else checked_int(n, "entries", 0, top),
+                )
+            )
+        return out
     out = []
     for i, doc in enumerate(raw):
         want(isinstance(doc, dict), f"rank item {i} is not an object")

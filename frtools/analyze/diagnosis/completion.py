@@ -34,7 +34,7 @@ from collections.abc import Container, Iterable
 import numpy as np
 import pandas as pd
 
-from frtools.analyze.align import category_codes
+from frtools.analyze.align import as_texts, category_codes
 
 from .facts import CompletionSource, JobFacts
 
@@ -115,9 +115,7 @@ def _passed_rows(facts: JobFacts) -> np.ndarray:
         ok = ok[np.asarray(keep, dtype=bool)]
     if not len(ok):
         return np.zeros(0, dtype=np.int64)
-    keys = pd.DataFrame(
-        {"pg_name": c["pg_name"].astype(str).to_numpy(), "seq": c["seq"].to_numpy()}
-    )
+    keys = pd.DataFrame({"pg_name": as_texts(c["pg_name"]), "seq": c["seq"].to_numpy()})
     good = ok.reset_index()[["pg_name", "seq"]].assign(
         pg_name=lambda d: d["pg_name"].astype(str), _ok=True
     )

@@ -36,7 +36,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from frtools.analyze.align import Alignment
+from frtools.analyze.align import Alignment, as_texts
 from frtools.model.ops import OpFamily, family_of
 from frtools.model.trace import Trace
 
@@ -112,7 +112,7 @@ def counters(al: Alignment) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "rank": ps["rank"].to_numpy(dtype=np.int64),
-            "pg_name": ps["pg_name"].astype(str).to_numpy(),
+            "pg_name": as_texts(ps["pg_name"]),
             "enqueued": ps["ps_enqueued"].to_numpy(dtype=np.int64),
             "completed": ps["ps_completed"].to_numpy(dtype=np.int64),
         }
@@ -233,9 +233,9 @@ def host_calls(trace: Trace, al: Alignment, counted: pd.DataFrame) -> dict[int, 
     keyed = pd.DataFrame(
         {
             "rank": mine["rank"].to_numpy(dtype=np.int64),
-            "pg_name": mine["pg_name"].astype(str).to_numpy(),
+            "pg_name": as_texts(mine["pg_name"]),
             "seq": mine["seq"].to_numpy(dtype=np.int64),
-            "op": mine["op"].astype(str).to_numpy(),
+            "op": as_texts(mine["op"]),
             "t": mine["time_created_ns"].to_numpy(dtype=np.int64),
         }
     ).merge(counters, on=["rank", "pg_name"])

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from frtools.analyze.align import SIGNATURE_COLUMNS
+from frtools.analyze.align import SIGNATURE_COLUMNS, as_texts
 from frtools.model.ops import OP, family_of, parts_must_agree, semantics
 
 from .completion import effective_completion, quitters
@@ -218,7 +218,7 @@ class _Builder:
         }
         keys = pd.DataFrame(
             {
-                "pg_name": ops["pg_name"].astype(str).to_numpy(),
+                "pg_name": as_texts(ops["pg_name"]),
                 "seq": ops["seq"].to_numpy("int64"),
             }
         )
@@ -230,9 +230,7 @@ class _Builder:
         done = self.done.eq(True).fillna(False).to_numpy(dtype=bool)
         at = c["seq"].isin(asked["seq"].unique()).to_numpy() & done
         # the two columns of those rows, not every column (millions of rows at fleet scale)
-        near = pd.DataFrame(
-            {"pg_name": c["pg_name"][at].astype(str).to_numpy(), "seq": c["seq"].to_numpy()[at]}
-        )
+        near = pd.DataFrame({"pg_name": as_texts(c["pg_name"][at]), "seq": c["seq"].to_numpy()[at]})
         done = near.merge(asked, on=["pg_name", "seq"]).drop_duplicates()
         if not len(done):
             return lagging

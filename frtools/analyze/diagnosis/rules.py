@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from frtools.analyze.align import as_texts
+
 from .confidence import settle
 from .facts import CompletionSource, JobFacts
 from .graph import WaitForGraph, collective_point, is_stuck, sink_core
@@ -102,7 +104,7 @@ def stopped_device(ev: Evidence) -> Finding | None:
     blames = []
     points: dict[int, Point] = {}
     c = f.al.collectives
-    names = c["pg_name"].astype(str).to_numpy()
+    names = as_texts(c["pg_name"])
     for r in sorted(lags):
         mine = []
         for lag in lags[r]:

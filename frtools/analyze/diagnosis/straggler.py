@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from frtools.analyze.align import as_texts
+
 from .facts import JobFacts
 
 LAST_SHARE = 0.6
@@ -161,7 +163,7 @@ def _first_of_runs(events: pd.DataFrame, c: pd.DataFrame) -> pd.DataFrame:
     if len(events) < 2:
         return events
     idx = events.index.to_numpy()
-    pg = c["pg_name"].astype(str).to_numpy()[idx]
+    pg = as_texts(c["pg_name"])[idx]
     seq = c["seq"].to_numpy(dtype=np.int64)[idx]
     rank = events["rank"].to_numpy()
     order = np.lexsort((seq, pg))

@@ -5,15 +5,13 @@ reading it gave. Never raises: whatever goes wrong with one file becomes that fi
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from frtools.analyze.memory import no_cyclic_gc
 from frtools.formats.limits import InputRefused, file_kind
 from frtools.formats.manifest import MANIFEST_NAME, STACKS_SUFFIX
 from frtools.model.ranks import format_ranks
@@ -88,19 +86,6 @@ def classify(path: Path) -> FileResult | tuple[ModuleType, float]:
         reason = side or "not a dump: no reader recognizes its content"
         return FileResult(InputFile(p, "skipped", reason), mtime=st.st_mtime)
     return reader, st.st_mtime
-
-
-@contextlib.contextmanager
-def no_cyclic_gc() -> Iterator[None]:
-    # a dump parses into ~100 small containers per entry, none in a cycle: the cyclic GC
-    # would only rescan them again and again (half the read time on big dumps)
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def failure(p: str, fmt: str, mtime: float, e: BaseException) -> FileResult:
