@@ -8,6 +8,11 @@ documents are the same (``inputs`` and ``tool`` aside: paths and versions).
 
     git worktree add /tmp/frtools-before <commit>        # the checkout to compare against
     python benchmarks/compare.py --before /tmp/frtools-before --runs 3 DIR [DIR ...]
+    python benchmarks/compare.py --before /tmp/frtools-before --runs 3 --stages DIR
+
+``--stages`` times the analysis's stages instead (reading, align, diagnose, all three), as
+``frtools analyze`` runs them (``commands._common.load_and_diagnose``, in a fresh process a
+run): a change of a second in one stage is lost in the drift of a whole run on this VM.
 
 A checkout's native modules must be built in place (``pip install -e .`` there, or copy
 the ``.so`` files of the same sources); each run starts in a scratch directory so that
@@ -20,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +49,73 @@ def _run(checkout: Path, folder: str, out: Path, limit: float, scratch: str) -> 
         os.chdir(cwd)
 
 
+# One run of ``--stages``: the stages ``frtools analyze`` runs, each timed where the command
+# calls it (the names it imports at call time), as one JSON line on stdout.
+_STAGES = """
+import json, sys, time
+from pathlib import Path
+import frtools.analyze.align as A
+import frtools.analyze.diagnose as D
+import frtools.analyze.readers as R
+from frtools.commands import _common
+
+took = {}
+for module, name, label in ((R, "load_trace", "read"), (A, "align", "align"),
+                            (D, "diagnose", "diagnose")):
+    def timed(*a, _f=getattr(module, name), _label=label, **k):
+        t = time.perf_counter()
+        try:
+            return _f(*a, **k)
+        finally:
+            took[_label] = time.perf_counter() - t
+    setattr(module, name, timed)
+t = time.perf_counter()
+_common.load_and_diagnose("frtools analyze", Path(sys.argv[1]))
+took["all three"] = time.perf_counter() - t
+print(json.dumps(took))
+"""
+STAGES = ("read", "align", "diagnose", "all three")
+
+
+def _stages(checkout: Path, folder: str, limit: float, scratch: str) -> dict[str, float]:
+    """Each stage's wall seconds in one run of ``checkout`` on ``folder``."""
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    env.setdefault("FRTOOLS_LIMITS", "dump_bytes=1G")
+    done = subprocess.run(
+        [sys.executable, "-c", _STAGES, folder],
+        env=env,
+        cwd=scratch,
+        capture_output=True,
+        text=True,
+        timeout=limit,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"{checkout} on {folder}: exit {done.returncode}: {tail}")
+    return json.loads(lines[-1])
+
+
+def compare_stages(sides: dict[str, Path], folders: list[str], runs: int, limit: float) -> None:
+    """Per folder and stage: the medians of both checkouts' runs (alternating) and ratio."""
+    print("| folder | stage | before (s) | after (s) | ratio |")
+    print("|---|---|---:|---:|---:|")
+    with tempfile.TemporaryDirectory(prefix="frtools-compare-") as scratch:
+        for folder in folders:
+            where = str(Path(folder).resolve())
+            took: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
+            for _ in range(runs):
+                for name, checkout in sides.items():
+                    took[name].append(_stages(checkout, where, limit, scratch))
+            for stage in STAGES:
+                before, after = (statistics.median(t[stage] for t in took[name]) for name in sides)
+                print(
+                    f"| {folder} | {stage} | {before:.2f} | {after:.2f} | {before / after:.2f}x |",
+                    flush=True,
+                )
+
+
 def _document(path: Path) -> dict:
     doc = json.loads(path.read_text())
     for key in ("inputs", "tool"):
@@ -57,12 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--after", default=str(HERE), help="default: this checkout")
     ap.add_argument("--runs", type=int, default=3, help="runs of each checkout per folder")
     ap.add_argument("--limit", type=float, default=600, help="seconds per run")
+    ap.add_argument(
+        "--stages", action="store_true", help="time reading, align and diagnose instead"
+    )
     args = ap.parse_args(argv)
     sides = {"before": Path(args.before).resolve(), "after": Path(args.after).resolve()}
     for name, path in sides.items():
         if not (path / "frtools" / "__init__.py").is_file():
             ap.error(f"--{name} {path}: not a frtools checkout")
     print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}", flush=True)
+    if args.stages:
+        compare_stages(sides, args.folders, args.runs, args.limit)
+        print(
+            f"(medians of {args.runs}, run alternately; load {os.getloadavg()[0]:.2f} at the end)"
+        )
+        return 0
     print(
         "| folder | before: wall (CPU), RSS | after: wall (CPU), RSS | wall ratio | same verdict |"
     )
