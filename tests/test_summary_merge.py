@@ -211,3 +211,88 @@ def test_a_partial_larger_than_a_hosts_bound_reads_only_as_a_partial(two_hosts):
     bomb += b"".join(z.compress(bytes(1 << 20)) for _ in range(300)) + z.flush()
     with pytest.raises(SummaryError, match="bytes after its last column"):
         decode_packed(bomb)
+
+
+def _as_version_2(h: dict, body: bytes) -> bytes:
+    """A version 3 partial's header as version 2 wrote it: one object per rank."""
+    table = h.pop("rank_table")
+    ranks = []
+    for i, rank in enumerate(table["rank"]):
+        item = {
+            key: table[key][i]
+            for key in ("world_size", "taken_ns", "heartbeat_ns", "dump_time_ns", "stalled")
+            + ("alive", "wrapped", "records_written", "omitted", "startup_phase", "stacks")
+            + ("notes", "groups", "entries")
+        }
+        item["identity"] = {k: v[i] for k, v in table["identity"].items() if v[i] is not None}
+        item["exit"] = {"kind": table["exit_kind"][i], "detail": table["exit_detail"][i]}
+        ranks.append({"rank": rank, **item})
+    h["ranks"] = ranks
+    h["version"] = 2
+    return body
+
+
+def test_a_partial_lists_its_ranks_as_columns_and_version_2_partials_still_read(two_hosts):
+    """Version 3 writes a partial's ranks as one list per field (half the header at 32,768
+    ranks, read a column at a time); a version 2 partial, one object per rank, written by
+    an older frtools on another host, reads as the same ranks and ops."""
+    partial = merge_files(two_hosts).data
+    raw = zlib.decompress(partial[len(MAGIC) :])
+    (n,) = struct.unpack_from("<I", raw)
+    header = json.loads(raw[4 : 4 + n])
+    assert header["version"] == 3 and "ranks" not in header
+    assert header["rank_table"]["rank"] == list(range(16))
+    assert header["rank_table"]["identity"]["host"][8] is not None
+    hosts = [to_summaries(decode_packed(p.read_bytes())) for p in two_hosts]
+    assert to_summaries(decode_packed(partial)) == sorted(hosts[0] + hosts[1], key=lambda s: s.rank)
+    old = _edit(partial, _as_version_2)
+    assert zlib.decompress(old[len(MAGIC) :])[4:].startswith(
+        b'{"format":"frtools-summary","version":2,'
+    )
+    assert to_summaries(decode_packed(old)) == to_summaries(decode_packed(partial))
+    # merging a version 2 partial with the rest gives the bytes of an all-new merge
+    assert merge_packed([decode_packed(old)]) == merge_packed([decode_packed(partial)])
+
+
+def _table(change):
+    def edit(h: dict, body: bytes) -> bytes:
+        change(h["rank_table"])
+        return body
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda t: t.update(rank=5), "rank_table rank is not a short list"),
+        (lambda t: t["taken_ns"].pop(), "rank_table taken_ns is not a list of 16"),
+        (lambda t: t.pop("entries"), "rank_table entries is not a list of 16"),
+        (lambda t: t["rank"].__setitem__(3, True), "rank_table rank holds a value that is not"),
+        (lambda t: t["rank"].__setitem__(3, 1 << 20), "rank_table rank holds a value out of"),
+        (lambda t: t["world_size"].__setitem__(9, 9), "rank 9 is not below world_size 9"),
+        (lambda t: t["entries"].__setitem__(0, "64"), "rank_table entries holds a value that"),
+        (lambda t: t["omitted"].__setitem__(0, -1), "rank_table omitted holds a value out of"),
+        (lambda t: t["stalled"].__setitem__(2, 1), "rank_table stalled holds a value that is"),
+        (lambda t: t["wrapped"].__setitem__(2, None), "rank_table wrapped holds a value that"),
+        (lambda t: t["exit_kind"].__setitem__(4, "vanished"), "exit_kind holds an unknown"),
+        (lambda t: t["startup_phase"].__setitem__(4, 7), "startup_phase holds a value that is"),
+        (lambda t: t["stacks"].__setitem__(1, "x" * 70_000), "stacks holds a text longer"),
+        (lambda t: t["notes"].__setitem__(1, "a note"), "rank_table notes is not a list"),
+        (lambda t: t["notes"].__setitem__(1, ["x" * 2000]), "notes holds a note that is not"),
+        (lambda t: t["groups"][5][0].__setitem__(0, 10**6), "rank_table groups are not lists"),
+        (lambda t: t["groups"][5][0].__setitem__(2, -2), "rank_table groups are not lists"),
+        (lambda t: t["groups"][5].__setitem__(0, [0, 1]), "rank_table groups are not lists"),
+        (lambda t: t.update(identity=[]), "rank_table identity is not an object"),
+        (lambda t: t["identity"]["host"].__setitem__(0, ["h"]), "identity host holds a value"),
+        (lambda t: t["identity"]["host"].__setitem__(0, "h" * 600), "identity host holds a"),
+        (lambda t: t["identity"]["pid"].pop(), "rank_table identity pid is not a list of 16"),
+    ],
+)
+def test_a_hostile_rank_table_is_refused_with_one_line(two_hosts, change, reason):
+    partial = _edit(merge_files(two_hosts).data, _table(change))
+    with pytest.raises(SummaryError, match=reason) as e:
+        decode_packed(partial)
+    assert "\n" not in str(e.value)
+    with pytest.raises(SummaryError, match="rank_table is not an object"):
+        decode_packed(_edit(merge_files(two_hosts).data, lambda h, b: h.pop("rank_table") and b))

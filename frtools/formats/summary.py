@@ -38,7 +38,11 @@ __all__ = [
     "ENTRY_FIELDS",
     "FORMAT",
     "HOST_KIND",
+    "IDENTITY_KEYS",
+    "MAX_NOTES",
+    "MAX_NOTE_CHARS",
     "MAX_PENDING",
+    "MAX_STACKS_CHARS",
     "RANK_KIND",
     "SUFFIX",
     "VERSION",
@@ -52,6 +56,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_host",
+    "endings",
     "file_name",
     "kept_positions",
     "last_stacks",
@@ -89,12 +94,13 @@ MAX_GROUPS = 4096  # process groups per rank
 MAX_IDENTITY_CHARS = 512  # one identity value
 MAX_ERROR_CHARS = 512  # a failed op's error: its first line, cut here
 MAX_NOTES = 32
+MAX_NOTE_CHARS = 1024
 MAX_RANK_BYTES = 4 << 20  # one rank's document
 MAX_HOST_RANKS = 1024  # rank summaries in a host summary
 MAX_DOCUMENT_BYTES = 256 << 20  # a host summary
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
-_IDENTITY_KEYS = (
+IDENTITY_KEYS = (
     "job_id",
     "host",
     "pid",
@@ -421,7 +427,7 @@ def _int_or_none(value: Any) -> int | None:
 def _clean_identity(ident: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     lo, hi = _INT64
-    for key in _IDENTITY_KEYS:
+    for key in IDENTITY_KEYS:
         value = ident.get(key)
         kind = type(value)  # not isinstance: a bool is not an int here
         if kind is str:
@@ -636,20 +642,26 @@ def rank_fields(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 # identity values and the ends a plain header's fields lie in (``_plain_rank_fields``)
-_IDENTITY_SET = frozenset(_IDENTITY_KEYS)
+_IDENTITY_SET = frozenset(IDENTITY_KEYS)
 _WORLD_TOP = MAX_WORLD_SIZE
 _ENDINGS: list[frozenset[str]] = []  # EXIT_KINDS and STARTUP_PHASES, once imported
+
+
+def endings() -> tuple[frozenset[str], frozenset[str]]:
+    """The exit kinds and start-up phases a rank may state (``model.trace``'s, imported
+    on first use: it needs pyarrow, which a training process's path does not)."""
+    if not _ENDINGS:
+        from frtools.model.trace import EXIT_KINDS, STARTUP_PHASES
+
+        _ENDINGS.extend((frozenset(EXIT_KINDS), frozenset(STARTUP_PHASES)))
+    return _ENDINGS[0], _ENDINGS[1]
 
 
 def _plain_rank_fields(doc: dict[str, Any]) -> dict[str, Any] | None:
     """``rank_fields`` of a header with nothing unusual in it (what every writer of this
     project writes), without building an error text per check; None for any other header,
     which ``_checked_rank_fields`` then refuses or reads."""
-    if not _ENDINGS:
-        from frtools.model.trace import EXIT_KINDS, STARTUP_PHASES  # as below
-
-        _ENDINGS.extend((frozenset(EXIT_KINDS), frozenset(STARTUP_PHASES)))
-    exit_kinds, phases = _ENDINGS
+    exit_kinds, phases = endings()
     get = doc.get
     rank, world = get("rank"), get("world_size")
     if type(rank) is not int or not 0 <= rank < _WORLD_TOP:
@@ -680,7 +692,7 @@ def _plain_rank_fields(doc: dict[str, Any]) -> dict[str, Any] | None:
     out: dict[str, Any] = {
         "rank": rank,
         "world_size": world,
-        "identity": {k: ident[k] for k in _IDENTITY_KEYS if k in ident},
+        "identity": {k: ident[k] for k in IDENTITY_KEYS if k in ident},
     }
     for key, default, low, nullable in _RANK_INTS:
         value = get(key, default)
@@ -745,7 +757,7 @@ def _checked_rank_fields(doc: dict[str, Any]) -> dict[str, Any]:
     out["exit_kind"] = exit_kind
     out["exit_detail"] = optional_str(exit_raw.get("detail"), "exit.detail", MAX_STRING_CHARS)
     out["stacks"] = optional_str(get("stacks"), "stacks", MAX_STACKS_CHARS)
-    out["notes"] = [optional_str(n, "a note", 1024) or "" for n in notes] if notes else []
+    out["notes"] = [optional_str(n, "a note", MAX_NOTE_CHARS) or "" for n in notes] if notes else []
     phase = get("startup_phase")
     want(phase is None or phase in STARTUP_PHASES, f"unknown start-up phase {str(phase)[:32]!r}")
     out["startup_phase"] = phase
