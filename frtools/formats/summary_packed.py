@@ -890,9 +890,13 @@ def _decode_columns(heads: list[_Head]) -> dict[int, SummaryError]:
         w = dtype.itemsize
         n = rows[hosts]
         spans = [(heads[k].bytes, heads[k].layout[name], int(rows[k])) for k in hosts]
+        # a file read alone (a partial: millions of rows) skips the joins and the per-row
+        # offsets a batch of hosts needs (one copy of each column fewer)
+        alone = len(spans) == 1
         if w > 1:  # each host's bytes are w planes of n bytes: side by side, then transposed
             parts = [b[lay[3] : lay[3] + c * w].reshape(w, c) for b, lay, c in spans]
-            values = np.ascontiguousarray(np.concatenate(parts, axis=1).T).view(dtype)
+            planes = parts[0] if alone else np.concatenate(parts, axis=1)
+            values = np.ascontiguousarray(planes.T).view(dtype)
             values = values.reshape(len(values))
         else:
             values = np.concatenate([b[lay[3] : lay[3] + c] for b, lay, c in spans]).view(dtype)
@@ -902,9 +906,15 @@ def _decode_columns(heads: list[_Head]) -> dict[int, SummaryError]:
             head_values = values[first].copy()
             values[first] = 0
             np.cumsum(values, out=values)
-            values += np.repeat(head_values - values[first], n[n > 0])
+            if len(first) == 1:
+                values += head_values[0] - values[first[0]]
+            else:
+                values += np.repeat(head_values - values[first], n[n > 0])
         valid = None
-        if nullable:  # each host's validity bitmap is padded to whole bytes
+        if nullable and alone:
+            b, lay, c = spans[0]
+            valid = np.unpackbits(b[lay[2] : lay[2] + (c + 7) // 8], count=c).view(bool)
+        elif nullable:  # each host's validity bitmap is padded to whole bytes
             padded = (n + 7) // 8
             bits = np.unpackbits(
                 np.concatenate([b[lay[2] : lay[2] + (c + 7) // 8] for b, lay, c in spans])
