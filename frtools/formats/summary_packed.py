@@ -797,39 +797,18 @@ def _rank_table(raw: Any, n_groups: int, limit: int) -> list[PackedRank]:
             f"rank_table identity {key} holds a value out of bounds",
         )
     by_rank = zip(*(identity[key] for key in keys), strict=True) if keys else ((),) * n
+    scalars = zip(*(columns[name] for name in _TABLE_SCALARS), strict=True)
     return [
         PackedRank(
-            rank=rank,
-            world_size=w,
+            **dict(zip(_TABLE_SCALARS, values, strict=True)),
             identity={k: v for k, v in zip(keys, ident, strict=True) if v is not None},
             groups=[(g[0], tuple(g[1:])) for g in gs],  # type: ignore[misc]
             n_entries=entries,
-            taken_ns=taken,
-            heartbeat_ns=heartbeat,
-            dump_time_ns=dump_time,
-            stalled=stalled,
-            alive=alive,
-            wrapped=wrapped,
-            records_written=written,
-            omitted=omitted,
-            exit_kind=exit_kind,
-            exit_detail=exit_detail,
-            stacks=stacks,
-            notes=list(note),
-            startup_phase=phase,
         )
-        for (
-            rank, w, ident, gs, entries, taken, heartbeat, dump_time, stalled, alive, wrapped,
-            written, omitted, exit_kind, exit_detail, stacks, note, phase,
-        ) in zip(
-            ranks, world, by_rank, groups, *(columns[name] for name in (
-                "entries", "taken_ns", "heartbeat_ns", "dump_time_ns", "stalled", "alive",
-                "wrapped", "records_written", "omitted", "exit_kind", "exit_detail", "stacks",
-                "notes", "startup_phase",
-            )),
-            strict=True,
+        for values, ident, gs, entries in zip(
+            scalars, by_rank, groups, columns["entries"], strict=True
         )
-    ]  # fmt: skip
+    ]
 
 
 @functools.lru_cache(maxsize=64)
