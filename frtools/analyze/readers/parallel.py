@@ -278,6 +278,8 @@ def _shared_table(
     if not pieces:
         return None, where
     joined = concat_entries(pieces) if len(pieces) > 1 else pieces[0]
+    if all(c.num_chunks <= 1 for c in joined.columns):  # one file's table: already one chunk
+        return joined, where
     return joined.combine_chunks(), where
 
 

@@ -260,7 +260,7 @@ def _text_column(
     string of every column, so sharing it made each column's categories the whole table:
     131,072 op "categories" at fleet scale, and a rule looked up per category."""
     used = np.flatnonzero(np.bincount(codes, minlength=len(texts)))
-    target = np.zeros(len(texts), dtype=np.int64)
+    target = np.zeros(len(texts), dtype=np.int32)  # the codes' own type: no cast after
     index: dict[str, int] = {}
     values: list[str] = []
     for u in used.tolist():
@@ -336,10 +336,13 @@ def packed_to_arrow(
     rank_of_row = np.repeat(np.arange(len(rank_ids)), np.array(rank_rows, dtype=np.int64))
 
     def batch(name: str, dtype: Any, fill: int = 0) -> np.ndarray:
-        """A column over every host (a host without it: ``fill``)."""
+        """A column over every host (a host without it: ``fill``); a file read alone (a
+        partial: millions of rows) hands its own array over, not a copy, in its own type."""
         arrays = [h.columns.get(name) for h in hosts]
         if not arrays:
             return np.zeros(0, dtype=dtype)
+        if len(arrays) == 1 and arrays[0] is not None:
+            return arrays[0]
         return np.concatenate(
             [
                 a if a is not None else np.full(h.n_entries, fill, dtype=dtype)
@@ -361,15 +364,19 @@ def packed_to_arrow(
         )
         return None if ok.all() else ~ok
 
-    str_base = np.concatenate([[0], np.cumsum([len(c) for c in code_parts])]).astype(np.int64)
-    code_all = np.concatenate(code_parts) if code_parts else np.zeros(1, dtype=np.int64)
-    row_str_base = str_base[:-1][host_of_row]
-    text_codes = {
-        name: code_all[row_str_base + batch(name, np.uint32).astype(np.int64)]
-        for name in STRING_COLUMNS
-    }
-    ints = {
-        name: batch(name, np.int64).astype(np.int64, copy=False)
+    if len(hosts) == 1 and np.array_equal(code_parts[0], np.arange(len(code_parts[0]))):
+        # one file whose strings are all distinct: its codes are the batch's already
+        text_codes = {name: batch(name, np.uint32) for name in STRING_COLUMNS}
+    else:
+        str_base = np.concatenate([[0], np.cumsum([len(c) for c in code_parts])]).astype(np.int64)
+        code_all = np.concatenate(code_parts) if code_parts else np.zeros(1, dtype=np.int64)
+        row_str_base = str_base[:-1][host_of_row]
+        text_codes = {
+            name: code_all[row_str_base + batch(name, np.uint32).astype(np.int64)]
+            for name in STRING_COLUMNS
+        }
+    ints = {  # in their file's own types where they are only compared (states, flags)
+        name: batch(name, np.int64)
         for name in NUMBER_COLUMNS
         if name not in ("group", "duration_ms")  # mapped through group tables; a float
     }
@@ -405,7 +412,7 @@ def packed_to_arrow(
     stack = text_codes["stack"]
     site = text_codes["call_site"]
     # a call site as recorded, else derived from the stack (one derivation per text)
-    key = np.where(site != 0, site, len(texts) + stack)
+    key = np.where(site != 0, site, len(texts) + stack.astype(np.int64))
     uniq, inverse = _distinct(key, 2 * len(texts))
     site_texts = []
     for k in uniq.tolist():
