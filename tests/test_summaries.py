@@ -77,7 +77,7 @@ def test_packed_summary_round_trips_and_a_host_stays_under_64_kb(tmp_path):
 @pytest.mark.parametrize(
     "mutate, reason",
     [
-        (lambda d: b"NOTMAGIC" + d[8:], "no FRTSUMPK magic"),
+        (lambda d: b"NOTMAGIC" + d[8:], "no FRTSUMPK/FRTSUMPZ magic"),
         (lambda d: d[: len(d) // 2], "truncated"),
         (lambda d: MAGIC + b"\x00garbage", "corrupt"),
         (lambda d: MAGIC + zlib.compress(b"\xff\xff\xff\x7f{}"), "header is cut"),
