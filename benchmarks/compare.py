@@ -9,6 +9,10 @@ documents are the same (``inputs`` and ``tool`` aside: paths and versions).
     git worktree add /tmp/frtools-before <commit>        # the checkout to compare against
     python benchmarks/compare.py --before /tmp/frtools-before --runs 3 DIR [DIR ...]
     python benchmarks/compare.py --before /tmp/frtools-before --runs 3 --stages DIR
+    python benchmarks/compare.py --before /tmp/frtools-before --before-folders OLD -- NEW
+
+``--before-folders`` gives the before checkout its own folders, one per folder, where a
+change of file format means the same job is written as each checkout writes it.
 
 ``--stages`` times the analysis's stages instead (reading, align, diagnose, all three), as
 ``frtools analyze`` runs them (``commands._common.load_and_diagnose``, in a fresh process a
@@ -97,16 +101,24 @@ def _stages(checkout: Path, folder: str, limit: float, scratch: str) -> dict[str
     return json.loads(lines[-1])
 
 
-def compare_stages(sides: dict[str, Path], folders: list[str], runs: int, limit: float) -> None:
+def _where(name: str, folder: str, theirs: dict[str, str]) -> str:
+    """The folder ``name``'s checkout reads for ``folder``, as an absolute path (runs start
+    in the scratch dir)."""
+    return str(Path(theirs.get(folder, folder) if name == "before" else folder).resolve())
+
+
+def compare_stages(
+    sides: dict[str, Path], folders: list[str], runs: int, limit: float, theirs: dict[str, str]
+) -> None:
     """Per folder and stage: the medians of both checkouts' runs (alternating) and ratio."""
     print("| folder | stage | before (s) | after (s) | ratio |")
     print("|---|---|---:|---:|---:|")
     with tempfile.TemporaryDirectory(prefix="frtools-compare-") as scratch:
         for folder in folders:
-            where = str(Path(folder).resolve())
             took: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
             for _ in range(runs):
                 for name, checkout in sides.items():
+                    where = _where(name, folder, theirs)
                     took[name].append(_stages(checkout, where, limit, scratch))
             for stage in STAGES:
                 before, after = (statistics.median(t[stage] for t in took[name]) for name in sides)
@@ -133,14 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--stages", action="store_true", help="time reading, align and diagnose instead"
     )
+    ap.add_argument(
+        "--before-folders",
+        nargs="*",
+        default=[],
+        help="what the before checkout reads instead, one per folder (a format change)",
+    )
     args = ap.parse_args(argv)
+    if args.before_folders and len(args.before_folders) != len(args.folders):
+        ap.error("--before-folders: one per folder")
+    theirs = dict(zip(args.folders, args.before_folders, strict=False))
     sides = {"before": Path(args.before).resolve(), "after": Path(args.after).resolve()}
     for name, path in sides.items():
         if not (path / "frtools" / "__init__.py").is_file():
             ap.error(f"--{name} {path}: not a frtools checkout")
     print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}", flush=True)
     if args.stages:
-        compare_stages(sides, args.folders, args.runs, args.limit)
+        compare_stages(sides, args.folders, args.runs, args.limit, theirs)
         print(
             f"(medians of {args.runs}, run alternately; load {os.getloadavg()[0]:.2f} at the end)"
         )
@@ -156,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             outs = {name: Path(scratch) / f"{name}.json" for name in sides}
             for _ in range(args.runs):
                 for name, checkout in sides.items():
-                    where = str(Path(folder).resolve())  # runs start in the scratch dir
+                    where = _where(name, folder, theirs)
                     runs[name].append(_run(checkout, where, outs[name], args.limit, scratch))
             cells = []
             for name in sides:
