@@ -109,6 +109,9 @@ class Alignment:
 
 
 _STRING_COLUMNS = ("pg_name", "op", "state", "call_site", "error") + SIGNATURE_COLUMNS[1:]
+# only P2P ops use these: loaded for their rows alone (``_p2p_frame``), not for millions of
+# collectives (16,384 ranks: 0.5 GB of the frame, a float64 of NaN and an int64 of 0)
+_P2P_ONLY = ("p2p_seq_id", "peer")
 _NULLABLE_STRINGS = ("call_site", "error")
 
 
@@ -118,9 +121,10 @@ def _entries_frame(trace: Trace) -> pd.DataFrame:
     Built column by column from the Arrow buffers: a dictionary column becomes a
     categorical from its codes in one concatenation (``Table.to_pandas`` re-checks every
     rank's chunk and costs 2x more at thousands of ranks)."""
-    table = trace.entries.select(list(_LOAD_COLUMNS))
+    names = [name for name in _LOAD_COLUMNS if name not in _P2P_ONLY]
+    table = trace.entries.select(names)
     data: dict[str, Any] = {}
-    for name in _LOAD_COLUMNS:
+    for name in names:
         col = table.column(name)
         if name in _STRING_COLUMNS:
             data[name] = _categorical(col, null_as=None if name in _NULLABLE_STRINGS else "")
@@ -148,6 +152,19 @@ def _entries_frame(trace: Trace) -> pd.DataFrame:
         # Unknown times sort by record order within the rank.
         df["time_created_ns"] = df["time_created_ns"].fillna(df["record_id"]).astype(np.int64)
     return df
+
+
+def _p2p_frame(df: pd.DataFrame, trace: Trace) -> pd.DataFrame:
+    """The P2P rows of the entries frame, with the columns only they use (``_P2P_ONLY``),
+    in ``_LOAD_COLUMNS``' order."""
+    p2p = df[df["is_p2p"]].copy()
+    rows = pa.array(p2p.index.to_numpy(dtype=np.int64))
+    for name in _P2P_ONLY:
+        col = trace.entries.column(name).take(rows)
+        at = sum(1 for c in _LOAD_COLUMNS[: _LOAD_COLUMNS.index(name)] if c in p2p.columns)
+        values = _ints(col, 0) if name == "p2p_seq_id" else col.to_pandas().to_numpy()
+        p2p.insert(at, name, values)
+    return p2p
 
 
 def _ints(col: pa.ChunkedArray, null: int) -> np.ndarray:
@@ -333,7 +350,7 @@ def _duplicates_by_span(rank: np.ndarray, pg: np.ndarray, seq: np.ndarray) -> np
 
 def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
     dup = _duplicated_units(coll)
-    coll = coll.assign(n_ops=1)
+    coll = coll.assign(n_ops=np.ones(len(coll), dtype=np.int32))
     if not dup.any():
         return coll.assign(parts=_no_parts(len(coll)))
     single = coll[~dup]
@@ -345,9 +362,7 @@ def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
 
     agg = multi.groupby(keys, sort=False, observed=True).agg(
         record_id=("record_id", "min"),
-        p2p_seq_id=("p2p_seq_id", "first"),
         is_p2p=("is_p2p", "first"),
-        peer=("peer", "first"),
         input_sizes=("input_sizes", _join),
         output_sizes=("output_sizes", _join),
         input_dtypes=("input_dtypes", _join),
@@ -406,7 +421,7 @@ def align(trace: Trace) -> Alignment:
 
     status = _status(coll, ps)
 
-    p2p = df[df["is_p2p"]].copy()
+    p2p = _p2p_frame(df, trace)
     p2p["informative"] = per_rank[_rank_slots(p2p["rank"].to_numpy(), ranks)[0]]
     p2p["completed"] = _completion(p2p, use_pg_status=False)
     p2p = _pair_p2p(p2p, trace)
