@@ -4,7 +4,9 @@ between runs (a shared or virtual one: see docs/benchmarks.md) costs both the sa
 
 Prints per folder the medians of wall time, CPU time (user + system, worker processes
 included) and peak memory of the process tree, the ratio, and whether the two verdict
-documents are the same (``inputs`` and ``tool`` aside: paths and versions).
+documents are the same (``inputs`` and ``tool`` aside: paths and versions). Memory is the process tree's
+peak RSS and, in brackets, the machine's peak rise of memory in use (``scale.measure``: the
+readers' spool in /dev/shm included, which RSS misses).
 
     git worktree add /tmp/frtools-before <commit>        # the checkout to compare against
     python benchmarks/compare.py --before /tmp/frtools-before --runs 3 DIR [DIR ...]
@@ -167,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     print(
-        "| folder | before: wall (CPU), RSS | after: wall (CPU), RSS | wall ratio | same verdict |"
+        "| folder | before: wall (CPU), RSS (machine) | after: wall (CPU), RSS (machine) "
+        "| wall ratio | same verdict |"
     )
     print("|---|---|---|---:|---|")
     failed = False
@@ -189,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 wall = statistics.median(r.wall_s for r in rs)
                 cpu = statistics.median(r.cpu_s for r in rs)
                 rss = statistics.median(r.tree_rss_mb for r in rs) / 1024
-                cells.append(f"{wall:.1f} s ({cpu:.1f} s), {rss:.1f} GB")
+                used = statistics.median(r.used_mb for r in rs) / 1024
+                cells.append(f"{wall:.1f} s ({cpu:.1f} s), {rss:.1f} GB ({used:.1f} GB)")
             if any(c == "failed or timed out" for c in cells):
                 print(f"| {folder} | {cells[0]} | {cells[1]} | - | - |", flush=True)
                 continue

@@ -7,7 +7,11 @@ median wall time, CPU time (user + system, children included: robust on a shared
 and peak memory are printed with the ratios. Peak memory is reported two
 ways: the largest single process (``wait4`` rusage of the child and its waited-for
 descendants) and the whole process tree (RSS summed over the tree, sampled every 50 ms),
-since ``frtools analyze`` reads files in worker processes. torchfrtrace is stopped at
+since ``frtools analyze`` reads files in worker processes. Neither counts the readers' spool
+files in /dev/shm that no process has touched (an analysis holds them until it exits), so a
+third figure is the machine's: the peak rise of memory in use (MemTotal - MemAvailable,
+sampled with the RSS; page cache is not counted, shared memory is): meaningful on an idle
+machine only. torchfrtrace is stopped at
 ``--torch-limit`` seconds and shown as "> limit".
 
     python benchmarks/scale.py --ranks 256,1024,4096 --runs 3 --torch-limit 600
@@ -50,6 +54,7 @@ class Run:
     cpu_s: float  # user + system of the process and its waited-for descendants
     max_rss_mb: float  # largest single process
     tree_rss_mb: float  # peak of the summed RSS of the process tree
+    used_mb: float = 0.0  # peak rise of the machine's memory in use (spool files included)
     returncode: int | None
     timed_out: bool
 
@@ -73,18 +78,30 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
+def _in_use() -> int:
+    """Bytes of memory in use on the machine (MemTotal - MemAvailable)."""
+    info = {}
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            info[key] = int(value.split()[0]) * 1024
+    return info.get("MemTotal", 0) - info.get("MemAvailable", 0)
+
+
 def measure(argv: list[str], limit: float, env: dict[str, str] | None = None) -> Run:
     """Run ``argv`` to completion or ``limit`` seconds; its wall time and peak memory."""
+    base = _in_use()
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
     )
-    peak = [0]
+    peak = [0, 0]
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
             peak[0] = max(peak[0], _tree_rss(proc.pid))
+            peak[1] = max(peak[1], _in_use() - base)
             stop.wait(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -114,6 +131,7 @@ def measure(argv: list[str], limit: float, env: dict[str, str] | None = None) ->
         cpu_s=(rusage.ru_utime + rusage.ru_stime) if rusage else 0.0,
         max_rss_mb=(rusage.ru_maxrss / 1024) if rusage else 0.0,
         tree_rss_mb=peak[0] / 2**20,
+        used_mb=peak[1] / 2**20,
         returncode=None if timed_out else proc.returncode,
         timed_out=timed_out,
     )
@@ -194,6 +212,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
             "frtools_runs": len(fr),
             "frtools_max_rss_mb": _median(fr, "max_rss_mb"),
             "frtools_tree_rss_mb": _median(fr, "tree_rss_mb"),
+            "frtools_used_mb": _median(fr, "used_mb"),
             "frtools_failed": len(bad),
             "verdict_right": right,
             "torch_s": _median(torch_runs, "wall_s") if torch_runs else None,
@@ -219,7 +238,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
         print(
             f"  {n} ranks ({row['format']}): frtools {row['frtools_time']} "
             f"(CPU {row['frtools_cpu_s']:.1f} s, median of {len(fr)}), "
-            f"{row['frtools_max_rss_mb']:.0f} MB max process / {row['frtools_tree_rss_mb']:.0f} MB tree; "
+            f"{row['frtools_max_rss_mb']:.0f} MB max process / {row['frtools_tree_rss_mb']:.0f} MB tree"
+            f" / {row['frtools_used_mb']:.0f} MB machine; "
             f"torchfrtrace {row['torch_time']} (CPU {row['torch_cpu_s'] or 0:.1f} s, "
             f"rc {row['torch_rc']}); speedup {row['speedup']} wall, {row['cpu_speedup']} CPU"
             + (f"; {len(bad)} frtools runs FAILED" if bad else "")
@@ -404,7 +424,7 @@ def fleet_table(rows: list[dict], per_host: dict | None) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| ranks | dumps | entries/rank | frtools analyze: wall (CPU) | verdict | frtools peak RSS: largest process / tree | torchfrtrace: wall (CPU) | torchfrtrace peak RSS | speedup: wall (CPU) |",
+        "| ranks | dumps | entries/rank | frtools analyze: wall (CPU) | verdict | frtools peak RSS: largest process / tree; machine's memory in use | torchfrtrace: wall (CPU) | torchfrtrace peak RSS | speedup: wall (CPU) |",
         "|---:|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -413,7 +433,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['ranks']:,} | {r['format']} | {r['entries_per_rank']:,} "
             f"| {r['frtools_time']} ({r['frtools_cpu_s']:.0f} s), {r['frtools_runs']} runs "
             f"| {'right' if r['verdict_right'] else 'WRONG'} "
-            f"| {r['frtools_max_rss_mb']:.0f} MB / {r['frtools_tree_rss_mb']:.0f} MB "
+            f"| {r['frtools_max_rss_mb']:.0f} MB / {r['frtools_tree_rss_mb']:.0f} MB; "
+            f"{r['frtools_used_mb']:.0f} MB "
             f"| {r['torch_time']} ({r['torch_cpu_s'] or 0:.0f} s), {r['torch_runs']} runs | {trss} "
             f"| {r['speedup']} ({r['cpu_speedup']}) |"
         )
