@@ -54,9 +54,9 @@ class Run:
     cpu_s: float  # user + system of the process and its waited-for descendants
     max_rss_mb: float  # largest single process
     tree_rss_mb: float  # peak of the summed RSS of the process tree
-    used_mb: float = 0.0  # peak rise of the machine's memory in use (spool files included)
     returncode: int | None
     timed_out: bool
+    used_mb: float = 0.0  # peak rise of the machine's memory in use (spool files included)
 
 
 def _children(pid: int) -> list[int]:
