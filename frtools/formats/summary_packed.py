@@ -11,7 +11,7 @@ file is small (a few KB per rank) and decodes without a Python object per op:
   relative to the creation time, each column's bytes shuffled by significance (the high
   bytes of small numbers are zeros and compress to nothing);
 * a JSON header (identity, frontiers, stacks, failure facts per rank) and the column bytes
-  are compressed together with zlib.
+  are compressed together: zlib for a host's file, zstd for a merged partial.
 
 ``encode_packed`` writes it from ``RankSummary`` objects, ``decode_packed`` reads it into
 numpy columns (``PackedHost``; what the analyzer's reader turns into Arrow directly),
