@@ -331,6 +331,7 @@ def test_a_partial_is_zstd_and_zlib_partials_still_read(two_hosts):
     [
         (lambda raw, p: p[:12], "no document size"),
         (lambda raw, p: _zstd_file(raw, 5 << 30), "expands beyond 4294967296 bytes"),
+        (lambda raw, p: p[:8] + struct.pack("<Q", 1 << 30) + p[16:40], "frame cannot hold"),
         (lambda raw, p: _zstd_file(raw, len(raw) - 1), "corrupt"),
         (lambda raw, p: _zstd_file(raw, len(raw) + 1), "corrupt"),
         (lambda raw, p: p[: len(p) - 50], "corrupt"),

@@ -94,6 +94,10 @@ MAGIC = b"FRTSUMPK"  # zlib( document ): what a host writes
 # 0.93 s / 0.46 s), so merges write ``ZSTD_MAGIC · u64 document size · zstd frame``.
 ZSTD_MAGIC = b"FRTSUMPZ"
 _ZSTD_SIZE = struct.Struct("<Q")
+# At most 128 KiB come out of every 4 bytes of a zstd frame (a block holds <= 128 KiB and
+# takes >= 4 bytes: an RLE block), so a stated size beyond this is refused before any
+# buffer is allocated for it.
+_ZSTD_MAX_RATIO = (128 << 10) // 4
 # The last ops per rank a host summary keeps by default (every op that did not complete is
 # kept besides, up to MAX_PENDING): what the verdict needs at 131,072 ranks without the
 # central step holding more than ~8 M ops (docs/fleet.md: how it was chosen).
@@ -475,10 +479,16 @@ def _unzstd(data: bytes) -> bytes:
     want(len(data) >= at, "packed summary is truncated (no document size)")
     (size,) = _ZSTD_SIZE.unpack_from(data, len(ZSTD_MAGIC))
     want(size <= MAX_PARTIAL_BYTES, f"packed summary expands beyond {MAX_PARTIAL_BYTES} bytes")
+    want(
+        size <= _ZSTD_MAX_RATIO * (len(data) - at),
+        "packed summary states a size its zstd frame cannot hold",
+    )
     try:
         return _zstd().decompress(memoryview(data)[at:], decompressed_size=size, asbytes=True)
     except (OSError, ValueError) as e:  # pyarrow: a frame of another size, or corrupt
         raise SummaryError(f"packed summary is corrupt: {str(e)[:120]}") from None
+    except (NotImplementedError, MemoryError) as e:  # a pyarrow without zstd; no memory
+        raise SummaryError(f"packed summary cannot be decompressed here: {e!r:.120}") from None
 
 
 def _document(data: bytes) -> tuple[bytes, int, Any, Any]:
