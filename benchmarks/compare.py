@@ -62,12 +62,15 @@ import json, sys, time
 from pathlib import Path
 import frtools.analyze.align as A
 import frtools.analyze.diagnose as D
+import frtools.analyze.diagnosis as G
 import frtools.analyze.readers as R
 from frtools.commands import _common
 
 took = {}
+# align and diagnose where the command calls them (G: through align_and_diagnose)
 for module, name, label in ((R, "load_trace", "read"), (A, "align", "align"),
-                            (D, "diagnose", "diagnose")):
+                            (G, "align", "align"), (D, "diagnose", "diagnose"),
+                            (G, "diagnose", "diagnose")):
     def timed(*a, _f=getattr(module, name), _label=label, **k):
         t = time.perf_counter()
         try:

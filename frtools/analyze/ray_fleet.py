@@ -359,16 +359,14 @@ def analyze_on_ray(
                     target = out / host_file_name(f"{report.host}-{n['NodeID'][:8]}")
                 report.data = ray.get(data)
                 target.write_bytes(report.data)
-        from frtools.analyze.align import align
-        from frtools.analyze.diagnose import diagnose
+        from frtools.analyze.diagnose import align_and_diagnose
         from frtools.analyze.readers import UnusableInput, load_trace
 
         if not answered:
             lines = "; ".join(f"{r.node}: {r.error or r.note}" for r in reports)
             raise UnusableInput(f"no node of the Ray cluster had records: {lines}")
         trace = load_trace(out, world_size=world_size)
-        alignment = align(trace)
-        verdict = diagnose(trace, alignment)
+        alignment, verdict = align_and_diagnose(trace)
         return FleetResult(
             verdict, trace, alignment, reports, out if keep else None, time.perf_counter() - t0
         )

@@ -213,8 +213,9 @@ def _rank_blocks(ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray 
     return ranks[starts], sizes, rows if order is None else order[rows]
 
 
-def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[Any]]:
-    """Dictionary codes (one dictionary for all chunks; -1 for null) and the values."""
+def _codes(col: pa.ChunkedArray, with_values: bool = False) -> tuple[np.ndarray, list[Any]]:
+    """Dictionary codes (one dictionary for all chunks; -1 for null; int64, the caller's own
+    to change) and, ``with_values``, the values."""
     if not pa.types.is_dictionary(col.type):
         if pa.types.is_integer(col.type):
             values = col.fill_null(-1).to_numpy().astype(np.int64)
@@ -223,7 +224,7 @@ def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[Any]]:
     col = col.unify_dictionaries() if col.num_chunks > 1 else col
     if col.num_chunks == 0:
         return np.zeros(0, dtype=np.int64), []
-    dictionary = col.chunks[0].dictionary.to_pylist()
+    dictionary = col.chunks[0].dictionary.to_pylist() if with_values else []
     indices = pa.chunked_array([c.indices for c in col.chunks], type=col.type.index_type)
     return indices.fill_null(-1).to_numpy().astype(np.int64), dictionary
 
@@ -285,31 +286,40 @@ def step_diff(trace: Trace) -> StepDiff:
     window = table.select(list(_TOKEN_COLUMNS))
     if rows is not None:
         window = window.take(pa.array(rows))
-    codes = {}
-    values: dict[str, list[Any]] = {}
-    for name in _TOKEN_COLUMNS:
-        codes[name], values[name] = _codes(window.column(name))
-    free = np.array([family_of(op) in _FREE_SIZES for op in values["op"]] + [False])
-    sized = ~free[codes["op"]]
+    # one column's codes at a time, folded into the token in place: eight int64 code arrays
+    # held together were 64 bytes a row (2 GB at 16,384 ranks of 2,000 entries)
+    op_codes, op_values = _codes(window.column("op"), with_values=True)
+    free = np.array([family_of(op) in _FREE_SIZES for op in op_values] + [False])
+    sized = ~free[op_codes]
     token = np.zeros(window.num_rows, dtype=np.uint64)
     for name in _TOKEN_COLUMNS:
-        part = codes[name]
+        part = op_codes if name == "op" else _codes(window.column(name))[0]
         if name in ("input_sizes", "output_sizes"):
             part = np.where(sized, part, -2)
         if name == "call_site":  # the same op from another line: for moves, not for periods
             moved = token.copy()
-        token = token * np.uint64(1_000_003) ^ (part + 3).astype(np.uint64)
+        part += 3
+        token *= np.uint64(1_000_003)
+        token ^= part.view(np.uint64)
+    del part, sized, op_codes
 
     def op_at(i: int) -> StepOp:
-        def text(name: str) -> str:
-            c = int(codes[name][i])
-            return "" if c < 0 else str(values[name][c])
+        """Row ``i`` of the window as a StepOp (a few rows a change: read from Arrow)."""
 
-        peer = int(codes["peer"][i])
+        def value(name: str) -> Any:
+            return window.column(name)[i].as_py()
+
+        def text(name: str) -> str:
+            v = value(name)
+            return "" if v is None else str(v)
+
+        peer = value("peer")
+        if peer is None or peer < 0 or family_of(text("op")) is not OpFamily.P2P:
+            peer = None
         return StepOp(
             pg_name=text("pg_name"),
             op=text("op"),
-            peer=peer if peer >= 0 and family_of(text("op")) is OpFamily.P2P else None,
+            peer=peer,
             input_sizes=text("input_sizes"),
             input_dtypes=text("input_dtypes"),
             call_site=text("call_site") or None,

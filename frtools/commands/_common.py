@@ -252,12 +252,10 @@ def load_and_diagnose(
     except UnusableInput as e:
         fail(prefix, f"error: {first_line(e, 'unusable input')}")
     spare_the_collector()
-    from frtools.analyze.align import align
-    from frtools.analyze.diagnose import diagnose
+    from frtools.analyze.diagnose import align_and_diagnose
 
     with phase("aligning and diagnosing", progress), no_cyclic_gc():
-        alignment = align(trace)
-        verdict = diagnose(trace, alignment)
+        alignment, verdict = align_and_diagnose(trace)
     return trace, alignment, verdict
 
 

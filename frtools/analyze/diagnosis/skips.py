@@ -99,6 +99,10 @@ class _Siblings:
         self.group_codes, self.code_of = group_codes, code_of
         self.seq_of, self.site_codes, self.texts = seq_of, site_codes, texts
         self.kinds: dict[str, list[str]] | None = None
+        # per kind, which group codes are of it (the last slot: code -1, no group); per seq,
+        # its rows: a question is then a look-up over one seq's rows, not a pass over all
+        self._of_kind: dict[str, np.ndarray] = {}
+        self._at: dict[int, np.ndarray] = {}
 
     def majority(self, pg_name: str, seq: int) -> str | None:
         if self.kinds is None:
@@ -106,10 +110,15 @@ class _Siblings:
             for g in self.facts.membership.members:
                 self.kinds.setdefault(self.facts.kind_of_group(g), []).append(g)
         kind = self.facts.kind_of_group(pg_name)
-        others = [
-            self.code_of[g] for g in self.kinds.get(kind, ()) if g != pg_name and g in self.code_of
-        ]
-        rows = np.isin(self.group_codes, others) & (self.seq_of == seq)
+        of_kind = self._of_kind.get(kind)
+        if of_kind is None:
+            of_kind = self._of_kind[kind] = np.zeros(len(self.code_of) + 1, dtype=bool)
+            of_kind[[self.code_of[g] for g in self.kinds.get(kind, ()) if g in self.code_of]] = True
+        at = self._at.get(seq)
+        if at is None:
+            at = self._at[seq] = np.flatnonzero(self.seq_of == seq)
+        groups = self.group_codes[at]
+        rows = at[of_kind[groups] & (groups != self.code_of.get(pg_name, -2))]
         counts = np.bincount(self.site_codes[rows], minlength=len(self.texts))
         if not counts.any():
             return None

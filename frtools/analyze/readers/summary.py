@@ -259,7 +259,9 @@ def _text_column(
     values they use (``derive``: of each string, e.g. its op name). The table holds every
     string of every column, so sharing it made each column's categories the whole table:
     131,072 op "categories" at fleet scale, and a rule looked up per category."""
-    used = np.flatnonzero(np.bincount(codes, minlength=len(texts)))
+    seen = np.zeros(len(texts), dtype=bool)  # marked, not counted: half the time of bincount
+    seen[codes] = True
+    used = np.flatnonzero(seen)
     target = np.zeros(len(texts), dtype=np.int32)  # the codes' own type: no cast after
     index: dict[str, int] = {}
     values: list[str] = []
