@@ -245,8 +245,10 @@ class _Interner:
 
 
 def _dict_column(codes: np.ndarray, dictionary: pa.Array, null: np.ndarray | None) -> pa.Array:
+    """Every caller's codes come out of a look-up table of ``len(dictionary)`` values (the
+    file's own numbers never index the dictionary): Arrow's pass checking them is skipped."""
     idx = pa.array(codes.astype(np.int32, copy=False), mask=null)
-    return pa.DictionaryArray.from_arrays(idx, dictionary)
+    return pa.DictionaryArray.from_arrays(idx, dictionary, safe=False)
 
 
 def _text_column(
@@ -334,8 +336,11 @@ def packed_to_arrow(
         all_dumps.append(dumps)
         all_rows.append(rows)
 
-    host_of_row = np.repeat(np.arange(len(hosts)), n_host)
-    rank_of_row = np.repeat(np.arange(len(rank_ids)), np.array(rank_rows, dtype=np.int64))
+    # row -> host, rank, group numbers in 32 bits: each such array is fresh memory a row
+    host_of_row = np.repeat(np.arange(len(hosts), dtype=np.int32), n_host)
+    rank_of_row = np.repeat(
+        np.arange(len(rank_ids), dtype=np.int32), np.array(rank_rows, dtype=np.int64)
+    )
 
     def batch(name: str, dtype: Any, fill: int = 0) -> np.ndarray:
         """A column over every host (a host without it: ``fill``); a file read alone (a
@@ -386,13 +391,19 @@ def packed_to_arrow(
     duration_null = nulls("duration_ms")
     duration = np.where(duration_null, np.nan, d) if duration_null is not None else d
     # rank-local group index -> host group -> batch group
-    local = batch("group", np.int16, fill=-1).astype(np.int64)
-    table = np.array(rank_groups or [-1], dtype=np.int64)
-    starts = np.array(rank_base or [0], dtype=np.int64)
-    host_group = np.where(local >= 0, table[starts[rank_of_row] + np.maximum(local, 0)], -1)
-    gmap = np.array([i for part in gmap_parts for i in part] or [-1], dtype=np.int64)
-    gbase = np.concatenate([[0], np.cumsum([len(p) for p in gmap_parts])]).astype(np.int64)
-    group = np.where(host_group >= 0, gmap[gbase[:-1][host_of_row] + np.maximum(host_group, 0)], -1)
+    local = batch("group", np.int16, fill=-1).astype(np.int32)
+    table = np.array(rank_groups or [-1], dtype=np.int32)
+    at = np.array(rank_base or [0], dtype=np.int32)[rank_of_row]
+    at += np.maximum(local, 0)
+    host_group = table[at]
+    host_group[local < 0] = -1
+    gmap = np.array([i for part in gmap_parts for i in part] or [-1], dtype=np.int32)
+    at = np.maximum(host_group, 0)
+    if len(hosts) > 1:
+        gbase = np.concatenate([[0], np.cumsum([len(p) for p in gmap_parts])]).astype(np.int32)
+        at += gbase[:-1][host_of_row]
+    group = gmap[at]
+    group[host_group < 0] = -1
     rank = np.array(rank_ids, dtype=np.int32)[rank_of_row]
     backend = strings.codes(backends)[rank_of_row] if backends else np.zeros(0, np.int64)
 
@@ -488,29 +499,41 @@ def _rank_dumps(
     """One RankDump per rank of a host (entries None) and its row count. The ranks of a
     host share their ProcessGroup objects (and member tuples): the loader counts them by
     identity, and a batch's pickle carries each once."""
-    shared: dict[tuple[int, bool], ProcessGroup] = {}
+    shared: dict[tuple[int, int | None], tuple[ProcessGroup, bool]] = {}
     dumps = []
     rows = []
+    offsets = packed.offsets
+    counts = np.diff(offsets).tolist()
+    # each rank's newest time_created_ns, for all ranks at once (a rank without rows: None)
+    newest: list[int | None] = [None] * len(counts)
+    if created is not None and len(created):
+        has = np.flatnonzero(np.diff(offsets) > 0)
+        if len(has):
+            peaks = np.maximum.reduceat(created[: offsets[-1]], offsets[has]).tolist()
+            for k, v in zip(has.tolist(), peaks, strict=True):
+                newest[k] = v
     for k, r in enumerate(packed.ranks):
-        lo, hi = int(packed.offsets[k]), int(packed.offsets[k + 1])
         process_groups = {}
         pg_status = {}
         default_pg_all = False
         local_peers = set()
         for hg, f in r.groups:
-            name, desc, _text, ranks, local = packed.groups[hg]
-            everyone = _all_ranks_of(name, desc, ranks, r.world_size)
+            found = shared.get((hg, r.world_size))
+            if found is None:
+                name, desc, _text, ranks, local = packed.groups[hg]
+                everyone = _all_ranks_of(name, desc, ranks, r.world_size)
+                pg = ProcessGroup(name, desc, () if everyone else ranks)
+                found = shared[(hg, r.world_size)] = (pg, everyone)
+            pg, everyone = found
+            name = pg.name
             default_pg_all = default_pg_all or everyone
-            pg = shared.get((hg, everyone))
-            if pg is None:
-                pg = shared[(hg, everyone)] = ProcessGroup(name, desc, () if everyone else ranks)
             process_groups[name] = pg
             pg_status[name] = {
                 "last_enqueued_collective": f[0],
                 "last_started_collective": f[1],
                 "last_completed_collective": f[2],
             }
-            if local:
+            if packed.groups[hg][4]:
                 local_peers.add(name)
         info = _rank_info(r, source, pg_status)
         dumps.append(
@@ -519,14 +542,12 @@ def _rank_dumps(
                 entries=None,  # type: ignore[arg-type]
                 process_groups=process_groups,
                 notes=list(r.notes),
-                max_time_created_ns=(
-                    int(created[lo:hi].max()) if hi > lo and created is not None else None
-                ),
+                max_time_created_ns=newest[k],
                 default_pg_all=default_pg_all,
                 unmapped_peer_groups=local_peers,
             )
         )
-        rows.append(hi - lo)
+        rows.append(counts[k])
     return dumps, rows
 
 
