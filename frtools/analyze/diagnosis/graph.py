@@ -17,7 +17,7 @@ What counts as "completed" is ``completion.py``'s to say; the graph reads its an
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,14 +151,13 @@ class _Builder:
         frames = [("coll", self.coll, self.done)]
         if len(self.p2p):
             frames.append(("p2p", self.p2p, self.p2p["completed"]))
-        info: set[int] = set()
-        for _, f, done in frames:
-            info |= _ranks_where(f, done.notna())
-        info_arr = np.fromiter(info, dtype=np.int64, count=len(info))
+        has_info_of = _ranks_with(
+            [(f["rank"].to_numpy(), done.notna().to_numpy(dtype=bool)) for _, f, done in frames]
+        )
         parts = []
         for kind, f, done in frames:
             rank = f["rank"].to_numpy()
-            has_info = np.isin(rank, info_arr)
+            has_info = has_info_of(rank)
             pending = done.eq(False).fillna(False).to_numpy(dtype=bool)
             # ranks without completion info: only their latest op matters
             latest = np.zeros(len(f), dtype=bool)
@@ -583,8 +582,21 @@ def _families(row: pd.Series) -> tuple:
     return (family_of(str(row[OP])),)
 
 
-def _ranks_where(frame: pd.DataFrame, mask: pd.Series) -> set[int]:
-    return set(np.unique(frame["rank"].to_numpy()[mask.to_numpy(dtype=bool)]).tolist())
+def _ranks_with(parts: list[tuple[np.ndarray, np.ndarray]]) -> Callable[[np.ndarray], np.ndarray]:
+    """Per row of a rank column: whether its rank has a row where the mask holds, in any of
+    ``parts`` (rank column, mask). A flag per rank number where ranks are 0..N as usual
+    (millions of rows: no sort of them, no search per row); else sorted and searched."""
+    ranks = [r for r, _ in parts if len(r)]
+    total = sum(len(r) for r in ranks)
+    if ranks and min(int(r.min()) for r in ranks) >= 0:
+        top = max(int(r.max()) for r in ranks)
+        if top < 4 * total + 1024:
+            flag = np.zeros(top + 1, dtype=bool)
+            for rank, mask in parts:
+                flag[rank[mask]] = True
+            return lambda rank: flag[rank]
+    found = np.unique(np.concatenate([r[m] for r, m in parts] or [np.zeros(0, np.int64)]))
+    return lambda rank: np.isin(rank, found)
 
 
 def _summarize(
@@ -597,20 +609,28 @@ def _summarize(
     rank -> point map)."""
     # each blocked rank's targets, once (131,072 ranks: the fixpoint below asks again);
     # ranks blocked at one point share its key object: its point is looked up once
+    # (``_targets_at`` inline, with each point's minority as a set)
     targets: dict[int, frozenset[int]] = {}
-    point_by_key: dict[int, Point] = {}
-    for r, key in blocked_at.items():
-        point = point_by_key.get(id(key))
-        if point is None:
-            point = point_by_key[id(key)] = points[key]
-        targets[r] = _targets_at(point, r)
-    waiting = {r for r, t in targets.items() if t}
-    targeted: set[int] = set()
-    for r in waiting:
-        targeted |= targets[r]
+    by_key: dict[int, tuple[Point, frozenset[int]]] = {}
+    nobody: frozenset[int] = frozenset()
     # a rank blocked in an op it issued against what the op requires is a root too, even
     # when the member it disagrees with left no record to wait for it
-    targeted |= {r for r, key in blocked_at.items() if r in points[key].of(MemberState.MINORITY)}
+    targeted: set[int] = set()
+    for r, key in blocked_at.items():
+        found = by_key.get(id(key))
+        if found is None:
+            point = points[key]
+            found = by_key[id(key)] = (point, frozenset(point.of(MemberState.MINORITY)))
+        point, minority = found
+        if r in minority:
+            targets[r] = nobody
+            targeted.add(r)
+        else:
+            t = point.targets
+            targets[r] = t - {r} if r in t else t
+    waiting = {r for r, t in targets.items() if t}
+    for r in waiting:
+        targeted |= targets[r]
     # A rank without a record that is a member of an op whose wait a present rank's
     # disagreement explains may well be blocked in that op too (or aborted by Gloo on the
     # mismatched data): it is not a root of its own. (Not for a missing member: a dead
