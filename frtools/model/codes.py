@@ -24,3 +24,17 @@ def dense_unique(values: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]
     number = np.zeros(len(seen), dtype=np.int32 if len(seen) < 2**31 else np.intp)
     number[uniq] = np.arange(len(uniq))
     return uniq, number[values]
+
+
+def among(values: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """``np.isin(values, wanted)`` for ints: a flag per value where they are non-negative
+    and below ``4 * len(values) + 1024`` (one gather over millions of rows), else np.isin."""
+    if not len(values) or not len(wanted):
+        return np.zeros(len(values), dtype=bool)
+    low = min(int(values.min()), int(wanted.min()))
+    top = max(int(values.max()), int(wanted.max()))
+    if low < 0 or top >= 4 * len(values) + 1024:
+        return np.isin(values, wanted)
+    flag = np.zeros(top + 1, dtype=bool)
+    flag[wanted] = True
+    return flag[values]

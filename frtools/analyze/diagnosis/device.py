@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from frtools.analyze.align import Alignment, as_texts
+from frtools.model.codes import among
 from frtools.model.ops import OpFamily, family_of
 from frtools.model.trace import Trace
 
@@ -224,19 +225,19 @@ def host_calls(trace: Trace, al: Alignment, counted: pd.DataFrame) -> dict[int, 
     # only units at some counter's last_enqueued + 1 can be one past their own: a table
     # look-up per unit on the seq (a small range) before anything per unit is built
     wanted = np.unique(counters["enqueued"].to_numpy(dtype=np.int64) + 1)
-    seq = coll["seq"].to_numpy()
-    near = np.isin(seq, wanted)  # numpy takes a table where the range is small
-    near &= np.isin(coll["rank"].to_numpy(), counters["rank"].unique())
-    mine = coll[near]
-    if not len(mine):
+    near = among(coll["seq"].to_numpy(), wanted)
+    near &= among(coll["rank"].to_numpy(), counters["rank"].unique())
+    rows = np.flatnonzero(near)
+    if not len(rows):
         return {}
+    # the five columns at those rows, not every column of the frame (millions of rows)
     keyed = pd.DataFrame(
         {
-            "rank": mine["rank"].to_numpy(dtype=np.int64),
-            "pg_name": as_texts(mine["pg_name"]),
-            "seq": mine["seq"].to_numpy(dtype=np.int64),
-            "op": as_texts(mine["op"]),
-            "t": mine["time_created_ns"].to_numpy(dtype=np.int64),
+            "rank": coll["rank"].take(rows).to_numpy(dtype=np.int64),
+            "pg_name": as_texts(coll["pg_name"].take(rows)),
+            "seq": coll["seq"].take(rows).to_numpy(dtype=np.int64),
+            "op": as_texts(coll["op"].take(rows)),
+            "t": coll["time_created_ns"].take(rows).to_numpy(dtype=np.int64),
         }
     ).merge(counters, on=["rank", "pg_name"])
     # exactly one past: the entry of the call in progress (more means other counters)

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from frtools.analyze.align import SIGNATURE_COLUMNS, as_texts
+from frtools.model.codes import among
 from frtools.model.ops import OP, family_of, parts_must_agree, semantics
 
 from .completion import effective_completion, quitters
@@ -584,19 +585,10 @@ def _families(row: pd.Series) -> tuple:
 
 def _ranks_with(parts: list[tuple[np.ndarray, np.ndarray]]) -> Callable[[np.ndarray], np.ndarray]:
     """Per row of a rank column: whether its rank has a row where the mask holds, in any of
-    ``parts`` (rank column, mask). A flag per rank number where ranks are 0..N as usual
-    (millions of rows: no sort of them, no search per row); else sorted and searched."""
-    ranks = [r for r, _ in parts if len(r)]
-    total = sum(len(r) for r in ranks)
-    if ranks and min(int(r.min()) for r in ranks) >= 0:
-        top = max(int(r.max()) for r in ranks)
-        if top < 4 * total + 1024:
-            flag = np.zeros(top + 1, dtype=bool)
-            for rank, mask in parts:
-                flag[rank[mask]] = True
-            return lambda rank: flag[rank]
-    found = np.unique(np.concatenate([r[m] for r, m in parts] or [np.zeros(0, np.int64)]))
-    return lambda rank: np.isin(rank, found)
+    ``parts`` (rank column, mask): a flag per rank number (``among``), not a sort of
+    millions of rows and a search per row."""
+    found = np.concatenate([r[m] for r, m in parts] or [np.zeros(0, np.int64)])
+    return lambda rank: among(rank, found)
 
 
 def _summarize(
