@@ -29,6 +29,7 @@ or per group.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -393,8 +394,13 @@ def _no_parts(n: int) -> pd.Categorical:
 
 def align(trace: Trace) -> Alignment:
     """Match every group's members' entries by seq (collectives) and by peer pair (P2P)."""
-    df = _entries_frame(trace)
-    members = group_members(trace, df[["rank", "pg_name"]])
+    # the counters frame is a Python loop over every rank's groups; it runs in a thread
+    # while the entries frame is built (Arrow and numpy, which let go of the GIL)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="frtools-counters") as pool:
+        counted = pool.submit(_pg_status_frame, trace)
+        df = _entries_frame(trace)
+        members = group_members(trace, df[["rank", "pg_name"]])
+        ps = counted.result()
 
     # A rank whose states ever leave "scheduled" has informative states (NCCL, frtools).
     moved = df["state"].isin(
@@ -403,8 +409,6 @@ def align(trace: Trace) -> Alignment:
     slot, ranks = _rank_slots(df["rank"].to_numpy())
     per_rank = np.bincount(slot, weights=moved.to_numpy(), minlength=len(ranks)) > 0
     state_informative = {r: bool(per_rank[i]) for i, r in enumerate(ranks.tolist()) if r >= 0}
-
-    ps = _pg_status_frame(trace)
 
     is_coll = ~df["is_p2p"] & (df["collective_seq_id"] > 0)
     # all collectives (the usual case at scale): share the columns, copy none
