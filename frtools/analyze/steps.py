@@ -283,17 +283,22 @@ def step_diff(trace: Trace) -> StepDiff:
     if table.num_rows == 0:
         return StepDiff()
     block_ranks, sizes, rows = _rank_blocks(table.column("rank").to_numpy())
-    window = table.select(list(_TOKEN_COLUMNS))
-    if rows is not None:
-        window = window.take(pa.array(rows))
+    taken = pa.array(rows) if rows is not None else None
+
+    def column(name: str) -> pa.ChunkedArray:
+        """One column's rows in the window (taken one column at a time: it runs beside the
+        alignment, whose peak memory it should add little to)."""
+        col = table.column(name)
+        return col.take(taken) if taken is not None else col
+
     # one column's codes at a time, folded into the token in place: eight int64 code arrays
     # held together were 64 bytes a row (2 GB at 16,384 ranks of 2,000 entries)
-    op_codes, op_values = _codes(window.column("op"), with_values=True)
+    op_codes, op_values = _codes(column("op"), with_values=True)
     free = np.array([family_of(op) in _FREE_SIZES for op in op_values] + [False])
     sized = ~free[op_codes]
-    token = np.zeros(window.num_rows, dtype=np.uint64)
+    token = np.zeros(len(op_codes), dtype=np.uint64)
     for name in _TOKEN_COLUMNS:
-        part = op_codes if name == "op" else _codes(window.column(name))[0]
+        part = op_codes if name == "op" else _codes(column(name))[0]
         if name in ("input_sizes", "output_sizes"):
             part = np.where(sized, part, -2)
         if name == "call_site":  # the same op from another line: for moves, not for periods
@@ -304,10 +309,10 @@ def step_diff(trace: Trace) -> StepDiff:
     del part, sized, op_codes
 
     def op_at(i: int) -> StepOp:
-        """Row ``i`` of the window as a StepOp (a few rows a change: read from Arrow)."""
+        """Row ``i`` of the window as a StepOp (a few rows a change: read from the table)."""
 
         def value(name: str) -> Any:
-            return window.column(name)[i].as_py()
+            return table.column(name)[int(rows[i]) if rows is not None else i].as_py()
 
         def text(name: str) -> str:
             v = value(name)
