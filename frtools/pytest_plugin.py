@@ -273,15 +273,13 @@ class FrtoolsSession:
             return Finding(escape.line(text), out)
 
     def _diagnose(self, out: Path, why: str, started: float) -> Finding:
-        from frtools.analyze.align import align
-        from frtools.analyze.diagnose import diagnose
+        from frtools.analyze.diagnose import align_and_diagnose
         from frtools.analyze.readers import load_trace
         from frtools.analyze.reporters import html, json_report, terminal
         from frtools.model.ranks import format_ranks
 
         trace = load_trace(out)
-        alignment = align(trace)
-        verdict = diagnose(trace, alignment)
+        alignment, verdict = align_and_diagnose(trace)
         text = terminal.render(verdict, width=100).rstrip("\n")
         write_new(out / "verdict.txt", text + "\n")
         write_new(out / "verdict.json", json_report.render(verdict))

@@ -17,7 +17,7 @@ What counts as "completed" is ``completion.py``'s to say; the graph reads its an
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,7 +61,7 @@ class WaitForGraph:
 def _targets_at(point: Point | None, rank: int) -> frozenset[int]:
     """Whom ``rank``, blocked at ``point``, waits for (nobody if it is the one that
     disagrees there)."""
-    if point is None or rank in point.of(MemberState.MINORITY):
+    if point is None or rank in point.minority:
         return frozenset()
     targets = point.targets
     return targets - {rank} if rank in targets else targets
@@ -152,13 +152,15 @@ class _Builder:
         frames = [("coll", self.coll, self.done)]
         if len(self.p2p):
             frames.append(("p2p", self.p2p, self.p2p["completed"]))
-        has_info_of = _ranks_with(
-            [(f["rank"].to_numpy(), done.notna().to_numpy(dtype=bool)) for _, f, done in frames]
+        # the ranks with any completion info (``among``: a flag per rank number, not a sort
+        # of millions of rows and a search per row)
+        informed = np.concatenate(
+            [f["rank"].to_numpy()[done.notna().to_numpy(dtype=bool)] for _, f, done in frames]
         )
         parts = []
         for kind, f, done in frames:
             rank = f["rank"].to_numpy()
-            has_info = has_info_of(rank)
+            has_info = among(rank, informed)
             pending = done.eq(False).fillna(False).to_numpy(dtype=bool)
             # ranks without completion info: only their latest op matters
             latest = np.zeros(len(f), dtype=bool)
@@ -583,14 +585,6 @@ def _families(row: pd.Series) -> tuple:
     return (family_of(str(row[OP])),)
 
 
-def _ranks_with(parts: list[tuple[np.ndarray, np.ndarray]]) -> Callable[[np.ndarray], np.ndarray]:
-    """Per row of a rank column: whether its rank has a row where the mask holds, in any of
-    ``parts`` (rank column, mask): a flag per rank number (``among``), not a sort of
-    millions of rows and a search per row."""
-    found = np.concatenate([r[m] for r, m in parts] or [np.zeros(0, np.int64)])
-    return lambda rank: among(rank, found)
-
-
 def _summarize(
     points: dict[PointKey, Point],
     blocked_at: dict[int, PointKey],
@@ -601,25 +595,18 @@ def _summarize(
     rank -> point map)."""
     # each blocked rank's targets, once (131,072 ranks: the fixpoint below asks again);
     # ranks blocked at one point share its key object: its point is looked up once
-    # (``_targets_at`` inline, with each point's minority as a set)
     targets: dict[int, frozenset[int]] = {}
-    by_key: dict[int, tuple[Point, frozenset[int]]] = {}
-    nobody: frozenset[int] = frozenset()
+    point_by_key: dict[int, Point] = {}
     # a rank blocked in an op it issued against what the op requires is a root too, even
     # when the member it disagrees with left no record to wait for it
     targeted: set[int] = set()
     for r, key in blocked_at.items():
-        found = by_key.get(id(key))
-        if found is None:
-            point = points[key]
-            found = by_key[id(key)] = (point, frozenset(point.of(MemberState.MINORITY)))
-        point, minority = found
-        if r in minority:
-            targets[r] = nobody
+        point = point_by_key.get(id(key))
+        if point is None:
+            point = point_by_key[id(key)] = points[key]
+        targets[r] = _targets_at(point, r)
+        if r in point.minority:
             targeted.add(r)
-        else:
-            t = point.targets
-            targets[r] = t - {r} if r in t else t
     waiting = {r for r, t in targets.items() if t}
     for r in waiting:
         targeted |= targets[r]

@@ -103,6 +103,10 @@ class Point:
     def issued(self) -> tuple[int, ...]:
         return self.of(MemberState.ISSUED)
 
+    @cached_property  # asked per blocked rank: a set, not the tuple scanned each time
+    def minority(self) -> frozenset[int]:
+        return frozenset(self.of(MemberState.MINORITY))
+
     @cached_property  # asked per waiting rank: 131,072 times at fleet scale
     def targets(self) -> frozenset[int]:
         out: set[int] = set()

@@ -499,15 +499,16 @@ def _rank_dumps(
     """One RankDump per rank of a host (entries None) and its row count. The ranks of a
     host share their ProcessGroup objects (and member tuples): the loader counts them by
     identity, and a batch's pickle carries each once."""
-    shared: dict[tuple[int, int | None], tuple[ProcessGroup, bool]] = {}
+    shared: dict[tuple[int, int | None], tuple[ProcessGroup, bool, bool]] = {}
     dumps = []
     rows = []
     offsets = packed.offsets
-    counts = np.diff(offsets).tolist()
+    sizes = np.diff(offsets)
+    counts = sizes.tolist()
     # each rank's newest time_created_ns, for all ranks at once (a rank without rows: None)
     newest: list[int | None] = [None] * len(counts)
     if created is not None and len(created):
-        has = np.flatnonzero(np.diff(offsets) > 0)
+        has = np.flatnonzero(sizes > 0)
         if len(has):
             peaks = np.maximum.reduceat(created[: offsets[-1]], offsets[has]).tolist()
             for k, v in zip(has.tolist(), peaks, strict=True):
@@ -523,8 +524,8 @@ def _rank_dumps(
                 name, desc, _text, ranks, local = packed.groups[hg]
                 everyone = _all_ranks_of(name, desc, ranks, r.world_size)
                 pg = ProcessGroup(name, desc, () if everyone else ranks)
-                found = shared[(hg, r.world_size)] = (pg, everyone)
-            pg, everyone = found
+                found = shared[(hg, r.world_size)] = (pg, everyone, bool(local))
+            pg, everyone, local = found
             name = pg.name
             default_pg_all = default_pg_all or everyone
             process_groups[name] = pg
@@ -533,7 +534,7 @@ def _rank_dumps(
                 "last_started_collective": f[1],
                 "last_completed_collective": f[2],
             }
-            if packed.groups[hg][4]:
+            if local:
                 local_peers.add(name)
         info = _rank_info(r, source, pg_status)
         dumps.append(
