@@ -146,6 +146,44 @@ def test_the_pair_is_named_after_frtools_dump_too(jobs: dict, tmp_path: Path) ->
     assert "rank 1 sends 18 elements to rank 3, rank 3 expects 12" in verdict["headline"]
 
 
+KILLED_MID_CALL = textwrap.dedent(
+    """
+    import os, signal
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    pg = dist.distributed_c10d._get_default_group()
+
+    def die(args):  # runs after the recorder's pre hook: the op is recorded, not yet issued
+        if "ALLTOALL" in str(args.name).upper():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    pg.register_pre_hook(0x7FFFFFFF, die)  # hooks run in id order: the recorder's first
+    dist.all_to_all_single(torch.empty(6), torch.ones(6), [6], [6])
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_splits_survive_a_rank_killed_while_its_all_to_all_is_in_flight(tmp_path: Path) -> None:
+    # Gloo aborts a rank that receives more than it expects from inside the call; the split
+    # sizes must already be on the record then, not written once the call returns
+    import torch.distributed as dist
+
+    if not hasattr(dist.ProcessGroup, "register_pre_hook"):
+        pytest.skip("process-group pre hooks need torch >= 2.15")
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_MID_CALL)
+    argv = [sys.executable, "-m", "frtools", "run", "--dir", str(tmp_path / "frt"), "--job-id",
+            "killed", "--", sys.executable, str(script)]  # fmt: skip
+    result = wait_ranks(start_ranks(argv, 1, env={"FRTOOLS_JOBWIDE": "0"}), 90)
+    assert not result.timed_out and result.ranks[0].returncode != 0, result.output()
+    rows = a2a_rows(tmp_path / "frt" / "killed", 1)
+    assert list(rows[0]["input_split_sizes"]) == [6], result.output()
+    assert list(rows[0]["output_split_sizes"]) == [6]
+
+
 # --- PyTorch FR dumps ---------------------------------------------------------------------
 
 

@@ -71,6 +71,26 @@ def test_ring_keeps_newest_records_and_says_it_wrapped(tmp_path):
 
 
 @pytest.mark.timeout(10)
+def test_pending_splits_go_to_this_threads_next_record_only(tmp_path):
+    box, path = make_box(tmp_path)
+    box.add_process_group("0", "default_pg", [0, 1, 2, 3])
+    assert box.pend_splits("6,2/4,4") is False  # nothing was pending
+    other: list[int] = []
+    worker = threading.Thread(target=lambda: other.extend(record_n(box, 1, first_seq=1)))
+    worker.start()
+    worker.join()
+    mine = record_n(box, 2, first_seq=2)  # the first takes them, the second does not
+    assert box.pend_splits("1/1") is False  # they were taken
+    assert box.pend_splits(None) is True  # these were not: cleared unused
+    last = record_n(box, 1, first_seq=4)
+    snap = read_snapshot(path)
+    splits = dict(zip(snap.slots["record_id"].tolist(), snap.slots["splits"].tolist(), strict=True))
+    assert snap.string(splits[mine[0]]) == "6,2/4,4"
+    assert [splits[r] for r in (other[0], mine[1], last[0])] == [0, 0, 0]
+    box.close()
+
+
+@pytest.mark.timeout(10)
 def test_small_ring_that_did_not_wrap_is_not_flagged(tmp_path):
     box, path = make_box(tmp_path, capacity=8)
     record_n(box, 8)

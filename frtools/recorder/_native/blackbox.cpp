@@ -185,6 +185,14 @@ inline uint64_t native_thread_id() {
   return tid;
 }
 
+struct Box;
+// an all_to_all's split sizes waiting for this thread's next record on box (Box::pend_splits)
+struct PendingSplits {
+  Box* box;
+  uint32_t id;
+};
+static thread_local PendingSplits t_pending = {nullptr, 0};
+
 template <typename T>
 inline T aload(const T* p) {
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
@@ -512,6 +520,10 @@ struct Box {
     s->thread_name = 0;
     s->error = kStrNone;
     s->splits = kStrNone;
+    if (t_pending.box == this) {
+      s->splits = t_pending.id;
+      t_pending.box = nullptr;
+    }
     s->time_failed_ns = 0;
     slot_unlock(s, locked);
     if (pg_published(pg)) {
@@ -591,8 +603,9 @@ struct Box {
   // all_to_all split sizes: the interned text on rid's slot, or (since) on the first record
   // at or after rid that this thread wrote. Split texts vary per step (MoE token counts), so
   // they may fill at most half the string area: the rest stays for stacks and errors.
-  bool set_splits(int64_t rid, const char* text, size_t n, bool since) {
-    if (rid < 0 || n == 0) return false;
+  // The string id of an all_to_all's split sizes (kStrFull: the strings' share for them is
+  // used up, counted as dropped).
+  uint32_t splits_id(const char* text, size_t n) {
     uint32_t id = kStrFull;
     bool room = false;
     {
@@ -606,18 +619,19 @@ struct Box {
     } else if (id == kStrFull) {
       __atomic_add_fetch(&hdr->strings_dropped, 1u, __ATOMIC_RELAXED);
     }
-    uint64_t tid = native_thread_id();
-    int64_t end = int64_t(aload(&next_rid));
-    int64_t last = since ? (end < rid + 64 ? end : rid + 64) : rid + 1;
-    for (int64_t r = rid; r < last; ++r) {
-      Slot* s = slot_for(r);
-      uint64_t locked = slot_lock(s);
-      bool mine = s->record_id == r && s->state != kEmpty && (!since || s->thread_id == tid);
-      if (mine) s->splits = id;
-      slot_unlock(s, locked);
-      if (mine) return true;
-    }
-    return false;
+    return id;
+  }
+
+  // Split sizes this thread's next record takes (written with the record, so that a rank
+  // the backend aborts while the call is still in flight keeps them); n == 0 clears them.
+  // True where pending ones were still unused.
+  bool pend_splits(const char* text, size_t n) {
+    bool unused = t_pending.box == this;
+    t_pending.box = nullptr;
+    if (n == 0) return unused;
+    uint32_t id = splits_id(text, n);
+    if (id != kStrFull) t_pending = {this, id};
+    return unused;
   }
 
   int state_of(int64_t rid) {
@@ -1187,15 +1201,13 @@ PyObject* BlackBox_mark_failed(BlackBoxObject* self, PyObject* args) {
   return PyBool_FromLong(b->mark_failed(rid, err, now_ns()));
 }
 
-PyObject* BlackBox_set_splits(BlackBoxObject* self, PyObject* args) {
-  long long rid = 0;
+PyObject* BlackBox_pend_splits(BlackBoxObject* self, PyObject* args) {
   const char* text = nullptr;
   Py_ssize_t n = 0;
-  int since = 0;
-  if (!PyArg_ParseTuple(args, "Ls#|p", &rid, &text, &n, &since)) return nullptr;
+  if (!PyArg_ParseTuple(args, "z#", &text, &n)) return nullptr;
   Box* b = open_box(self);
   if (!b) Py_RETURN_FALSE;
-  return PyBool_FromLong(b->set_splits(rid, text, size_t(n), since != 0));
+  return PyBool_FromLong(b->pend_splits(text, text ? size_t(n) : 0));
 }
 
 PyObject* BlackBox_mark_exit(BlackBoxObject* self, PyObject* args) {
@@ -1458,11 +1470,11 @@ PyMethodDef BlackBox_methods[] = {
     {"mark_failed", (PyCFunction)BlackBox_mark_failed, METH_VARARGS,
      "mark_failed(rid, error_text) -> bool: the op failed with this text (the backend's "
      "exception); kept apart from completion. False if the slot was reused or already failed."},
-    {"set_splits", (PyCFunction)BlackBox_set_splits, METH_VARARGS,
-     "set_splits(rid, text, since=False) -> bool: an all_to_all's split sizes "
-     "(formats.blackbox.splits_text) on record rid, or (since) on the first record at or "
-     "after rid written by this thread. False where no such record, or the splits' share of "
-     "the string table (half) is full."},
+    {"pend_splits", (PyCFunction)BlackBox_pend_splits, METH_VARARGS,
+     "pend_splits(text) -> bool: an all_to_all's split sizes (formats.blackbox.splits_text) "
+     "written with this thread's next record, before the call runs, so that a rank the "
+     "backend aborts mid-call keeps them; None clears them. True where pending ones were "
+     "still unused. Dropped where the splits' share of the string table (half) is full."},
     {"mark_exit", (PyCFunction)BlackBox_mark_exit, METH_VARARGS,
      "mark_exit(kind, status, detail=None, stack=None) -> bool: how the process ends (EXIT_* "
      "kind); the first ending recorded wins."},

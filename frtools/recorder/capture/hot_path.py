@@ -310,14 +310,14 @@ class GroupState:
             return -1
         return self.coll(op, inputs, outputs)
 
-    def splits(
-        self, rid: int, output: Any, input: Any, out_splits: Any, in_splits: Any, since: bool
-    ) -> None:
-        """Keep an all_to_all's split sizes (elements per member, sent and received) on
-        record ``rid`` (``since``: on this thread's first record from ``rid`` on). Tensors
+    def splits(self, output: Any, input: Any, out_splits: Any, in_splits: Any) -> bool:
+        """Hand an all_to_all's split sizes (elements per member, sent and received) to this
+        thread's next record, the op's own; True where handed. Tensors
         (``all_to_all_single``) are split by ``*_splits``; lists (``all_to_all``) hold one
         tensor per member. Only all_to_all pays for this. A split the recorder cannot read
         leaves the op without splits: the call itself is torch's to judge."""
+        if not self.fr.enabled:
+            return False
         try:
             if output.__class__ is list:
                 ins = [t.numel() for t in input]
@@ -326,10 +326,12 @@ class GroupState:
                 n = len(self.ranks)
                 ins = split_counts(input, in_splits, n)
                 outs = split_counts(output, out_splits, n)
-            if ins is not None and outs is not None:
-                self.box.set_splits(rid, splits_text(ins, outs), since)
-        except Exception:  # noqa: S110 - the op is recorded without its splits
-            pass
+            if ins is None or outs is None:
+                return False
+            self.box.pend_splits(splits_text(ins, outs))
+            return True
+        except Exception:  # noqa: BLE001 - the op is recorded without its splits
+            return False
 
     def p2p(self, op: int, tensors: Any, peer: int) -> int:
         """Record one send/recv; ``peer`` is group-local (-1: any source)."""
@@ -455,11 +457,14 @@ def _out_in(
         self: Any, output: Any, input: Any, opts: Any = _NO, *args: Any, **kwargs: Any
     ) -> Any:
         st = self._frs
-        rid = st.coll(op, input, output)
-        if splits and rid >= 0:  # all_to_all_single: opts, args[0] are the output/input splits
+        pended = False
+        if splits:  # all_to_all_single: opts, args[0] are the output/input splits
             out_splits = kwargs.get("output_split_sizes") if opts is _NO else opts
             in_splits = args[0] if args else kwargs.get("input_split_sizes")
-            st.splits(rid, output, input, out_splits, in_splits, False)
+            pended = st.splits(output, input, out_splits, in_splits)
+        rid = st.coll(op, input, output)
+        if pended and rid < 0:
+            st.box.pend_splits(None)  # no record took them
         try:
             issue = st.issue[slot] or getattr(st.pick(input), forward)
             if opts is _NO or args or kwargs:
@@ -709,25 +714,27 @@ def splits_call(
     lists: bool,
 ) -> Callable[..., Any]:  # fmt: skip
     """A ProcessGroup all_to_all method (``all_to_all_single``; ``alltoall``: ``lists``) that
-    calls ``original`` unchanged, then keeps the split sizes on the record its pre hook
-    wrote (the hooks' arguments carry no split sizes). Set once the call returns, or raises:
-    an op is issued, not waited for, by this call. ``state_of(group)``: the group's recording
-    state (None: not recorded by hooks)."""
+    hands the split sizes to the record its pre hook writes (the hooks' arguments carry none),
+    then calls ``original`` unchanged. They are handed over before the call: a backend may
+    abort the process on a size mismatch while the call is still in flight. ``state_of(group)``:
+    the group's recording state (None: not recorded by hooks)."""
 
     def call(self: Any, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
         st = state_of(self)
         if st is None or not st.fr.enabled:
             return original(self, output, input, *args, **kwargs)
-        first = st.box.records
+        if lists:
+            pended = st.splits(output, input, None, None)
+        else:
+            out_splits = args[0] if args else kwargs.get("output_split_sizes")
+            in_splits = args[1] if len(args) > 1 else kwargs.get("input_split_sizes")
+            pended = st.splits(output, input, out_splits, in_splits)
+        if not pended:
+            return original(self, output, input, *args, **kwargs)
         try:
             return original(self, output, input, *args, **kwargs)
         finally:
-            if lists:
-                st.splits(first, output, input, None, None, True)
-            else:
-                out_splits = args[0] if args else kwargs.get("output_split_sizes")
-                in_splits = args[1] if len(args) > 1 else kwargs.get("input_split_sizes")
-                st.splits(first, output, input, out_splits, in_splits, True)
+            st.box.pend_splits(None)  # a call that wrote no record leaves none for the next
 
     call.__name__ = method
     call.__qualname__ = f"ProcessGroup.{method}"
