@@ -600,11 +600,9 @@ struct Box {
     return true;
   }
 
-  // all_to_all split sizes: the interned text on rid's slot, or (since) on the first record
-  // at or after rid that this thread wrote. Split texts vary per step (MoE token counts), so
-  // they may fill at most half the string area: the rest stays for stacks and errors.
-  // The string id of an all_to_all's split sizes (kStrFull: the strings' share for them is
-  // used up, counted as dropped).
+  // The string id of an all_to_all's split sizes (kStrFull: their share is used up, counted
+  // as dropped). Split texts vary per step (MoE token counts), so they may fill at most half
+  // the string area: the rest stays for stacks and errors.
   uint32_t splits_id(const char* text, size_t n) {
     uint32_t id = kStrFull;
     bool room = false;

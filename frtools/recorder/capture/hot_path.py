@@ -721,9 +721,9 @@ def splits_call(
 
     def call(self: Any, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
         st = state_of(self)
-        if st is None or not st.fr.enabled:
+        if st is None:
             return original(self, output, input, *args, **kwargs)
-        if lists:
+        if lists:  # (st.splits hands nothing over while the recorder is off)
             pended = st.splits(output, input, None, None)
         else:
             out_splits = args[0] if args else kwargs.get("output_split_sizes")
