@@ -593,23 +593,32 @@ def _summarize(
 ) -> WaitForGraph:
     """Roots, waiting ranks and cycles of the graph (a fixpoint over the functional
     rank -> point map)."""
-    # each blocked rank's targets, once (131,072 ranks: the fixpoint below asks again);
-    # ranks blocked at one point share its key object: its point is looked up once
+    # each blocked rank's targets, once (131,072 ranks: the fixpoint below asks again),
+    # point by point: the ranks blocked at one point share its target set (the object
+    # itself, unless a rank is among its own targets)
+    by_key: dict[int, tuple[PointKey, list[int]]] = {}
+    for r, key in blocked_at.items():
+        found = by_key.get(id(key))
+        if found is None:
+            found = by_key[id(key)] = (key, [])
+        found[1].append(r)
     targets: dict[int, frozenset[int]] = {}
-    point_by_key: dict[int, Point] = {}
     # a rank blocked in an op it issued against what the op requires is a root too, even
     # when the member it disagrees with left no record to wait for it
     targeted: set[int] = set()
-    for r, key in blocked_at.items():
-        point = point_by_key.get(id(key))
-        if point is None:
-            point = point_by_key[id(key)] = points[key]
-        targets[r] = _targets_at(point, r)
-        if r in point.minority:
-            targeted.add(r)
+    none: frozenset[int] = frozenset()
+    for key, ranks in by_key.values():
+        point = points[key]
+        minority, shared = point.minority, point.targets
+        if not minority and not shared:
+            targets.update(dict.fromkeys(ranks, none))
+            continue
+        for r in ranks:
+            targets[r] = none if r in minority else shared - {r} if r in shared else shared
+        targeted.update(minority.intersection(ranks))
     waiting = {r for r, t in targets.items() if t}
-    for r in waiting:
-        targeted |= targets[r]
+    for t in {id(t): t for r, t in targets.items() if t}.values():
+        targeted |= t
     # A rank without a record that is a member of an op whose wait a present rank's
     # disagreement explains may well be blocked in that op too (or aborted by Gloo on the
     # mismatched data): it is not a root of its own. (Not for a missing member: a dead
@@ -623,13 +632,22 @@ def _summarize(
     silent = targeted & unjudged
     roots = targeted - waiting - silent
     reaches: dict[int, bool] = {r: False for r in waiting}
+    # whether a target set reaches a root, per set object, within a pass (a False may go
+    # stale when a later rank of the pass reaches: the pass is then repeated, and the last
+    # one, which changes nothing, found every False afresh)
+    reach_of: dict[int, bool] = {}
     changed = True
     while changed:
         changed = False
+        reach_of.clear()
         for r in waiting:
             if reaches[r]:
                 continue
-            if any(t in roots or reaches.get(t, False) for t in targets[r]):
+            t = targets[r]
+            got = reach_of.get(id(t))
+            if got is None:
+                got = reach_of[id(t)] = any(x in roots or reaches.get(x, False) for x in t)
+            if got:
                 reaches[r] = True
                 changed = True
     cyclic = {r for r, ok in reaches.items() if not ok}

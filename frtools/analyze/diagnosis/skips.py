@@ -10,8 +10,6 @@ Only the few seqs before each point where ranks are blocked are looked at.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 
 from frtools.analyze.align import category_codes
@@ -46,38 +44,49 @@ def skipped(facts: JobFacts, graph: WaitForGraph) -> dict[int, tuple[str, int]]:
     texts = [str(t) for t in site_texts]
     seq_of = near["seq"].to_numpy()
     code_of = {n: c for c, n in enumerate(names)}
-    # the wanted groups' rows as dicts; their siblings' only counted, and only for a tie
-    mine = np.isin(group_codes, [code_of[g] for g in wanted if g in code_of])
-    sites: dict[tuple[str, int], dict[int, str]] = {}
-    for g, seq, rank, site in zip(
-        group_codes[mine].tolist(),
-        seq_of[mine].tolist(),
-        near["rank"].to_numpy()[mine].tolist(),
-        site_codes[mine].tolist(),
-        strict=True,
-    ):
-        sites.setdefault((names[g], seq), {})[rank] = texts[site]
+    # the wanted groups' rows, per (group, seq) its ranks and their sites' codes (a rank
+    # recorded twice there: its last row); their siblings' only counted, for a tie
+    mine = np.flatnonzero(np.isin(group_codes, [code_of[g] for g in wanted if g in code_of]))
+    ranks = near["rank"].to_numpy()
+    order = mine[np.lexsort((ranks[mine], seq_of[mine], group_codes[mine]))]
+    sites: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+    if len(order):
+        g_o, s_o, r_o = group_codes[order], seq_of[order], ranks[order]
+        # lexsort is stable: of a rank's rows at one (group, seq) the last is its last
+        last = np.ones(len(order), dtype=bool)
+        last[:-1] = (g_o[1:] != g_o[:-1]) | (s_o[1:] != s_o[:-1]) | (r_o[1:] != r_o[:-1])
+        order, g_o, s_o, r_o = order[last], g_o[last], s_o[last], r_o[last]
+        cut = np.flatnonzero((g_o[1:] != g_o[:-1]) | (s_o[1:] != s_o[:-1])) + 1
+        for lo, hi in zip([0, *cut.tolist()], [*cut.tolist(), len(order)], strict=True):
+            key = (names[int(g_o[lo])], int(s_o[lo]))
+            sites[key] = (r_o[lo:hi], site_codes[order[lo:hi]])
     siblings = _Siblings(facts, group_codes, code_of, seq_of, site_codes, texts)
+    code_of_text = {t: c for c, t in enumerate(texts)}
     found: dict[int, tuple[str, int]] = {}
     for pg_name, window in wanted.items():
         for seq in sorted(window):
-            here = sites.get((pg_name, seq), {})
             ref = _reference(sites, siblings, pg_name, seq)
             after = _reference(sites, siblings, pg_name, seq + 1)
-            if ref is None or after is None or ref == after:
+            here = sites.get((pg_name, seq))
+            if ref is None or after is None or ref == after or here is None:
                 continue
-            for rank, site in here.items():
-                if site == after and site != ref and rank not in found:
+            rank_at, site_at = here
+            for rank in rank_at[site_at == code_of_text[after]].tolist():
+                if rank not in found:
                     found[rank] = (pg_name, seq)
     return found
 
 
 def _reference(
-    sites: dict[tuple[str, int], dict[int, str]], siblings: _Siblings, pg_name: str, seq: int
+    sites: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]],
+    siblings: _Siblings,
+    pg_name: str,
+    seq: int,
 ) -> str | None:
     """The call site most members reach at this seq: the group's strict majority, else its
     siblings'."""
-    own = _majority(sites.get((pg_name, seq), {}).values())
+    here = sites.get((pg_name, seq))
+    own = None if here is None else siblings.top(here[1])
     return own if own is not None else siblings.majority(pg_name, seq)
 
 
@@ -119,19 +128,15 @@ class _Siblings:
             at = self._at[seq] = np.flatnonzero(self.seq_of == seq)
         groups = self.group_codes[at]
         rows = at[of_kind[groups] & (groups != self.code_of.get(pg_name, -2))]
-        counts = np.bincount(self.site_codes[rows], minlength=len(self.texts))
+        return self.top(self.site_codes[rows])
+
+    def top(self, codes: np.ndarray) -> str | None:
+        """The call site most of ``codes`` name, if a strict majority of two or more does."""
+        counts = np.bincount(codes, minlength=len(self.texts))
         if not counts.any():
             return None
         top = int(counts.argmax())
         return _strict_majority(self.texts[top], int(counts[top]), int(counts.sum()))
-
-
-def _majority(values) -> str | None:  # noqa: ANN001
-    counts = Counter(v for v in values if isinstance(v, str))
-    if not counts:
-        return None
-    (top, n), *rest = counts.most_common()
-    return _strict_majority(top, n, sum(counts.values()))
 
 
 def _strict_majority(top: str | None, n: int, total: int) -> str | None:
