@@ -149,6 +149,34 @@ def test_gzipped_dump_reads_natively_through_read(tmp_path: Path) -> None:
     assert native.entries.num_rows == 7
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["every entry", "the last entry only"])
+def test_a_dump_with_split_sizes_is_left_to_python_which_reads_them(
+    where: str, tmp_path: Path
+) -> None:
+    """The parser finds the all_to_all split keys among the entry keys it reads and leaves
+    the dump to Python, the reader of split sizes; ``read`` then gives Python's columns
+    (no scan of the file's bytes first). A key in the top level or in a value is no entry
+    key: such a dump stays native."""
+    dump = fr_dump("2.11", n=4)
+    a2a = {"profiling_name": "nccl:all_to_all", "input_split_sizes": [1, 3],
+           "output_split_sizes": [2, 2]}  # fmt: skip
+    for e in dump["entries"] if where == "every entry" else dump["entries"][-1:]:
+        e.update(a2a)
+    data = pickle.dumps(dump, protocol=2)
+    assert _frpickle.parse(data) is None
+    path = tmp_path / "rank_1.pkl"
+    path.write_bytes(data)
+    got = torch_pickle.read(path)
+    assert got.entries.column("input_split_sizes").to_pylist()[-1] == [1, 3]
+    assert got.entries.column("output_split_sizes").to_pylist()[-1] == [2, 2]
+    assert _plain(got.entries).equals(_plain(torch_pickle.read_python(data, path).entries))
+    # the words elsewhere than as an entry's key: parsed natively
+    other = fr_dump("2.11", n=4, input_split_sizes=[1])
+    other["entries"][0]["thread_name"] = "output_split_sizes"
+    assert _frpickle.parse(pickle.dumps(other, protocol=2)) is not None
+
+
 def _odd_entries() -> dict[str, list]:
     """Entries whose values are odd but legal: each either matches Python or goes to it."""
     e = fr_entry

@@ -28,6 +28,9 @@ try:
     from . import _frpickle
 except ImportError:  # not built (no compiler at install): the Python path reads everything
     _frpickle = None
+# the parser leaves a dump whose entries have all_to_all split keys to Python on its own;
+# a build from before that is kept from such dumps by a scan of the bytes
+_SCAN_FOR_SPLITS = not getattr(_frpickle, "DEFERS_SPLIT_KEYS", 0)
 
 FORMAT = "torch-pickle"
 # Gloo's dumps record ops on groups their pg_config does not list
@@ -53,7 +56,7 @@ def native_available() -> bool:
 
 def read(path: Path) -> RankDump:
     data, stored = read_content(path)
-    if native_available() and not has_split_keys(data):  # splits: Python reads them
+    if native_available() and not (_SCAN_FOR_SPLITS and has_split_keys(data)):
         dump = read_native(data, path, stored)
         if dump is not None:
             return dump

@@ -412,8 +412,10 @@ def _retired_at_issue(table: pa.Table) -> pa.Table:
     names = table["profiling_name"]
     if pa.types.is_dictionary(names.type):
         # no hooked engine among the few distinct names (an NCCL or Gloo dump): done, without
-        # decoding two columns of every entry
-        if not any(pc.any(pc.starts_with(c.dictionary, HOOK_ENGINE)).as_py() for c in names.chunks):
+        # decoding two columns of every entry (the names as Python strings: a dump's dozen
+        # take less than one compute call)
+        distinct = (v for c in names.chunks for v in c.dictionary.to_pylist())
+        if not any(v is not None and v.startswith(HOOK_ENGINE) for v in distinct):
             return table
         names = names.cast(names.type.value_type)
     states = table["state"]
@@ -890,8 +892,8 @@ def _native_columns(
     for key in ("thread_id", "thread_name"):
         codes, values = _codes(native, key)
         cols[key] = _dictionary(codes, [str(v) for v in values])
-    # the native parser does not read the split keys: a dump that has them takes the Python
-    # path (readers.torch_pickle, ``has_split_keys``)
+    # the native parser does not read the split keys: it leaves a dump that has them to the
+    # Python path
     return cols, pg_id_to_name, pg_descs, unmapped, native["bad"]
 
 

@@ -660,6 +660,12 @@ const char* const kKeyNames[NKEYS] = {
     "frames",
 };
 
+// all_to_all split sizes (frtools.formats.torch_fr.SPLIT_KEYS): an entry that has one is
+// not this parser's, the whole dump goes to Python (which reads them). Found here, with the
+// keys the parser looks at anyway, rather than by a scan of every file's bytes.
+const char* const kSplitKeys[] = {"input_split_sizes", "output_split_sizes"};
+constexpr int8_t kSplitKey = -3;
+
 const Key kIntKeys[] = {RECORD_ID,       COLLECTIVE_SEQ_ID, P2P_SEQ_ID,        SEQ_ID,
                         TIME_CREATED_NS, TIME_STARTED_NS,   TIME_COMPLETED_NS, TIMEOUT_MS};
 
@@ -756,6 +762,8 @@ int Extractor::key_index(uint32_t k) {
     std::string_view s = ps_.str(k);
     for (int i = 0; i < NKEYS; ++i)
       if (s == kKeyNames[i]) c = static_cast<int8_t>(i);
+    for (const char* split : kSplitKeys)
+      if (s == split) c = kSplitKey;
   }
   return c;
 }
@@ -822,6 +830,7 @@ bool Extractor::run() {
     for (size_t i = 0; i < pairs.size(); i += 2) {
       if (node(pairs[i]).kind != K_STR) return false;
       int k = key_index(pairs[i]);
+      if (k == kSplitKey) return false;    // all_to_all split sizes: Python reads them
       if (k >= 0) slot[k] = pairs[i + 1];  // a repeated key: the last one wins, as in Python
     }
     uint32_t pn = slot[PROFILING_NAME];
@@ -1316,4 +1325,10 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_frpickle",
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__frpickle(void) { return PyModule_Create(&kModule); }
+PyMODINIT_FUNC PyInit__frpickle(void) {
+  PyObject* m = PyModule_Create(&kModule);
+  // this build leaves a dump with split-size keys to Python itself (older builds did not
+  // look: their callers scanned the bytes first)
+  if (m && PyModule_AddIntConstant(m, "DEFERS_SPLIT_KEYS", 1) < 0) Py_CLEAR(m);
+  return m;
+}
