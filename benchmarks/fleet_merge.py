@@ -67,7 +67,7 @@ def central(folder: Path, verdict: Path, args: argparse.Namespace, runs: int) ->
     env = dict(os.environ)
     if args.limits:
         env["FRTOOLS_LIMITS"] = args.limits
-    done = [measure(argv, args.limit, env) for _ in range(runs)]
+    done = [measure(argv, args.limit, env, args.max_gb) for _ in range(runs)]
     return {
         "time": _fmt_time(done, args.limit),
         "wall_s": _median(done, "wall_s"),
@@ -93,9 +93,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--limit", type=float, default=600)
     ap.add_argument(
+        "--max-gb",
+        type=float,
+        help="kill a central step whose process tree passes this many GiB (a million ranks "
+        "on a small machine); the table says so",
+    )
+    ap.add_argument(
         "--limits",
         default="dump_bytes=1G",
         help="FRTOOLS_LIMITS for the central step (a partial of the whole job is >128 MiB)",
+    )
+    ap.add_argument(
+        "--stop-at",
+        type=int,
+        default=1,
+        help="merge until at most this many partials are left (what --ray hands the driver)",
     )
     ap.add_argument("--dir", default="/dev/shm/frtools-merge")
     ap.add_argument("--reuse", action="store_true", help="reuse the partials of an earlier run")
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     files = sorted(hosts_dir.glob(f"*{PACKED_SUFFIX}"))
     levels = []
     level_dirs = []
-    while len(files) > 1:
+    while len(files) > args.stop_at:
         out = root / f"partials-{args.ranks}-f{args.fan_in}-l{len(levels) + 1}"
         done = sorted(out.glob(f"*{PACKED_SUFFIX}"))
         if args.reuse and len(done) == -(-len(files) // args.fan_in):
@@ -155,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for r in rows:
         verdict = "right" if r["right"] else "WRONG"
+        if r["failed"] == r["runs"]:
+            verdict = "none: no run finished"
         if r["same_as_flat"] is not None:
             verdict += ", = flat" if r["same_as_flat"] else ", DIFFERS from flat"
         print(

@@ -57,6 +57,7 @@ class Run:
     returncode: int | None
     timed_out: bool
     used_mb: float = 0.0  # peak rise of the machine's memory in use (spool files included)
+    over_memory: bool = False  # killed when its process tree passed ``max_gb``
 
 
 def _children(pid: int) -> list[int]:
@@ -88,8 +89,12 @@ def _in_use() -> int:
     return info.get("MemTotal", 0) - info.get("MemAvailable", 0)
 
 
-def measure(argv: list[str], limit: float, env: dict[str, str] | None = None) -> Run:
-    """Run ``argv`` to completion or ``limit`` seconds; its wall time and peak memory."""
+def measure(
+    argv: list[str], limit: float, env: dict[str, str] | None = None, max_gb: float | None = None
+) -> Run:
+    """Run ``argv`` to completion or ``limit`` seconds; its wall time and peak memory.
+    ``max_gb``: the process tree is killed when its summed RSS passes that many GiB (a run
+    that would take the machine's memory, and the benchmark with it, stops there)."""
     base = _in_use()
     t0 = time.perf_counter()
     proc = subprocess.Popen(
@@ -98,10 +103,17 @@ def measure(argv: list[str], limit: float, env: dict[str, str] | None = None) ->
     peak = [0, 0]
     stop = threading.Event()
 
+    over = threading.Event()
+    cap = None if max_gb is None else max_gb * 2**30
+
     def sample() -> None:
         while not stop.is_set():
             peak[0] = max(peak[0], _tree_rss(proc.pid))
             peak[1] = max(peak[1], _in_use() - base)
+            if cap is not None and peak[0] > cap and not over.is_set():
+                over.set()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             stop.wait(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -132,8 +144,9 @@ def measure(argv: list[str], limit: float, env: dict[str, str] | None = None) ->
         max_rss_mb=(rusage.ru_maxrss / 1024) if rusage else 0.0,
         tree_rss_mb=peak[0] / 2**20,
         used_mb=peak[1] / 2**20,
-        returncode=None if timed_out else proc.returncode,
+        returncode=None if timed_out or over.is_set() else proc.returncode,
         timed_out=timed_out,
+        over_memory=over.is_set(),
     )
 
 
@@ -177,6 +190,9 @@ def _median(runs: list[Run], attr: str) -> float:
 def _fmt_time(runs: list[Run], limit: float) -> str:
     if any(r.timed_out for r in runs):
         return f"> {limit:.0f} s"
+    if any(r.over_memory for r in runs):
+        killed = max(r.wall_s for r in runs if r.over_memory)
+        return f"killed at its memory cap after {killed:.1f} s"
     return f"{_median(runs, 'wall_s'):.1f} s"
 
 

@@ -219,10 +219,35 @@ def _zstd(level: int | None = None) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _ranks_text(ranks: tuple[int, ...]) -> str:
-    """Member lists repeat on every rank of a host and across hosts (the default group of
-    131,072 ranks): each distinct list is written once per process."""
+def _members_text(ranks: tuple[int, ...]) -> str:
+    """A member list's text, by its content (equal lists decoded from each rank's box)."""
     return format_ranks(ranks, strides=True)
+
+
+# id(member tuple) -> (the tuple, its text); the tuple is held, so its id is not reused
+_TEXTS: dict[int, tuple[tuple[int, ...], str]] = {}
+_TEXTS_MAX_MEMBERS = 1 << 22
+_texts_members = 0
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    """Member lists repeat on every rank of a host and across hosts (a data-parallel group
+    of 131,072 ranks on each of a million-rank job's hosts): each distinct list is written
+    once per process. A list object met again is found by identity (the content cache hashes
+    and compares the whole list: ~20 ms a host there); at most ``_TEXTS_MAX_MEMBERS``
+    members are held that way."""
+    global _texts_members
+    got = _TEXTS.get(id(ranks))
+    if got is not None and got[0] is ranks:
+        return got[1]
+    text = _members_text(ranks)
+    if _texts_members + len(ranks) > _TEXTS_MAX_MEMBERS:
+        _TEXTS.clear()
+        _texts_members = 0
+    if len(ranks) <= _TEXTS_MAX_MEMBERS:
+        _TEXTS[id(ranks)] = (ranks, text)
+        _texts_members += len(ranks)
+    return text
 
 
 def _shuffle(a: np.ndarray) -> bytes:
@@ -258,7 +283,7 @@ def encode_packed(
     for s in summaries:
         mine = []
         for g in s.groups:
-            text = _ranks_text(tuple(g.ranks)) if g.ranks else ""
+            text = _ranks_text(tuple(g.ranks)) if g.ranks else ""  # a tuple stays itself
             key = (g.name, g.desc, text, g.local_peers)
             hg = groups.setdefault(key, len(groups))
             mine.append(
