@@ -593,29 +593,21 @@ def _summarize(
 ) -> WaitForGraph:
     """Roots, waiting ranks and cycles of the graph (a fixpoint over the functional
     rank -> point map)."""
-    # each blocked rank's targets, once (131,072 ranks: the fixpoint below asks again),
-    # point by point: the ranks blocked at one point share its target set (the object
-    # itself, unless a rank is among its own targets)
-    by_key: dict[int, tuple[PointKey, list[int]]] = {}
-    for r, key in blocked_at.items():
-        found = by_key.get(id(key))
-        if found is None:
-            found = by_key[id(key)] = (key, [])
-        found[1].append(r)
+    # each blocked rank's targets, once (131,072 ranks: the fixpoint below asks again);
+    # ranks blocked at one point share its key object: its point is looked up once, and
+    # they share its target set object (unless a rank is among its own targets)
     targets: dict[int, frozenset[int]] = {}
+    point_by_key: dict[int, Point] = {}
     # a rank blocked in an op it issued against what the op requires is a root too, even
     # when the member it disagrees with left no record to wait for it
     targeted: set[int] = set()
-    none: frozenset[int] = frozenset()
-    for key, ranks in by_key.values():
-        point = points[key]
-        minority, shared = point.minority, point.targets
-        if not minority and not shared:
-            targets.update(dict.fromkeys(ranks, none))
-            continue
-        for r in ranks:
-            targets[r] = none if r in minority else shared - {r} if r in shared else shared
-        targeted.update(minority.intersection(ranks))
+    for r, key in blocked_at.items():
+        point = point_by_key.get(id(key))
+        if point is None:
+            point = point_by_key[id(key)] = points[key]
+        targets[r] = _targets_at(point, r)
+        if r in point.minority:
+            targeted.add(r)
     waiting = {r for r, t in targets.items() if t}
     for t in {id(t): t for r, t in targets.items() if t}.values():
         targeted |= t
