@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from frtools.analyze.align import _duplicated_units, align, as_texts
+from frtools.analyze.align import _duplicated_units, align, as_texts, text_series
 from frtools.model.trace import ProcessGroup, RankInfo, Trace, entries_table
 
 pytestmark = pytest.mark.timeout(60)
@@ -175,3 +175,16 @@ def test_as_texts_is_astype_str_to_numpy(values: pd.Series) -> None:
         None if isinstance(v, float) else v for v in want
     ]
     assert all(type(v) is str or (isinstance(v, float) and np.isnan(v)) for v in got)
+
+
+def test_text_series_keeps_python_strings_so_isin_and_merges_hash_them() -> None:
+    """A key column built for ``isin`` and merges stays object dtype under pandas 3 (an
+    Arrow string column converts every value asked for one at a time), with the values of
+    ``as_texts``, and a frame built from it keeps it so."""
+    values = pd.Series(pd.Categorical(["tp", None, "dp", "tp"]), index=[7, 8, 9, 10])
+    got = text_series(values)
+    assert got.dtype == object and got.index.tolist() == [0, 1, 2, 3]
+    assert got.iloc[[0, 2, 3]].tolist() == ["tp", "dp", "tp"] and pd.isna(got.iloc[1])
+    frame = pd.DataFrame({"pg_name": got, "seq": np.arange(4)})
+    assert frame["pg_name"].dtype == object
+    assert frame["pg_name"].isin({"tp"}).tolist() == [True, False, False, True]

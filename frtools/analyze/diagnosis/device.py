@@ -36,7 +36,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from frtools.analyze.align import Alignment, as_texts
+from frtools.analyze.align import Alignment, text_series
 from frtools.model.codes import among
 from frtools.model.ops import OpFamily, family_of
 from frtools.model.trace import Trace
@@ -113,7 +113,7 @@ def counters(al: Alignment) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "rank": ps["rank"].to_numpy(dtype=np.int64),
-            "pg_name": as_texts(ps["pg_name"]),
+            "pg_name": text_series(ps["pg_name"]),
             "enqueued": ps["ps_enqueued"].to_numpy(dtype=np.int64),
             "completed": ps["ps_completed"].to_numpy(dtype=np.int64),
         }
@@ -234,9 +234,9 @@ def host_calls(trace: Trace, al: Alignment, counted: pd.DataFrame) -> dict[int, 
     keyed = pd.DataFrame(
         {
             "rank": coll["rank"].take(rows).to_numpy(dtype=np.int64),
-            "pg_name": as_texts(coll["pg_name"].take(rows)),
+            "pg_name": text_series(coll["pg_name"].take(rows)),
             "seq": coll["seq"].take(rows).to_numpy(dtype=np.int64),
-            "op": as_texts(coll["op"].take(rows)),
+            "op": text_series(coll["op"].take(rows)),
             "t": coll["time_created_ns"].take(rows).to_numpy(dtype=np.int64),
         }
     ).merge(counters, on=["rank", "pg_name"])

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from frtools.analyze.align import SIGNATURE_COLUMNS, as_texts
+from frtools.analyze.align import SIGNATURE_COLUMNS, text_series
 from frtools.model.codes import among
 from frtools.model.ops import OP, family_of, parts_must_agree, semantics
 
@@ -220,7 +220,7 @@ class _Builder:
         }
         keys = pd.DataFrame(
             {
-                "pg_name": as_texts(ops["pg_name"]),
+                "pg_name": text_series(ops["pg_name"]),
                 "seq": ops["seq"].to_numpy("int64"),
             }
         )
@@ -232,7 +232,9 @@ class _Builder:
         done = self.done.eq(True).fillna(False).to_numpy(dtype=bool)
         at = c["seq"].isin(asked["seq"].unique()).to_numpy() & done
         # the two columns of those rows, not every column (millions of rows at fleet scale)
-        near = pd.DataFrame({"pg_name": as_texts(c["pg_name"][at]), "seq": c["seq"].to_numpy()[at]})
+        near = pd.DataFrame(
+            {"pg_name": text_series(c["pg_name"][at]), "seq": c["seq"].to_numpy()[at]}
+        )
         done = near.merge(asked, on=["pg_name", "seq"]).drop_duplicates()
         if not len(done):
             return lagging
