@@ -471,7 +471,7 @@ def profile(args: argparse.Namespace) -> None:
     import cProfile
     import pstats
 
-    from frtools.analyze.memory import arrow_from_the_heap, keep_freed_memory, spare_the_collector
+    from frtools.analyze.memory import keep_freed_memory, spare_the_collector
     from frtools.analyze.readers import load_trace
 
     d = (
@@ -479,8 +479,7 @@ def profile(args: argparse.Namespace) -> None:
         if args.profile_folder
         else make_dumps(Path(args.dir), args.profile, args.entries, "torch", args.tp, args.pp)
     )
-    if keep_freed_memory():  # as frtools analyze does
-        arrow_from_the_heap()
+    keep_freed_memory()  # as frtools analyze does
     marks = [("start", time.perf_counter(), _cpu())]
     trace = load_trace(d)
     marks.append(("load_trace", time.perf_counter(), _cpu()))

@@ -4,8 +4,10 @@ Aligning millions of entries allocates and frees many arrays of hundreds of MB. 
 serves each from a fresh ``mmap`` and unmaps it on free, so every one is faulted in again,
 and numpy asks for transparent huge pages on each, which makes the kernel compact memory
 on those faults. On a VM that system time dwarfed the work (4,096 ranks: align and
-diagnose 5.2 s system + 2.6 s user; 0.8 s + 2.4 s with both settings below). The
-alignment takes Arrow's buffers from the same heap. Only the
+diagnose 5.2 s system + 2.6 s user; 0.8 s + 2.4 s with both settings below). Arrow's
+buffers still came as huge pages (its pool, mimalloc, and in an analysis the heap too),
+so the process turns transparent huge pages off for itself (concatenating a 67 MB column
+into fresh memory: 0.19 s -> 0.035 s; 131,072 ranks: align 3.0 -> 2.55 s). Only the
 ``frtools analyze`` process (and the reader processes it forks) does this; the recorder
 never does.
 """
@@ -16,17 +18,18 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
-import os
 import sys
 from collections.abc import Iterator
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
+_PR_SET_THP_DISABLE = 41
 
 
 def keep_freed_memory() -> bool:
-    """Ask glibc to serve large blocks from the heap and keep freed memory, and numpy not
-    to madvise huge pages; False where that is not glibc (the defaults then stay)."""
+    """Ask glibc to serve large blocks from the heap and keep freed memory, numpy not to
+    madvise huge pages and the kernel to give this process (and those it forks) no
+    transparent huge pages; False where that is not glibc (the defaults then stay)."""
     if not sys.platform.startswith("linux"):
         return False
     _no_huge_pages()
@@ -35,25 +38,11 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
+    with contextlib.suppress(AttributeError):  # a kernel before 3.15 says EINVAL: no harm
+        libc.prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0)
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
-
-
-def arrow_from_the_heap() -> None:
-    """From now on, Arrow's buffers from glibc's heap too (with ``keep_freed_memory``),
-    unless the user chose a pool (``ARROW_DEFAULT_MEMORY_POOL``). Its default pool
-    (mimalloc) maps fresh memory for each large buffer a concatenation makes, and faulting
-    it in cost more than the copy: the heap reuses what reading freed (131,072 ranks:
-    each int64 column of the alignment frame 100-180 ms from mimalloc, ~20 ms from the
-    heap; align 3.0 -> 2.5 s). Set before reading: set after it, the alignment found no
-    freed heap to reuse and gained nothing."""
-    if os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
-        return
-    import pyarrow as pa
-
-    with contextlib.suppress(Exception):  # a pyarrow without it keeps its default
-        pa.set_memory_pool(pa.system_memory_pool())
 
 
 def _no_huge_pages() -> None:

@@ -234,19 +234,13 @@ def load_and_diagnose(
 ) -> tuple[Any, Any, Any]:
     """Read the dumps under ``path``, align them once and diagnose: ``(trace, alignment,
     verdict)``. Unusable input is a one-line error, exit 2."""
-    from frtools.analyze.memory import (
-        arrow_from_the_heap,
-        keep_freed_memory,
-        no_cyclic_gc,
-        spare_the_collector,
-    )
+    from frtools.analyze.memory import keep_freed_memory, no_cyclic_gc, spare_the_collector
     from frtools.analyze.readers import UnusableInput, load_trace
 
     def import_diagnosis() -> None:  # pandas & co: 0.5 s, while the readers work
         import frtools.analyze.diagnose  # noqa: F401
 
-    if keep_freed_memory():
-        arrow_from_the_heap()
+    keep_freed_memory()
     # what was read is frozen before the collector is on again: re-enabled first, it would
     # scan every object read (131,072 ranks' records: 0.3 s) at the next allocation
     with no_cyclic_gc():
