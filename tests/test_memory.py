@@ -12,6 +12,7 @@ _PROBE = """
 import ctypes, os
 from frtools.analyze.memory import keep_freed_memory
 libc = ctypes.CDLL("libc.so.6")
+libc.prctl(41, 0, 0, 0, 0)  # PR_SET_THP_DISABLE 0: an analysis earlier in the tests' process set it
 before = libc.prctl(42, 0, 0, 0, 0)  # PR_GET_THP_DISABLE
 kept = keep_freed_memory()
 pid = os.fork()
