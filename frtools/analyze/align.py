@@ -490,10 +490,11 @@ def as_texts(values: pd.Series) -> np.ndarray:
 
 
 def text_series(values: pd.Series) -> pd.Series:
-    """``as_texts`` as a Series that keeps Python str objects, for a key column of a frame
-    that is merged or ``isin``-tested: pandas 3 would make it an Arrow string column, whose
-    ``isin`` converts every value asked for one at a time (131,072 ranks: a set of ~400,000
-    group names, 0.07-0.09 s a call) and whose construction copies every row into Arrow."""
+    """``as_texts`` as a Series that keeps Python str objects, for a text column of a frame
+    built to be merged or ``isin``-tested: pandas 3 would make it an Arrow string column,
+    whose construction copies every row into Arrow and whose ``isin`` converts every value
+    asked for one at a time (131,072 ranks: a set of ~400,000 group names, 0.07-0.09 s a
+    call)."""
     return pd.Series(as_texts(values), dtype=object, copy=False)
 
 
