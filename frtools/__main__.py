@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+from frtools.analyze import memory
 from frtools.cli import main
 from frtools.commands import _common
 
@@ -30,6 +31,7 @@ class _NoPandas:
 def entry() -> None:
     """:func:`frtools.cli.main` in a process of its own."""
     _common.OWN_PROCESS = True
+    memory.exits_at_once()
     if sys.argv[1:2] and sys.argv[1] in WITHOUT_PANDAS and "pandas" not in sys.modules:
         sys.meta_path.insert(0, _NoPandas())
     main()

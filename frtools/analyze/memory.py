@@ -76,6 +76,26 @@ def no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
+# what a process that ends with ``os._exit`` keeps to its end (``keep_until_exit``)
+_KEPT: list[object] = []
+_EXITS_AT_ONCE = False
+
+
+def exits_at_once() -> None:
+    """This process ends with ``os._exit`` once its output is out (a command's own): what
+    ``keep_until_exit`` is given then stays, never freed one object at a time."""
+    global _EXITS_AT_ONCE
+    _EXITS_AT_ONCE = True
+
+
+def keep_until_exit(*objects: object) -> None:
+    """Keep ``objects`` (a stage's leftovers: 131,072 ranks' dumps, ~0.3 s to free one
+    object at a time) alive to the end of a process that ``exits_at_once``; elsewhere (a
+    program that imports frtools) they are freed as usual."""
+    if _EXITS_AT_ONCE:
+        _KEPT.append(objects)
+
+
 def spare_the_collector() -> None:
     """Take every object alive now out of the cyclic GC's scans (``gc.freeze``): what was
     read stays until the process ends, and aligning and diagnosing 131,072 ranks otherwise

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from frtools.analyze import membership
+from frtools.analyze.memory import keep_until_exit
 from frtools.formats import limits
 from frtools.model.ranks import MAX_WORLD_SIZE, valid_world_size
 from frtools.model.trace import InputFile, Trace, concat_entries
@@ -183,6 +184,7 @@ def _load_trace(
     for info in trace.ranks.values():
         if info.world_size is None:
             info.world_size = world_size
+    keep_until_exit(dumps, chosen, spans)  # the trace holds what is needed of them
     return trace
 
 
