@@ -48,11 +48,10 @@ from frtools.model.trace import (
     ProcessGroup,
     RankInfo,
     entries_table,
-    is_default,
 )
 
 from .base import DumpError, RankDump, read_content
-from .frtools_snapshot import ALL_RANKS_ABOVE, call_site_of, split_columns
+from .frtools_snapshot import all_ranks_of, call_site_of, split_columns
 
 FORMAT = "frtools-summary"
 # a summary's group table names every group its ops are on
@@ -106,7 +105,7 @@ def summary_to_rank_dump(summary: RankSummary, source: str) -> RankDump:
     process_groups = {}
     for g in summary.groups:
         ranks = g.ranks
-        if _all_ranks_of(g.name, g.desc, ranks, world):
+        if all_ranks_of(g.name, g.desc, ranks, world):
             default_pg_all = True
             ranks = ()
         process_groups[g.name] = ProcessGroup(name=g.name, desc=g.desc, ranks=ranks)
@@ -201,20 +200,6 @@ def _rank_info(
         exit_detail=r.exit_detail,
         last_heartbeat_ns=r.heartbeat_ns,
         startup_phase=r.startup_phase,
-    )
-
-
-def _all_ranks_of(name: str, desc: str, ranks: tuple[int, ...], world: int | None) -> bool:
-    """The default group of a big job, listing every rank: passed as "all ranks" (as the
-    snapshot reader does), checked without comparing 100,000-int tuples (members are sorted
-    and distinct, so first, last and count decide)."""
-    return (
-        is_default(name, desc)
-        and world is not None
-        and world > ALL_RANKS_ABOVE
-        and len(ranks) == world
-        and ranks[0] == 0
-        and ranks[-1] == world - 1
     )
 
 
@@ -522,7 +507,7 @@ def _rank_dumps(
             found = shared.get((hg, r.world_size))
             if found is None:
                 name, desc, _text, ranks, local = packed.groups[hg]
-                everyone = _all_ranks_of(name, desc, ranks, r.world_size)
+                everyone = all_ranks_of(name, desc, ranks, r.world_size)
                 pg = ProcessGroup(name, desc, () if everyone else ranks)
                 found = shared[(hg, r.world_size)] = (pg, everyone, bool(local))
             pg, everyone, local = found
