@@ -442,3 +442,39 @@ def test_a_box_of_this_host_is_running_or_killed_by_its_process(tmp_path):
     struct.pack_into("<q", data, blackbox.HEADER_OFFSETS["created_ns"], time.time_ns() + 10**12)
     path.write_bytes(bytes(data))
     assert reader.read(path).rank_info.exit_kind == "running"
+
+
+@pytest.mark.timeout(60)
+def test_a_chunk_of_boxes_reads_as_one_table_equal_to_the_boxes_read_one_by_one(hung_job, tmp_path):
+    """A worker's chunk of boxes becomes one table (one Arrow array per column, not ~30 per
+    box): row for row what each box gives alone, in Arrow's unified dictionaries' order,
+    and a damaged box in the middle costs only itself."""
+    from frtools.model.trace import concat_entries
+
+    for rank in range(WORLD):
+        shutil.copy(hung_job / f"rank_{rank}.frt", tmp_path / f"rank_{rank}.frt")
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(write_rank(other, rank=1, hang_rank=1), tmp_path / "rank_4.frt")
+    (tmp_path / "rank_5.frt").write_bytes((hung_job / "rank_1.frt").read_bytes()[:6000])
+    empty = native.BlackBox(str(tmp_path / "rank_6.frt"), 16, 1 << 12, json.dumps({"rank": 6}))
+    empty.add_process_group("0", "default_pg", [6])
+    empty.close()
+    files = [tmp_path / f"rank_{r}.frt" for r in (0, 1, 5, 2, 6, 3, 4)]
+
+    outs, table, rows = reader.read_many(files)
+
+    assert isinstance(outs[2], DumpError) and "truncated frtools snapshot" in str(outs[2])
+    assert rows[2] == [] and rows[4] == [0]
+    alone = [reader.read(f) for f in files if f.name != "rank_5.frt"]
+    assert table.equals(concat_entries([d.entries for d in alone]).combine_chunks())
+    offset = 0
+    batched = [out[0] for out in outs if not isinstance(out, Exception)]
+    for one, many, (n,) in zip(alone, batched, [r for r in rows if r], strict=True):
+        assert many.entries is None and n == one.entries.num_rows
+        part = table.slice(offset, n)
+        assert part.to_pylist() == one.entries.to_pylist()
+        offset += n
+        assert many.rank_info == one.rank_info and many.notes == one.notes
+        assert many.process_groups == one.process_groups
+    assert offset == table.num_rows == sum(d.entries.num_rows for d in alone) > 0

@@ -7,6 +7,7 @@ dictionary ``take`` — thousands of snapshots read in seconds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,7 @@ RECORDS_ENDING = True
 # default groups of jobs larger than this are passed as "all ranks" (RankDump.default_pg_all)
 ALL_RANKS_ABOVE = 1024
 
-_STATES = pa.array(STATE_NAMES, type=pa.string())
+_STATES = list(STATE_NAMES)
 
 
 def sniff(path: Path, head: bytes) -> bool:
@@ -51,13 +52,41 @@ def sniff(path: Path, head: bytes) -> bool:
 
 def read(path: Path) -> RankDump:
     """One rank's black box -> RankDump (global ranks, canonical strings, real groups)."""
+    return snapshot_to_rank_dump(_snapshot(path), str(path))
+
+
+def read_many(
+    paths: list[Path],
+) -> tuple[list[list[RankDump] | Exception], pa.Table, list[list[int]]]:
+    """Several boxes at once (a worker's chunk of files): per file its RankDump, or the
+    error that refused it (worded by the loader as for one file), and the entries of all of
+    them as one table (``rows``: per file its dump's row count in it, in order; the dumps'
+    ``entries`` are None). One Arrow array per column for the chunk: per box, its ~30
+    small arrays cost more than its parse."""
+    out: list[list[RankDump] | Exception] = []
+    rows: list[list[int]] = []
+    boxes: list[_BoxColumns] = []
+    for path in paths:
+        try:
+            dump, box = _rank_dump_of(_snapshot(path), str(path))
+        except Exception as e:  # noqa: BLE001 - one file's failure, as read_one words it
+            out.append(e)
+            rows.append([])
+            continue
+        out.append([dump])
+        rows.append([0 if box is None else box.n])
+        if box is not None:
+            boxes.append(box)
+    return out, _entries_table(boxes) if boxes else ENTRY_SCHEMA.empty_table(), rows
+
+
+def _snapshot(path: Path) -> Snapshot:
     try:
-        snap = read_snapshot(path)
+        return read_snapshot(path)
     except SnapshotError as e:
         raise DumpError(str(e)) from None
     except OSError as e:
         raise DumpError(f"cannot read: {e.strerror or e}") from None
-    return snapshot_to_rank_dump(snap, str(path))
 
 
 def _opt_str(value: object) -> str | None:
@@ -79,6 +108,14 @@ def call_site_of(stack: str) -> str | None:
 
 def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
     """Map a parsed snapshot onto the Trace model."""
+    dump, box = _rank_dump_of(snap, source)
+    dump.entries = ENTRY_SCHEMA.empty_table() if box is None else _entries_table([box])
+    return dump
+
+
+def _rank_dump_of(snap: Snapshot, source: str) -> tuple[RankDump, _BoxColumns | None]:
+    """The snapshot's RankDump, its ``entries`` None, and its entries as columns (None:
+    it holds none)."""
     ident = snap.identity
     header = snap.header
     notes = list(snap.notes)
@@ -144,17 +181,17 @@ def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
             default_pg_all = True
             ranks = ()
         process_groups[g.name] = ProcessGroup(name=g.name, desc=g.desc, ranks=ranks)
-    entries = _entries(snap, rank, backend, len(groups))
     max_created = int(snap.slots["time_created_ns"].max()) if len(snap.slots) else None
-    return RankDump(
+    dump = RankDump(
         rank_info=info,
-        entries=entries,
+        entries=None,  # type: ignore[arg-type]
         process_groups=process_groups,
         bad_entries=snap.torn,
         notes=notes,
         max_time_created_ns=max_created,
         default_pg_all=default_pg_all,
     )
+    return dump, _columns(snap, rank, backend, len(groups))
 
 
 def all_ranks_of(name: str, desc: str, ranks: tuple[int, ...], world: int | None) -> bool:
@@ -171,24 +208,43 @@ def all_ranks_of(name: str, desc: str, ranks: tuple[int, ...], world: int | None
     )
 
 
-def _take(dictionary: pa.Array, indices: np.ndarray, valid: np.ndarray | None = None) -> pa.Array:
-    """A dictionary column: the entries keep int32 codes into the few distinct values
-    (a null value in the dictionary becomes a null code: Arrow cannot unify the former).
-    Values that repeat (two stacks with one call site, two ids of one text) are merged:
-    a dictionary's values are distinct, as pandas' categories must be."""
-    if dictionary.null_count:
-        null_code = np.asarray(dictionary.is_null())[indices]
-        valid = ~null_code if valid is None else valid & ~null_code
-        dictionary = dictionary.fill_null("")
-    values = dictionary.to_pylist()
-    first = dict.fromkeys(values)
-    if len(first) < len(values):
-        code = {v: i for i, v in enumerate(first)}
-        remap = np.array([code[v] for v in values], dtype=np.int32)
-        indices = remap[indices]
-        dictionary = pa.array(list(first), type=dictionary.type)
-    idx = pa.array(indices.astype(np.int32, copy=False), mask=None if valid is None else ~valid)
-    return pa.DictionaryArray.from_arrays(idx, dictionary)
+# a dictionary column of one box before Arrow: its dictionary's values (a None is a null
+# value), each row's int32 index into them, and which rows are valid (None: all)
+_DictParts = tuple[list, np.ndarray, "np.ndarray | None"]
+
+
+def _dictionary_column(parts: list[_DictParts]) -> pa.Array:
+    """One dictionary column of several boxes' ``parts``: the rows keep int32 codes into
+    the few distinct values, a null value in a dictionary becomes a null code (Arrow cannot
+    unify the former), and the values are distinct (two stacks with one call site, two ids
+    of one text are merged: pandas' categories must be). The values are in order of first
+    appearance, box after box, as Arrow's dictionary unification orders them."""
+    code: dict[str, int] = {}
+    codes = []
+    valids = []
+    masked = False
+    for values, indices, valid in parts:
+        remap = np.array(
+            [code.setdefault("" if v is None else v, len(code)) for v in values], dtype=np.int32
+        )
+        if any(v is None for v in values):
+            null_code = np.array([v is None for v in values], dtype=bool)[indices]
+            valid = ~null_code if valid is None else valid & ~null_code
+        codes.append(remap[indices])
+        valids.append(valid)
+        masked = masked or valid is not None
+    mask = None
+    if masked:
+        mask = ~np.concatenate(
+            [
+                np.ones(len(c), dtype=bool) if v is None else v
+                for c, v in zip(codes, valids, strict=True)
+            ]
+        )
+    indices = np.concatenate(codes) if len(codes) > 1 else codes[0]
+    return pa.DictionaryArray.from_arrays(
+        pa.array(indices, mask=mask), pa.array(list(code), type=pa.string())
+    )
 
 
 _SPLITS = pa.list_(pa.int64())
@@ -207,9 +263,23 @@ def split_columns(texts: list[str], idx: np.ndarray) -> dict[str, pa.Array]:
     return {"input_split_sizes": sent.take(take), "output_split_sizes": received.take(take)}
 
 
-def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> pa.Table:
+@dataclass
+class _BoxColumns:
+    """One box's entries before Arrow: numeric columns as (values, null mask) and
+    dictionary columns as ``_DictParts``; ``_entries_table`` turns the columns of several
+    boxes into one table (a worker's chunk of boxes: one Arrow array per column, not one per
+    box and column, then one concatenation)."""
+
+    n: int
+    numbers: dict[str, tuple[np.ndarray, np.ndarray | None]]
+    texts: dict[str, _DictParts]
+    splits: dict[str, pa.Array]
+
+
+def _columns(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> _BoxColumns | None:
+    """The box's entries as columns; None when it holds none."""
     if len(snap.slots) == 0:
-        return ENTRY_SCHEMA.empty_table()
+        return None
     # contiguous copies of the fields: Arrow converts a strided numpy view 30x slower
     c = {name: np.ascontiguousarray(snap.slots[name]) for name in SLOT_DTYPE.names}
     n = len(snap.slots)
@@ -223,25 +293,21 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
     inverse = inverse.astype(np.int32, copy=False)
     texts = snap.strings(uniq)
     col_index = {name: inverse[k * n : (k + 1) * n] for k, name in enumerate(STRING_COLUMNS)}
-    text_dict = pa.array(texts, type=pa.string())
     none = uniq == STRING_NONE
 
-    ops = pa.array([op_name(t) for t in texts], type=pa.string())
-    profiling = pa.array(
-        [t if (":" in t or not backend or not t) else f"{backend}:{t}" for t in texts],
-        type=pa.string(),
-    )
-    sites = pa.array([call_site_of(t) for t in texts], type=pa.string())
+    ops = [op_name(t) for t in texts]
+    profiling = [t if (":" in t or not backend or not t) else f"{backend}:{t}" for t in texts]
+    sites = [call_site_of(t) for t in texts]
 
-    def column(name: str, dictionary: pa.Array, none_is_null: bool) -> pa.Array:
+    def column(name: str, dictionary: list, none_is_null: bool) -> _DictParts:
         idx = col_index[name]
-        return _take(dictionary, idx, ~none[idx] if none_is_null else None)
+        return dictionary, idx, ~none[idx] if none_is_null else None
 
     pg = c["pg"]
     pg_valid = (pg >= 0) & (pg < n_groups)
-    pg_idx = np.where(pg_valid, pg, 0)
-    pg_names = pa.array([g.name for g in snap.groups] or [""], type=pa.string())
-    pg_descs = pa.array([g.desc for g in snap.groups] or [""], type=pa.string())
+    pg_idx = np.where(pg_valid, pg, 0).astype(np.int32, copy=False)
+    pg_names = [g.name for g in snap.groups] or [""]
+    pg_descs = [g.desc for g in snap.groups] or [""]
 
     thread = c["thread_id"]
     if (thread == thread[0]).all():  # one thread issues every op: no sort
@@ -253,43 +319,67 @@ def _entries(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> p
     completed = c["time_completed_ns"]
     duration = c["duration_ms"]
     state = c["state"]
+    return _BoxColumns(
+        n=n,
+        numbers={
+            "rank": (np.full(n, rank, dtype=np.int32), None),
+            "record_id": (c["record_id"], None),
+            "collective_seq_id": (c["collective_seq_id"], None),
+            "p2p_seq_id": (c["p2p_seq_id"], None),
+            "is_p2p": (c["is_p2p"] != 0, None),
+            "peer": (peer, peer < 0),
+            "time_created_ns": (c["time_created_ns"], None),
+            "time_started_ns": (started, started == 0),
+            "time_completed_ns": (completed, completed == 0),
+            "duration_ms": (duration, np.isnan(duration)),
+            "retired": (state == 3, None),
+        },
+        texts={
+            "pg_name": (pg_names, pg_idx, pg_valid),
+            "pg_desc": (pg_descs, pg_idx, pg_valid),
+            "op": column("op", ops, none_is_null=False),
+            "profiling_name": column("op", profiling, none_is_null=False),
+            "input_sizes": column("input_sizes", texts, none_is_null=False),
+            "output_sizes": column("output_sizes", texts, none_is_null=False),
+            "input_dtypes": column("input_dtypes", texts, none_is_null=False),
+            "output_dtypes": column("output_dtypes", texts, none_is_null=False),
+            "state": (_STATES, state.astype(np.int32), state > 0),
+            "thread_id": ([str(t) for t in threads.tolist()], thread_idx.astype(np.int32), None),
+            "thread_name": column("thread_name", texts, none_is_null=True),
+            "call_site": column("stack", sites, none_is_null=True),
+            # stacks repeat across thousands of entries: dictionary-encoded, as the schema
+            # says
+            "stack": column("stack", texts, none_is_null=True),
+            # the backend's exception text of a failed op (its state stays as it was: a
+            # failed op never completed); null for every op that did not fail
+            "error": column("error", texts, none_is_null=True),
+        },
+        splits=split_columns(texts, col_index["splits"]),
+    )
 
-    arrays = {
-        "rank": pa.array(np.full(n, rank, dtype=np.int32)),
-        "record_id": pa.array(c["record_id"]),
-        "pg_name": _take(pg_names, pg_idx, pg_valid),
-        "pg_desc": _take(pg_descs, pg_idx, pg_valid),
-        "collective_seq_id": pa.array(c["collective_seq_id"]),
-        "p2p_seq_id": pa.array(c["p2p_seq_id"]),
-        "is_p2p": pa.array(c["is_p2p"] != 0),
-        "op": column("op", ops, none_is_null=False),
-        "profiling_name": column("op", profiling, none_is_null=False),
-        "peer": pa.array(peer, mask=peer < 0),
-        "input_sizes": column("input_sizes", text_dict, none_is_null=False),
-        "output_sizes": column("output_sizes", text_dict, none_is_null=False),
-        "input_dtypes": column("input_dtypes", text_dict, none_is_null=False),
-        "output_dtypes": column("output_dtypes", text_dict, none_is_null=False),
-        "state": _take(_STATES, state, state > 0),
-        "time_created_ns": pa.array(c["time_created_ns"]),
-        "time_started_ns": pa.array(started, mask=started == 0),
-        "time_completed_ns": pa.array(completed, mask=completed == 0),
-        "duration_ms": pa.array(duration, mask=np.isnan(duration)),
-        "retired": pa.array(state == 3),
-        "timeout_ms": pa.nulls(n, type=pa.int64()),
-        "thread_id": _take(pa.array([str(t) for t in threads.tolist()]), thread_idx),
-        "thread_name": column("thread_name", text_dict, none_is_null=True),
-        "call_site": column("stack", sites, none_is_null=True),
-        # stacks repeat across thousands of entries: dictionary-encoded, as the schema says
-        "stack": column("stack", text_dict, none_is_null=True),
-        # the backend's exception text of a failed op (its state stays as it was: a failed op
-        # never completed); null for every op that did not fail
-        "error": column("error", text_dict, none_is_null=True),
-    }
-    arrays.update(split_columns(texts, col_index["splits"]))
+
+def _entries_table(boxes: list[_BoxColumns]) -> pa.Table:
+    """The entries of ``boxes`` (each holding some), one after the other, as one table."""
+    total = sum(b.n for b in boxes)
+    arrays: dict[str, pa.Array] = {}
+    for name in boxes[0].numbers:
+        parts = [b.numbers[name] for b in boxes]
+        values = np.concatenate([v for v, _ in parts]) if len(parts) > 1 else parts[0][0]
+        mask = None
+        if parts[0][1] is not None:
+            mask = np.concatenate([m for _, m in parts]) if len(parts) > 1 else parts[0][1]
+        arrays[name] = pa.array(values, mask=mask)
+    for name in boxes[0].texts:
+        arrays[name] = _dictionary_column([b.texts[name] for b in boxes])
+    arrays["timeout_ms"] = pa.nulls(total, type=pa.int64())
+    for name in {name for b in boxes for name in b.splits}:
+        arrays[name] = pa.concat_arrays(
+            [b.splits.get(name, pa.nulls(b.n, type=_SPLITS)) for b in boxes]
+        )
     columns = []
     for f in ENTRY_SCHEMA:
         array = arrays.get(f.name)
         if array is None:  # a column this format does not carry yet
-            array = pa.nulls(n, type=f.type)
+            array = pa.nulls(total, type=f.type)
         columns.append(array if array.type == f.type else array.cast(f.type))
     return pa.Table.from_arrays(columns, schema=ENTRY_SCHEMA)
