@@ -154,6 +154,29 @@ def test_duplicated_units_are_the_rows_sharing_rank_group_and_seq(top_seq):
     assert not _duplicated_units(frame.drop_duplicates()).any()
 
 
+@pytest.mark.parametrize("ranks", [40, 3000])  # (rank, group in use) numbered by a table; hashed
+def test_duplicated_units_of_a_group_table_mostly_unused(ranks):
+    """Boxes list every group of their rank, most of which no entry is on: the (rank, group)
+    units are numbered among the groups in use, with the same answer as hashing them."""
+    rng = np.random.default_rng(11)
+    n = 3000
+    names = [f"g{i}" for i in range(20000)]  # the categories: every group of every table
+    used = rng.choice(len(names), 6, replace=False)
+    frame = pd.DataFrame(
+        {
+            "rank": rng.integers(0, ranks, n).astype(np.int32),
+            "pg_name": pd.Categorical.from_codes(
+                rng.choice(np.append(used, -1), n), categories=names
+            ),
+            "collective_seq_id": rng.integers(1, 30, n),
+        }
+    )
+    expected = frame.duplicated(keep=False).to_numpy()
+    assert 0 < expected.sum() < n
+    assert _duplicated_units(frame).tolist() == expected.tolist()
+    assert not _duplicated_units(frame.drop_duplicates()).any()
+
+
 @pytest.mark.parametrize(
     "values",
     [
