@@ -59,7 +59,7 @@ alive = weakref.ref(kept)
 memory.keep_until_exit(kept)
 del kept
 trace = load_trace(sys.argv[1])
-dumps = {d.rank_info.rank for kept in memory._KEPT[1:] for d in kept[0]}
+dumps = {d.rank_info.rank for kept in memory._KEPT[1:] for d in kept[0] if d.entries is None}
 print(*library, alive() is not None, dumps == set(trace.ranks))
 """
 

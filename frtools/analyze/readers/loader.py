@@ -184,7 +184,10 @@ def _load_trace(
     for info in trace.ranks.values():
         if info.world_size is None:
             info.world_size = world_size
-    keep_until_exit(dumps, chosen, spans)  # the trace holds what is needed of them
+    # the per-rank objects reading left, not their tables (the trace holds what it needs)
+    for d in dumps:
+        d.entries = None  # type: ignore[assignment]
+    keep_until_exit(dumps, chosen)
     return trace
 
 
