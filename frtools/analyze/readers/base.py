@@ -59,7 +59,7 @@ class Capabilities:
     records_ending: bool = False
     # one file may hold several ranks (``read_all``: a host summary)
     several_ranks: bool = False
-    # many files are read in one call (``read_many``: packed host summaries)
+    # many files are read in one call (``read_many``: packed host summaries, black boxes)
     batches: bool = False
 
     @classmethod

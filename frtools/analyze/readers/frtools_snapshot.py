@@ -1,8 +1,9 @@
 """Reader for frtools black-box snapshots (``rank_<R>.frt``, docs/snapshot-format.md).
 
 Columnar end to end: the slot array is parsed by numpy in ``frtools.formats.blackbox``,
-each distinct interned string is decoded once, and every string column is built as a
-dictionary ``take`` — thousands of snapshots read in seconds.
+each distinct interned string is decoded once, every string column is a dictionary
+column, and a chunk of boxes (``read_many``) becomes one table, one Arrow array per
+column — thousands of snapshots read in seconds.
 """
 
 from __future__ import annotations

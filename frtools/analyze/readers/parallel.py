@@ -1,6 +1,6 @@
 """Reading many files: in worker processes when there are many, their tables handed over
 through a spool of Arrow IPC files in shared memory, and files whose reader reads many at
-once (packed host summaries) read in one call.
+once (packed host summaries, black boxes) read in one call.
 
 A file may hold several ranks (a host summary): its reader's ``read_all`` returns one
 ``RankDump`` per rank, their entries slices of one table. Worker processes hand over one
@@ -54,7 +54,7 @@ def entries(d: RankDump, spans: Spans) -> pa.Table:
 
 def read_chunk(paths: Sequence[str], spans: Spans) -> list[FileResult]:
     """Read several files; those whose reader reads many at once (``read_many``: packed
-    host summaries) are read in one call, their dumps' entries left None and found in
+    host summaries, black boxes) are read in one call, their dumps' entries left None and found in
     ``spans`` (one table for all of them)."""
     results: list[FileResult | None] = [None] * len(paths)
     batches: dict[str, tuple[ModuleType, list[tuple[int, Path, float]]]] = {}
