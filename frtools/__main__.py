@@ -10,7 +10,6 @@ import sys
 
 from frtools.analyze import memory
 from frtools.cli import main
-from frtools.commands import _common
 
 # Commands whose process never handles a pandas object. pyarrow imports pandas (~0.25 s, a
 # quarter of a host's `frtools summarize`) on its first array conversion, only to recognize
@@ -30,8 +29,7 @@ class _NoPandas:
 
 def entry() -> None:
     """:func:`frtools.cli.main` in a process of its own."""
-    _common.OWN_PROCESS = True
-    memory.exits_at_once()
+    memory.set_exits_at_once()
     if sys.argv[1:2] and sys.argv[1] in WITHOUT_PANDAS and "pandas" not in sys.modules:
         sys.meta_path.insert(0, _NoPandas())
     main()

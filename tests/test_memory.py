@@ -53,7 +53,7 @@ del freed
 load_trace(sys.argv[1])  # a library's analysis: nothing kept
 library = (gone() is None, len(memory._KEPT))
 
-memory.exits_at_once()
+memory.set_exits_at_once()
 kept = Leftover()
 alive = weakref.ref(kept)
 memory.keep_until_exit(kept)

@@ -213,10 +213,7 @@ def group_members(trace: Trace, seen: pd.DataFrame | None = None) -> dict[str, t
     # the column's own narrow codes: no int64 copy of every row (16,384 ranks: 262 MB)
     codes, index = category_codes(seen["pg_name"], wide=False)
     names = [str(n) for n in index]  # not Index lookups one by one (~10^5 groups)
-    # the codes of the groups some entry is on (-1, no group, marks the last flag: left out)
-    on = np.zeros(len(names) + 1, dtype=bool)
-    on[codes] = True
-    used = np.flatnonzero(on[:-1]).tolist()
+    used = np.flatnonzero(_in_use(codes, len(names))).tolist()
 
     def recorded_on(unknown: set[str]) -> dict[str, list[int]]:
         wanted = [c for c in used if names[c] in unknown]
@@ -353,23 +350,27 @@ def _rank_group_units(rank: np.ndarray, pg: np.ndarray, most: int) -> tuple[np.n
     A box's group table lists groups its rank never recorded on (16,384 boxes: 51,210
     groups, 2,057 in use): among the groups in use, (rank, group) is a small int key that a
     look-up table numbers (0.4 s there); else the pairs are hashed (1.4 s)."""
-    on = np.zeros(int(pg.max()) + 2, dtype=bool)
-    on[pg] = True  # -1 (no group) marks the last flag, which no group's code is
-    in_use = np.cumsum(on[:-1], dtype=np.int64)  # code -> its number among groups in use, + 1
+    in_use = np.cumsum(_in_use(pg, int(pg.max()) + 1), dtype=np.int64)  # code -> number + 1
     groups = int(in_use[-1]) + 1 if len(in_use) else 1
     if (int(rank.max()) + 1) * groups <= most:
         key = rank.astype(np.int32 if most < 2**31 else np.int64)
         key *= groups
         key += np.append(in_use - 1, -1).astype(key.dtype)[pg]
         key += 1
-        got = dense_unique(key, most)
-        if got is not None:
-            return got[1], len(got[0])
-    key = rank.astype(np.int64)
-    key <<= 16
-    key += pg
-    unit, uniq = pd.factorize(key)
+    else:
+        key = rank.astype(np.int64)
+        key <<= 16
+        key += pg
+    unit, uniq = _numbered(key, most)
     return unit, len(uniq)
+
+
+def _in_use(codes: np.ndarray, n: int) -> np.ndarray:
+    """Per code 0 … n-1, whether some row has it (-1, none, is left out: it flags an
+    extra last slot), one pass over narrow codes instead of a bincount of an int64 copy."""
+    on = np.zeros(n + 1, dtype=bool)
+    on[codes] = True
+    return on[:-1]
 
 
 def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:

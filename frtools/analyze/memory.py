@@ -15,8 +15,6 @@ never does.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import gc
 import sys
 from collections.abc import Iterator
@@ -33,6 +31,9 @@ def keep_freed_memory() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     _no_huge_pages()
+    import ctypes  # here, not at import: every command's start-up imports this module
+    import ctypes.util
+
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
@@ -76,16 +77,21 @@ def no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
-# what a process that ends with ``os._exit`` keeps to its end (``keep_until_exit``)
-_KEPT: list[object] = []
+# True when this process runs one command and ends with ``os._exit`` once its output is
+# out (set by the entry point, frtools.__main__); False where a command runs inside another
+# program. What ``keep_until_exit`` is given is kept to that end.
 _EXITS_AT_ONCE = False
+_KEPT: list[object] = []
 
 
-def exits_at_once() -> None:
-    """This process ends with ``os._exit`` once its output is out (a command's own): what
-    ``keep_until_exit`` is given then stays, never freed one object at a time."""
+def set_exits_at_once() -> None:
     global _EXITS_AT_ONCE
     _EXITS_AT_ONCE = True
+
+
+def exits_at_once() -> bool:
+    """This process is a command's own and ends with ``os._exit`` (``set_exits_at_once``)."""
+    return _EXITS_AT_ONCE
 
 
 def keep_until_exit(*objects: object) -> None:

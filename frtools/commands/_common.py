@@ -16,13 +16,10 @@ from typing import Any, NoReturn
 
 import click
 
+from frtools.analyze import memory
 from frtools.config import DEBUG, ConfigError
 
 USAGE_ERROR = 2
-
-# True when this process runs one command and ends (set by the entry point, frtools.__main__);
-# False where a command runs inside another program.
-OWN_PROCESS = False
 
 
 def fail(prefix: str, message: str) -> NoReturn:
@@ -158,7 +155,7 @@ def file_command(name: str, default_output: str, what: str) -> Callable[[Callabl
 def exit_at_once(code: int) -> None:
     """End a command's own process now, its output flushed, without freeing what it read
     one object at a time (~0.5 s at 131,072 ranks). Inside another program: returns."""
-    if not OWN_PROCESS:
+    if not memory.exits_at_once():
         return
     try:
         sys.stdout.flush()
@@ -234,16 +231,15 @@ def load_and_diagnose(
 ) -> tuple[Any, Any, Any]:
     """Read the dumps under ``path``, align them once and diagnose: ``(trace, alignment,
     verdict)``. Unusable input is a one-line error, exit 2."""
-    from frtools.analyze.memory import keep_freed_memory, no_cyclic_gc, spare_the_collector
     from frtools.analyze.readers import UnusableInput, load_trace
 
     def import_diagnosis() -> None:  # pandas & co: 0.5 s, while the readers work
         import frtools.analyze.diagnose  # noqa: F401
 
-    keep_freed_memory()
+    memory.keep_freed_memory()
     # what was read is frozen before the collector is on again: re-enabled first, it would
     # scan every object read (131,072 ranks' records: 0.3 s) at the next allocation
-    with no_cyclic_gc():
+    with memory.no_cyclic_gc():
         try:
             trace = load_trace(
                 path,
@@ -254,10 +250,10 @@ def load_and_diagnose(
             )
         except UnusableInput as e:
             fail(prefix, f"error: {first_line(e, 'unusable input')}")
-        spare_the_collector()
+        memory.spare_the_collector()
     from frtools.analyze.diagnose import align_and_diagnose
 
-    with phase("aligning and diagnosing", progress), no_cyclic_gc():
+    with phase("aligning and diagnosing", progress), memory.no_cyclic_gc():
         alignment, verdict = align_and_diagnose(trace)
     return trace, alignment, verdict
 

@@ -8,6 +8,7 @@ column — thousands of snapshots read in seconds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,8 +44,6 @@ RECORDS_ENDING = True
 # default groups of jobs larger than this are passed as "all ranks" (RankDump.default_pg_all)
 ALL_RANKS_ABOVE = 1024
 
-_STATES = list(STATE_NAMES)
-
 
 def sniff(path: Path, head: bytes) -> bool:
     """An frtools snapshot starts with its 8-byte magic."""
@@ -78,7 +77,7 @@ def read_many(
         rows.append([0 if box is None else box.n])
         if box is not None:
             boxes.append(box)
-    return out, _entries_table(boxes) if boxes else ENTRY_SCHEMA.empty_table(), rows
+    return out, _entries_table(boxes), rows
 
 
 def _snapshot(path: Path) -> Snapshot:
@@ -110,7 +109,7 @@ def call_site_of(stack: str) -> str | None:
 def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
     """Map a parsed snapshot onto the Trace model."""
     dump, box = _rank_dump_of(snap, source)
-    dump.entries = ENTRY_SCHEMA.empty_table() if box is None else _entries_table([box])
+    dump.entries = _entries_table([] if box is None else [box])
     return dump
 
 
@@ -211,7 +210,7 @@ def all_ranks_of(name: str, desc: str, ranks: tuple[int, ...], world: int | None
 
 # a dictionary column of one box before Arrow: its dictionary's values (a None is a null
 # value), each row's int32 index into them, and which rows are valid (None: all)
-_DictParts = tuple[list, np.ndarray, "np.ndarray | None"]
+_DictParts = tuple[Sequence, np.ndarray, "np.ndarray | None"]
 
 
 def _dictionary_column(parts: list[_DictParts]) -> pa.Array:
@@ -344,7 +343,7 @@ def _columns(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> _
             "output_sizes": column("output_sizes", texts, none_is_null=False),
             "input_dtypes": column("input_dtypes", texts, none_is_null=False),
             "output_dtypes": column("output_dtypes", texts, none_is_null=False),
-            "state": (_STATES, state.astype(np.int32), state > 0),
+            "state": (STATE_NAMES, state.astype(np.int32), state > 0),
             "thread_id": ([str(t) for t in threads.tolist()], thread_idx.astype(np.int32), None),
             "thread_name": column("thread_name", texts, none_is_null=True),
             "call_site": column("stack", sites, none_is_null=True),
@@ -361,6 +360,8 @@ def _columns(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> _
 
 def _entries_table(boxes: list[_BoxColumns]) -> pa.Table:
     """The entries of ``boxes`` (each holding some), one after the other, as one table."""
+    if not boxes:
+        return ENTRY_SCHEMA.empty_table()
     total = sum(b.n for b in boxes)
     arrays: dict[str, pa.Array] = {}
     for name in boxes[0].numbers:
