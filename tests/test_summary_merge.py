@@ -351,3 +351,64 @@ def test_a_hostile_zstd_file_is_refused_with_one_line(two_hosts, make, reason):
 def _host_doc(size: int) -> bytes:
     head = b'{"format":"frtools-summary","version":1,"kind":"host-packed"}'
     return struct.pack("<I", len(head)) + head + bytes(size)
+
+
+def test_a_worker_hands_a_partials_ranks_over_as_columns_and_they_read_as_in_process(
+    two_hosts, tmp_path
+):
+    """A worker process does not make (nor pickle) a RankDump per rank of a partial: it
+    hands the rank table's columns over and the parent makes the dumps, equal to those an
+    in-process read makes, for a version 3 and a version 2 partial alike; where the spool
+    cannot take the table, the dumps are made in the worker and go by the pipe."""
+    import pickle
+
+    from frtools.analyze.readers.loader import _read_chunk_to_spool, read_rank_dumps
+
+    partial = merge_files(two_hosts).data
+    paths = [tmp_path / "new.summary", tmp_path / "old.summary"]
+    paths[0].write_bytes(partial)
+    paths[1].write_bytes(_edit(partial, _as_version_2))
+
+    def facts(dumps) -> list:
+        return [
+            (vars(d.rank_info) | {"source": None}, d.process_groups, d.notes,
+             d.max_time_created_ns, d.default_pg_all, d.unmapped_peer_groups)
+            for d in dumps
+        ]  # fmt: skip
+
+    expected = [read_rank_dumps(p, workers=1)[1] for p in paths]
+    assert [sorted(e) for e in expected] == [list(range(16))] * 2
+    want_facts = facts(expected[0][r] for r in range(16))
+    assert facts(expected[1][r] for r in range(16)) == want_facts
+    want_rows = pa.concat_tables(expected[0][r].entries for r in range(16))
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    results, table_path, where = _read_chunk_to_spool(([str(p) for p in paths], str(spool)))
+    assert table_path is not None
+    assert all(r.block is not None and r.dump is None and not r.more for r in results)
+    assert [r.input.reason for r in results] == ["ranks 0-15"] * 2
+    table = pa.ipc.open_file(table_path).read_all()
+    results = pickle.loads(pickle.dumps(results))  # as the pool hands them over
+    for r, mine in zip(results, where, strict=True):
+        assert facts(r.unblock()) == want_facts and r.block is None
+        rows = pa.concat_tables(table.slice(offset, n) for offset, n in mine)
+        assert rows.equals(want_rows)
+
+    # a spool that cannot take the table: the worker makes the dumps, entries and all
+    results, table_path, _ = _read_chunk_to_spool(([str(paths[0])], str(tmp_path / "gone")))
+    (r,) = results
+    assert table_path is None and r.block is None and facts(r.dumps) == want_facts
+    assert pa.concat_tables(d.entries for d in r.dumps).equals(want_rows)
+
+    # and the whole load through worker processes is the in-process one
+    one = tmp_path / "one"
+    one.mkdir()
+    for k, host in enumerate(two_hosts):  # a partial of each host's 8 ranks
+        (one / f"{k}.summary").write_bytes(merge_files([host]).data)
+    pooled, serial = load_trace(one, workers=2), load_trace(one, workers=1)
+    assert sorted(pooled.ranks) == list(range(16))
+    # the same rows (each worker's table has its own dictionaries)
+    assert pooled.ranks == serial.ranks
+    assert pooled.entries.to_pylist() == serial.entries.to_pylist()
+    assert pooled.process_groups == serial.process_groups

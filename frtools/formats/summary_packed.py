@@ -185,12 +185,22 @@ class PackedHost:
     window: int | None
     strings: list[str]
     groups: list[tuple[str, str, str, tuple[int, ...], bool]]  # name, desc, text, ranks, local
-    ranks: list[PackedRank]
+    # the ranks as columns, checked (version 3's ``rank_table``, whatever the file's version):
+    # a reader maps them without an object per rank
+    rank_table: dict[str, Any]
     offsets: np.ndarray
     columns: dict[str, np.ndarray]
     valid: dict[str, np.ndarray]  # nullable columns: True where a value is present
     # the hosts whose ranks the file holds, sorted (a partial's; one host's file: its own)
     hosts: list[str] = field(default_factory=list)
+    _ranks: list[PackedRank] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def ranks(self) -> list[PackedRank]:
+        """One ``PackedRank`` per rank (made when first asked: merging and summaries)."""
+        if self._ranks is None:
+            self._ranks = _packed_ranks(self.rank_table)
+        return self._ranks
 
     @property
     def n_entries(self) -> int:
@@ -653,11 +663,13 @@ def _head(data: bytes) -> _Head:
     )
     want(strings[0] == "", "strings[0] must be the empty string")
     groups = _host_groups(header.get("groups"), MAX_GROUPS * 8 * scale)
+    ranks = None
     if version == 3:
-        ranks = _rank_table(header.get("rank_table"), len(groups), max_ranks)
+        table = _rank_table(header.get("rank_table"), len(groups), max_ranks)
     else:
         ranks = _ranks(header.get("ranks"), len(groups), max_ranks)
-    counts = np.array([r.n_entries for r in ranks], dtype=np.int64)
+        table = _rank_table_doc(ranks, [[[hg, *f] for hg, f in r.groups] for r in ranks])
+    counts = np.array(table["entries"], dtype=np.int64)
     n = int(counts.sum())
     want(n <= MAX_HOST_ENTRIES * scale, f"more than {MAX_HOST_ENTRIES * scale} entries")
     if partial:
@@ -668,7 +680,7 @@ def _head(data: bytes) -> _Head:
     layout, _ = _layout(header.get("columns"), len(body), n)
     host = optional_str(header.get("host"), "host", MAX_IDENTITY_CHARS)
     window = optional_int(header.get("window"), "window", 1, MAX_ENTRIES)
-    packed = PackedHost(host, window, strings, groups, ranks, offsets, {}, {})
+    packed = PackedHost(host, window, strings, groups, table, offsets, {}, {}, _ranks=ranks)
     packed.hosts = hosts if partial else ([host] if host else [])
     return _Head(packed, np.frombuffer(body, dtype=np.uint8), len(strings), layout)
 
@@ -805,10 +817,10 @@ def _present(column: list[Any], kinds: set[type]) -> list[Any]:
     return [v for v in column if v is not None] if _NONE in kinds else column
 
 
-def _rank_table(raw: Any, n_groups: int, limit: int) -> list[PackedRank]:
+def _rank_table(raw: Any, n_groups: int, limit: int) -> dict[str, Any]:
     """A version 3 partial's ranks (``rank_table``), checked a column at a time: the type
-    of every value, the range of each column, the tables each value names; then one
-    ``PackedRank`` per rank. A rank's identity keeps the keys this reader knows."""
+    of every value, the range of each column, the tables each value names. Returns the
+    columns this reader knows (a rank's identity: the keys it knows)."""
     want(type(raw) is dict, "rank_table is not an object")
     ranks = raw.get("rank")
     want(type(ranks) is list and len(ranks) <= limit, "rank_table rank is not a short list")
@@ -881,8 +893,19 @@ def _rank_table(raw: Any, n_groups: int, limit: int) -> list[PackedRank]:
             and (not numbers or (lo <= min(numbers) and max(numbers) <= hi)),
             f"rank_table identity {key} holds a value out of bounds",
         )
-    by_rank = zip(*(identity[key] for key in keys), strict=True) if keys else ((),) * n
-    scalars = zip(*(columns[name] for name in _TABLE_SCALARS), strict=True)
+    table = {name: columns[name] for name in _TABLE_SCALARS}
+    table["entries"] = columns["entries"]
+    table["identity"] = {key: identity[key] for key in keys}
+    table["groups"] = groups
+    return table
+
+
+def _packed_ranks(table: dict[str, Any]) -> list[PackedRank]:
+    """One ``PackedRank`` per rank of a checked rank table."""
+    keys = list(table["identity"])
+    n = len(table["rank"])
+    by_rank = zip(*table["identity"].values(), strict=True) if keys else ((),) * n
+    scalars = zip(*(table[name] for name in _TABLE_SCALARS), strict=True)
     return [
         PackedRank(
             **dict(zip(_TABLE_SCALARS, values, strict=True)),
@@ -891,7 +914,7 @@ def _rank_table(raw: Any, n_groups: int, limit: int) -> list[PackedRank]:
             n_entries=entries,
         )
         for values, ident, gs, entries in zip(
-            scalars, by_rank, groups, columns["entries"], strict=True
+            scalars, by_rank, table["groups"], table["entries"], strict=True
         )
     ]
 
@@ -1041,7 +1064,7 @@ def _check_columns(heads: list[_Head], rows: np.ndarray) -> dict[int, SummaryErr
     have, values, starts = joined("group")
     if have:
         limit = np.concatenate(
-            [np.repeat(np.array([len(r.groups) for r in heads[k].host.ranks], dtype=np.int64),
+            [np.repeat(np.array([len(g) for g in heads[k].host.rank_table["groups"]], dtype=np.int64),
                        np.diff(heads[k].host.offsets)) for k in have]
         )  # fmt: skip
         bad_rows = np.flatnonzero((values < -1) | (values >= limit))

@@ -34,7 +34,8 @@ class Reader(Protocol):
     already gunzipped when the file is gzip'd). ``read(path)``: its ``RankDump``, or
     ``DumpError`` with a one-line reason when the file is a dump of this format but cannot
     be used. Optional: ``read_all(path) -> list[RankDump]`` (a file of several ranks) and
-    ``read_many(paths)`` (many files at once), and the capability flags of ``Capabilities``
+    ``read_many(paths)`` (many files at once; a file's ranks may come as a ``RankBlock``),
+    and the capability flags of ``Capabilities``
     as upper-case module constants (``LISTS_ALL_GROUPS = True``); the loader asks them
     through ``registry.capabilities``, never a format's name."""
 
@@ -93,6 +94,20 @@ class RankDump:
     max_time_created_ns: int | None = None
     # True when the default group's membership was written as "all ranks"
     default_pg_all: bool = False
+
+
+class RankBlock(Protocol):
+    """The ranks of one file not yet made into ``RankDump`` objects (a ``read_many`` may
+    return one per file): a worker process hands this over, and the dumps are made where
+    they are used. ``rows``: each rank's row count in the batch's table, in order."""
+
+    format: str
+    rows: list[int]
+
+    @property
+    def ranks(self) -> list[int]: ...
+
+    def dumps(self) -> list[RankDump]: ...
 
 
 def read_head(path: Path, n: int = HEAD_BYTES) -> bytes:

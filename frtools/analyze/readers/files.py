@@ -17,7 +17,7 @@ from frtools.formats.manifest import MANIFEST_NAME, STACKS_SUFFIX
 from frtools.model.ranks import format_ranks
 from frtools.model.trace import InputFile
 
-from .base import DumpError, RankDump, rank_from_filename, read_head
+from .base import DumpError, RankBlock, RankDump, rank_from_filename, read_head
 from .registry import capabilities, reader_for
 
 _SIDE_FILES = {
@@ -40,10 +40,22 @@ class FileResult:
     dump: RankDump | None = None
     mtime: float = 0.0
     more: list[RankDump] = field(default_factory=list)
+    # a file of several ranks whose dumps are not made yet (in a worker process; the
+    # parent makes them with ``unblock``)
+    block: RankBlock | None = None
 
     @property
     def dumps(self) -> list[RankDump]:
+        assert self.block is None, "unblock() first"
         return ([self.dump] if self.dump is not None else []) + self.more
+
+    def unblock(self) -> list[RankDump]:
+        """Make the dumps of a ``block`` (nothing to do without one); returns them."""
+        if self.block is not None:
+            dumps = self.block.dumps()
+            self.dump, self.more, self.block = dumps[0], dumps[1:], None
+            return dumps
+        return self.dumps
 
 
 def read_file(path: str | Path) -> FileResult:
@@ -98,6 +110,12 @@ def failure(p: str, fmt: str, mtime: float, e: BaseException) -> FileResult:
     else:  # a reader bug must cost one file, not the whole analysis
         reason = f"{fmt} reader failed: {type(e).__name__}: {e}"
     return FileResult(InputFile(p, "error", reason, format=fmt), mtime=mtime)
+
+
+def success_block(p: str, block: RankBlock, mtime: float) -> FileResult:
+    """``success`` of a file of several ranks whose dumps are not made yet."""
+    info = InputFile(p, "ok", f"ranks {format_ranks(block.ranks)}", format=block.format)
+    return FileResult(info, mtime=mtime, block=block)
 
 
 def success(p: str, dumps: list[RankDump], mtime: float) -> FileResult:

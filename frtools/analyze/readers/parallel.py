@@ -27,7 +27,7 @@ import pyarrow as pa
 from frtools.model.trace import InputFile, concat_entries
 
 from .base import RankDump, rank_from_filename
-from .files import FileResult, classify, failure, no_cyclic_gc, read_one, success
+from .files import FileResult, classify, failure, no_cyclic_gc, read_one, success, success_block
 from .registry import capabilities
 
 # below this many files, and this many bytes in all, reading in-process beats paying for
@@ -52,10 +52,12 @@ def entries(d: RankDump, spans: Spans) -> pa.Table:
     return d.entries
 
 
-def read_chunk(paths: Sequence[str], spans: Spans) -> list[FileResult]:
+def read_chunk(paths: Sequence[str], spans: Spans, *, blocks: bool = False) -> list[FileResult]:
     """Read several files; those whose reader reads many at once (``read_many``: packed
     host summaries, black boxes) are read in one call, their dumps' entries left None and found in
-    ``spans`` (one table for all of them)."""
+    ``spans`` (one table for all of them). ``blocks``: a file of several ranks that its
+    reader returned as a ``RankBlock`` stays one (``FileResult.block``; its rows: the span
+    of ``id(block)``), for a worker to hand over without making its dumps."""
     results: list[FileResult | None] = [None] * len(paths)
     batches: dict[str, tuple[ModuleType, list[tuple[int, Path, float]]]] = {}
     for i, p in enumerate(paths):
@@ -82,6 +84,13 @@ def read_chunk(paths: Sequence[str], spans: Spans) -> list[FileResult]:
             if isinstance(out, BaseException):
                 results[i] = failure(str(path), reader.FORMAT, mtime, out)
                 continue
+            if not isinstance(out, list):  # a RankBlock
+                if blocks and len(out.rows) > 1:
+                    spans[id(out)] = (table, offset, sum(counts))
+                    offset += sum(counts)
+                    results[i] = success_block(str(path), out, mtime)
+                    continue
+                out = out.dumps()
             if counts:  # a packed host's dumps: slices of the batch's table
                 for d, c in zip(out, counts, strict=True):
                     spans[id(d)] = (table, offset, c)
@@ -142,6 +151,9 @@ def read_files(
                         meanwhile()  # the workers read on; their results wait in the queue
                         meanwhile = None
                     for chunk_results, table_path, where in done:
+                        for r in chunk_results:
+                            if r.block is not None:
+                                r.unblock()
                         if table_path is not None:
                             try:
                                 _adopt(chunk_results, _unspool(table_path), where, spans)
@@ -264,11 +276,7 @@ def _shared_table(
     where: list[list[tuple[int, int]]] = []
     for r in results:
         mine = []
-        for d in r.dumps:
-            if id(d) in spans:
-                table, offset, rows = spans[id(d)]
-            else:
-                table, offset, rows = d.entries, 0, d.entries.num_rows
+        for table, offset, rows in _spans_of(r, spans):
             if id(table) not in start:
                 start[id(table)] = total
                 pieces.append(table)
@@ -283,6 +291,18 @@ def _shared_table(
     return joined.combine_chunks(), where
 
 
+def _spans_of(r: FileResult, spans: Spans) -> list[tuple[pa.Table, int, int]]:
+    """Each dump's (table, offset, rows), in order (a block's ranks: its rows in turn)."""
+    if r.block is not None:
+        table, offset, _ = spans[id(r.block)]
+        out = []
+        for rows in r.block.rows:
+            out.append((table, offset, rows))
+            offset += rows
+        return out
+    return [spans.get(id(d)) or (d.entries, 0, d.entries.num_rows) for d in r.dumps]
+
+
 def _read_chunk_to_spool(
     job: tuple[list[str], str | None],
 ) -> tuple[list[FileResult], str | None, list[list[tuple[int, int]]]]:
@@ -293,7 +313,7 @@ def _read_chunk_to_spool(
     member lists that many ranks share travel once."""
     paths, spool = job
     spans: Spans = {}
-    results = read_chunk(paths, spans)
+    results = read_chunk(paths, spans, blocks=spool is not None)
     if spool is None:
         _materialize(results, spans)
         return results, None, []
@@ -312,13 +332,18 @@ def _read_chunk_to_spool(
         _materialize(results, spans)
         return results, None, where
     for r in results:
-        for d in r.dumps:
+        for d in [] if r.block is not None else r.dumps:
             d.entries = None  # type: ignore[assignment]
     return results, table_path, where
 
 
 def _materialize(results: Sequence[FileResult], spans: Spans) -> None:
+    """Every dump made, with its entries: what goes back by the pipe."""
     for r in results:
+        if r.block is not None:
+            placed = _spans_of(r, spans)
+            for d, span in zip(r.unblock(), placed, strict=True):
+                spans[id(d)] = span
         for d in r.dumps:
             entries(d, spans)
 

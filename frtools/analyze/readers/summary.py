@@ -16,6 +16,7 @@ analysis reads 16,384 of them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,6 @@ from frtools.formats.summary_packed import (
     STATE_CODES,
     STRING_COLUMNS,
     PackedHost,
-    PackedRank,
     decode_packed,
     decode_packed_many,
     looks_packed,
@@ -89,7 +89,6 @@ def summary_to_rank_dump(summary: RankSummary, source: str) -> RankDump:
     """Map a summary onto the Trace model (as ``frtools_snapshot`` maps a black box)."""
     backend = summary.identity.get("backend") or None
     info = _rank_info(
-        summary,
         source,
         {
             g.name: {
@@ -99,6 +98,7 @@ def summary_to_rank_dump(summary: RankSummary, source: str) -> RankDump:
             }
             for g in summary.groups
         },
+        *_facts(summary),
     )
     world = summary.world_size
     default_pg_all = False
@@ -161,6 +161,21 @@ def summary_to_rank_dump(summary: RankSummary, source: str) -> RankDump:
     )
 
 
+def _facts(r: RankSummary) -> tuple[Any, ...]:
+    """``_rank_info``'s values after ``pg_status``, of a JSON summary's rank."""
+    return (
+        r.rank, r.world_size, r.identity, r.stacks, r.dump_time_ns, r.heartbeat_ns, r.stalled,
+        r.alive, r.wrapped, r.exit_kind, r.exit_detail, r.startup_phase,
+    )  # fmt: skip
+
+
+# a rank table's columns in the order of ``_rank_info``'s values after ``ident``
+_FACT_COLUMNS = (
+    "stacks", "dump_time_ns", "heartbeat_ns", "stalled", "alive", "wrapped", "exit_kind",
+    "exit_detail", "startup_phase",
+)  # fmt: skip
+
+
 def _split_lists(texts: list[str]) -> dict[str, list[Any]]:
     """The all_to_all split columns of a rank summary's entries (their ``splits`` texts)."""
     parsed = [parse_splits(t) if t else None for t in texts]
@@ -173,33 +188,46 @@ def _split_lists(texts: list[str]) -> dict[str, list[Any]]:
 
 
 def _rank_info(
-    r: RankSummary | PackedRank, source: str, pg_status: dict[str, dict[str, int]]
+    source: str,
+    pg_status: dict[str, dict[str, int]],
+    rank: int,
+    world_size: int | None,
+    ident: dict[str, Any],
+    stacks: str | None,
+    dump_time_ns: int | None,
+    heartbeat_ns: int | None,
+    stalled: bool | None,
+    alive: bool | None,
+    wrapped: bool,
+    exit_kind: str | None,
+    exit_detail: str | None,
+    startup_phase: str | None,
 ) -> RankInfo:
-    """A rank's identity and failure facts, from a JSON summary or a packed host's rank (the
-    two carry them under the same names)."""
-    ident = r.identity
+    """A rank's identity and failure facts, from a JSON summary or a packed host's rank
+    table (the two carry them under the same names)."""
+    pid, local_rank = ident.get("pid"), ident.get("local_rank")
     return RankInfo(
-        rank=r.rank,
+        rank=rank,
         source=source,
         format=FORMAT,
         version="1",
         host=ident.get("host") or None,
-        pid=ident.get("pid") if isinstance(ident.get("pid"), int) else None,
-        local_rank=ident.get("local_rank") if isinstance(ident.get("local_rank"), int) else None,
+        pid=pid if isinstance(pid, int) else None,
+        local_rank=local_rank if isinstance(local_rank, int) else None,
         device=ident.get("device") or None,
         device_id=ident.get("device_id") or None,
-        world_size=r.world_size,
+        world_size=world_size,
         comm_lib_version=ident.get("comm_lib_version") or None,
         pg_status=pg_status,
-        stacks=r.stacks,
-        dump_time_ns=r.dump_time_ns if r.dump_time_ns is not None else r.heartbeat_ns,
-        stalled=r.stalled,
-        alive=r.alive,
-        wrapped=r.wrapped,
-        exit_kind=r.exit_kind,
-        exit_detail=r.exit_detail,
-        last_heartbeat_ns=r.heartbeat_ns,
-        startup_phase=r.startup_phase,
+        stacks=stacks,
+        dump_time_ns=dump_time_ns if dump_time_ns is not None else heartbeat_ns,
+        stalled=stalled,
+        alive=alive,
+        wrapped=wrapped,
+        exit_kind=exit_kind,
+        exit_detail=exit_detail,
+        last_heartbeat_ns=heartbeat_ns,
+        startup_phase=startup_phase,
     )
 
 
@@ -278,18 +306,19 @@ def _op_name(text: str) -> str:
 
 def packed_to_arrow(
     hosts: list[PackedHost], sources: list[str]
-) -> tuple[pa.Table, list[list[RankDump]], list[list[int]]]:
+) -> tuple[pa.Table, list[PackedRanks], list[list[int]]]:
     """Several decoded packed host summaries -> one entries table (all their ranks, host
-    after host) and, per host, one RankDump per rank (``entries`` left None: rows
-    ``rows[h][k]`` of the table, in order), mapped as ``summary_to_rank_dump`` maps each
-    rank. One table per batch: building Arrow arrays costs per call, not per row."""
+    after host) and, per host, its ranks (``PackedRanks``: one RankDump per rank when
+    asked, ``entries`` left None: rows ``rows[h][k]`` of the table, in order), mapped as
+    ``summary_to_rank_dump`` maps each rank. One table per batch: building Arrow arrays
+    costs per call, not per row."""
     strings = _Interner()
     n_host = np.array([h.n_entries for h in hosts], dtype=np.int64)
     n_total = int(n_host.sum())
     group_index: dict[tuple[str, str], int] = {}
     group_names: list[str] = []
     group_descs: list[str] = []
-    all_dumps: list[list[RankDump]] = []
+    all_blocks: list[PackedRanks] = []
     all_rows: list[list[int]] = []
     # per host and per rank, small tables; the rows are mapped through them in one pass
     code_parts: list[np.ndarray] = []  # host string -> batch string
@@ -310,15 +339,18 @@ def packed_to_arrow(
                 group_descs.append(g[1])
             found.append(i)
         gmap_parts.append(found + [-1])
-        for r in packed.ranks:
+        ranks = packed.rank_table
+        for gs in ranks["groups"]:
             rank_base.append(len(rank_groups))
-            rank_groups.extend(hg for hg, _ in r.groups)
+            rank_groups.extend(g[0] for g in gs)
             rank_groups.append(-1)
-            rank_ids.append(r.rank)
-            backends.append(r.identity.get("backend") or "")
-        rank_rows.extend(np.diff(packed.offsets).tolist())
-        dumps, rows = _rank_dumps(packed, source, packed.columns.get("time_created_ns"))
-        all_dumps.append(dumps)
+        rank_ids.extend(ranks["rank"])
+        backends.extend(
+            b or "" for b in ranks["identity"].get("backend", [None] * len(ranks["rank"]))
+        )
+        rows = np.diff(packed.offsets).tolist()
+        rank_rows.extend(rows)
+        all_blocks.append(_block(packed, source, rows))
         all_rows.append(rows)
 
     # row -> host, rank, group numbers in 32 bits: each such array is fresh memory a row
@@ -475,71 +507,101 @@ def packed_to_arrow(
             array = pa.nulls(n_total, f.type)
         columns.append(array if array.type == f.type else array.cast(f.type))
     assert all(len(c) == n_total for c in columns)
-    return pa.Table.from_arrays(columns, schema=ENTRY_SCHEMA), all_dumps, all_rows
+    return pa.Table.from_arrays(columns, schema=ENTRY_SCHEMA), all_blocks, all_rows
 
 
-def _rank_dumps(
-    packed: PackedHost, source: str, created: np.ndarray | None
-) -> tuple[list[RankDump], list[int]]:
-    """One RankDump per rank of a host (entries None) and its row count. The ranks of a
-    host share their ProcessGroup objects (and member tuples): the loader counts them by
-    identity, and a batch's pickle carries each once."""
-    shared: dict[tuple[int, int | None], tuple[ProcessGroup, bool, bool]] = {}
-    dumps = []
-    rows = []
+@dataclass
+class PackedRanks:
+    """A packed host's ranks as its rank table's columns, made into RankDumps (entries
+    None) where they are used: a worker process hands these over rather than the dumps
+    (building and pickling 32,768 RankDumps cost a worker more than decoding their rows).
+    ``rows``: each rank's rows in the batch's table, in order."""
+
+    source: str
+    table: dict[str, Any]  # PackedHost.rank_table
+    groups: list[tuple[str, str, tuple[int, ...], bool]]  # name, desc, ranks, local
+    newest: list[int | None]  # each rank's newest time_created_ns
+    rows: list[int]
+    format: str = FORMAT
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.table["rank"]
+
+    def dumps(self) -> list[RankDump]:
+        """One RankDump per rank. The ranks share their ProcessGroup objects (and member
+        tuples): the loader counts them by identity."""
+        t = self.table
+        n = len(t["rank"])
+        ident_keys = list(t["identity"])
+        idents = (
+            ({k: v for k, v in zip(ident_keys, values, strict=True) if v is not None}
+             for values in zip(*t["identity"].values(), strict=True))
+            if ident_keys else ({} for _ in range(n))
+        )  # fmt: skip
+        shared: dict[tuple[int, int | None], tuple[ProcessGroup, bool, bool]] = {}
+        dumps = []
+        for rank, world, ident, gs, notes, newest, facts in zip(
+            t["rank"], t["world_size"], idents, t["groups"], t["notes"], self.newest,
+            zip(*(t[name] for name in _FACT_COLUMNS), strict=True),
+            strict=True,
+        ):  # fmt: skip
+            process_groups = {}
+            pg_status = {}
+            default_pg_all = False
+            local_peers = set()
+            for g in gs:  # [host group, five frontier values]
+                found = shared.get((g[0], world))
+                if found is None:
+                    name, desc, ranks, local = self.groups[g[0]]
+                    everyone = all_ranks_of(name, desc, ranks, world)
+                    pg = ProcessGroup(name, desc, () if everyone else ranks)
+                    found = shared[(g[0], world)] = (pg, everyone, bool(local))
+                pg, everyone, local = found
+                name = pg.name
+                default_pg_all = default_pg_all or everyone
+                process_groups[name] = pg
+                pg_status[name] = {
+                    "last_enqueued_collective": g[1],
+                    "last_started_collective": g[2],
+                    "last_completed_collective": g[3],
+                }
+                if local:
+                    local_peers.add(name)
+            dumps.append(
+                RankDump(
+                    rank_info=_rank_info(self.source, pg_status, rank, world, ident, *facts),
+                    entries=None,  # type: ignore[arg-type]
+                    process_groups=process_groups,
+                    notes=list(notes),
+                    max_time_created_ns=newest,
+                    default_pg_all=default_pg_all,
+                    unmapped_peer_groups=local_peers,
+                )
+            )
+        return dumps
+
+
+def _block(packed: PackedHost, source: str, rows: list[int]) -> PackedRanks:
+    """A host's ranks, with each rank's newest time_created_ns (all ranks at once)."""
     offsets = packed.offsets
     sizes = np.diff(offsets)
-    counts = sizes.tolist()
-    # each rank's newest time_created_ns, for all ranks at once (a rank without rows: None)
-    newest: list[int | None] = [None] * len(counts)
+    newest: list[int | None] = [None] * len(sizes)
+    created = packed.columns.get("time_created_ns")
     if created is not None and len(created):
         has = np.flatnonzero(sizes > 0)
         if len(has):
             peaks = np.maximum.reduceat(created[: offsets[-1]], offsets[has]).tolist()
             for k, v in zip(has.tolist(), peaks, strict=True):
                 newest[k] = v
-    for k, r in enumerate(packed.ranks):
-        process_groups = {}
-        pg_status = {}
-        default_pg_all = False
-        local_peers = set()
-        for hg, f in r.groups:
-            found = shared.get((hg, r.world_size))
-            if found is None:
-                name, desc, _text, ranks, local = packed.groups[hg]
-                everyone = all_ranks_of(name, desc, ranks, r.world_size)
-                pg = ProcessGroup(name, desc, () if everyone else ranks)
-                found = shared[(hg, r.world_size)] = (pg, everyone, bool(local))
-            pg, everyone, local = found
-            name = pg.name
-            default_pg_all = default_pg_all or everyone
-            process_groups[name] = pg
-            pg_status[name] = {
-                "last_enqueued_collective": f[0],
-                "last_started_collective": f[1],
-                "last_completed_collective": f[2],
-            }
-            if local:
-                local_peers.add(name)
-        info = _rank_info(r, source, pg_status)
-        dumps.append(
-            RankDump(
-                rank_info=info,
-                entries=None,  # type: ignore[arg-type]
-                process_groups=process_groups,
-                notes=list(r.notes),
-                max_time_created_ns=newest[k],
-                default_pg_all=default_pg_all,
-                unmapped_peer_groups=local_peers,
-            )
-        )
-        rows.append(counts[k])
-    return dumps, rows
+    groups = [(g[0], g[1], g[3], g[4]) for g in packed.groups]
+    return PackedRanks(source, packed.rank_table, groups, newest, rows)
 
 
 def packed_to_rank_dumps(packed: PackedHost, source: str) -> list[RankDump]:
     """One host's ranks as RankDumps, each ``entries`` a slice of one table."""
-    table, (dumps,), (rows,) = packed_to_arrow([packed], [source])
+    table, (block,), (rows,) = packed_to_arrow([packed], [source])
+    dumps = block.dumps()
     offset = 0
     for d, n in zip(dumps, rows, strict=True):
         d.entries = table.slice(offset, n)
@@ -549,13 +611,14 @@ def packed_to_rank_dumps(packed: PackedHost, source: str) -> list[RankDump]:
 
 def read_many(
     paths: list[Path],
-) -> tuple[list[list[RankDump] | DumpError], pa.Table | None, list[list[int]]]:
+) -> tuple[list[list[RankDump] | PackedRanks | DumpError], pa.Table | None, list[list[int]]]:
     """Several files at once (the loader's batch of a worker's chunk): per file its
-    RankDumps or the ``DumpError`` that refused it. Packed host summaries are decoded into
-    one table for all of them (``rows``: per file, each dump's row count in it, in order;
-    those dumps' ``entries`` are None); other summaries come with their own tables
-    (``rows`` empty for them)."""
-    out: list[list[RankDump] | DumpError] = []
+    RankDumps, or its ``PackedRanks`` (a packed host summary's ranks, RankDumps when
+    asked), or the ``DumpError`` that refused it. Packed host summaries are decoded into
+    one table for all of them (``rows``: per file, each rank's row count in it, in order;
+    its dumps' ``entries`` are None); other summaries come with their own tables (``rows``
+    empty for them)."""
+    out: list[list[RankDump] | PackedRanks | DumpError] = []
     packed: list[bytes] = []
     packed_at: list[int] = []
     for path in paths:
@@ -585,8 +648,8 @@ def read_many(
     rows: list[list[int]] = [[] for _ in out]
     if not hosts:
         return out, None, rows
-    table, dumps, counts = packed_to_arrow(hosts, host_paths)
-    for i, d, c in zip(where, dumps, counts, strict=True):
-        out[i] = d
+    table, blocks, counts = packed_to_arrow(hosts, host_paths)
+    for i, b, c in zip(where, blocks, counts, strict=True):
+        out[i] = b
         rows[i] = c
     return out, table, rows
