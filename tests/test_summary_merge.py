@@ -412,3 +412,49 @@ def test_a_worker_hands_a_partials_ranks_over_as_columns_and_they_read_as_in_pro
     assert pooled.ranks == serial.ranks
     assert pooled.entries.to_pylist() == serial.entries.to_pylist()
     assert pooled.process_groups == serial.process_groups
+
+
+def test_a_partial_whose_ranks_cannot_be_made_costs_only_itself(two_hosts, tmp_path, monkeypatch):
+    """Making a file's RankDumps from its rank table fails as reading it would (here: out of
+    memory): it is that file's reason wherever the dumps are made (in process, in the
+    parent from a worker's columns, in a worker whose spool is full), and the file beside
+    it reads as usual, its rows its own."""
+    from frtools.analyze.readers import summary
+    from frtools.analyze.readers.loader import _read_chunk_to_spool
+    from frtools.analyze.readers.parallel import entries, read_chunk
+
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    paths = [folder / f"{k}.summary" for k in range(2)]
+    for path, host in zip(paths, two_hosts, strict=True):  # a partial of each host's 8 ranks
+        path.write_bytes(merge_files([host]).data)
+    whole = load_trace(folder, workers=1)
+    second = {d.rank_info.rank for d in read_chunk([str(paths[1])], {})[0].dumps}
+    assert len(second) == 8 and len(whole.ranks) == 16
+    want = [row for row in whole.entries.to_pylist() if row["rank"] in second]
+
+    made = summary.PackedRanks.dumps
+
+    def dumps(self):
+        if self.source == str(paths[0]):
+            raise MemoryError
+        return made(self)
+
+    monkeypatch.setattr(summary.PackedRanks, "dumps", dumps)
+    reason = "too large to load (out of memory)"
+
+    spans: dict = {}
+    bad, good = read_chunk([str(p) for p in paths], spans)
+    assert (bad.input.status, bad.input.reason, bad.dumps) == ("error", reason, [])
+    assert good.input.status == "ok" and {d.rank_info.rank for d in good.dumps} == second
+    assert pa.concat_tables(entries(d, spans) for d in good.dumps).to_pylist() == want
+
+    trace = load_trace(folder, workers=2)  # the parent makes the dumps
+    assert [(i.status, i.reason) for i in trace.inputs] == [("error", reason), ("ok", "ranks 8-15")]
+    assert set(trace.ranks) == second and trace.entries.to_pylist() == want
+
+    (bad, good), table_path, _ = _read_chunk_to_spool(
+        ([str(p) for p in paths], str(tmp_path / "gone"))
+    )
+    assert table_path is None and (bad.input.reason, bad.dumps) == (reason, [])
+    assert pa.concat_tables(d.entries for d in good.dumps).to_pylist() == want

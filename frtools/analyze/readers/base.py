@@ -98,8 +98,9 @@ class RankDump:
 
 class RankBlock(Protocol):
     """The ranks of one file not yet made into ``RankDump`` objects (a ``read_many`` may
-    return one per file): a worker process hands this over, and the dumps are made where
-    they are used. ``rows``: each rank's row count in the batch's table, in order."""
+    return one per file): a worker process hands this over, and the parent makes the
+    dumps as the worker's chunk arrives. ``rows``: each rank's row count in the batch's
+    table, in order."""
 
     format: str
     rows: list[int]

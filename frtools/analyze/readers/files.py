@@ -40,8 +40,8 @@ class FileResult:
     dump: RankDump | None = None
     mtime: float = 0.0
     more: list[RankDump] = field(default_factory=list)
-    # a file of several ranks whose dumps are not made yet (in a worker process; the
-    # parent makes them with ``unblock``)
+    # a file of several ranks whose dumps are not made yet: what a worker process hands
+    # over; ``unblock`` makes them
     block: RankBlock | None = None
 
     @property
@@ -50,11 +50,17 @@ class FileResult:
         return ([self.dump] if self.dump is not None else []) + self.more
 
     def unblock(self) -> list[RankDump]:
-        """Make the dumps of a ``block`` (nothing to do without one); returns them."""
-        if self.block is not None:
-            dumps = self.block.dumps()
-            self.dump, self.more, self.block = dumps[0], dumps[1:], None
-            return dumps
+        """Make the dumps of a ``block`` (nothing to do without one); returns them. Making
+        them fails as reading would: this file's reason (no dump), not the analysis's."""
+        block, self.block = self.block, None
+        if block is not None:
+            try:
+                with no_cyclic_gc():
+                    dumps = block.dumps()
+            except Exception as e:  # noqa: BLE001 - sorted out by failure
+                self.input = failure(self.input.path, block.format, self.mtime, e).input
+                return []
+            self.dump, self.more = (dumps[0], dumps[1:]) if dumps else (None, [])
         return self.dumps
 
 

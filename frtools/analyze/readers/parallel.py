@@ -84,13 +84,16 @@ def read_chunk(paths: Sequence[str], spans: Spans, *, blocks: bool = False) -> l
             if isinstance(out, BaseException):
                 results[i] = failure(str(path), reader.FORMAT, mtime, out)
                 continue
-            if not isinstance(out, list):  # a RankBlock
-                if blocks and len(out.rows) > 1:
-                    spans[id(out)] = (table, offset, sum(counts))
-                    offset += sum(counts)
-                    results[i] = success_block(str(path), out, mtime)
-                    continue
-                out = out.dumps()
+            if not isinstance(out, list):  # a RankBlock: its rows follow each other
+                spans[id(out)] = (table, offset, sum(counts))
+                offset += sum(counts)
+                r = success_block(str(path), out, mtime)
+                if not blocks or len(out.rows) <= 1:  # its dumps made here, each its span
+                    _unblock(r, spans)
+                    if r.input.status == "ok":  # one rank's file says its rank and notes
+                        r = success(str(path), r.dumps, mtime)
+                results[i] = r
+                continue
             if counts:  # a packed host's dumps: slices of the batch's table
                 for d, c in zip(out, counts, strict=True):
                     spans[id(d)] = (table, offset, c)
@@ -337,13 +340,21 @@ def _read_chunk_to_spool(
     return results, table_path, where
 
 
+def _unblock(r: FileResult, spans: Spans) -> None:
+    """Make a block's dumps, each with its span of the block's rows."""
+    if r.block is None:
+        return
+    placed = _spans_of(r, spans)
+    made = r.unblock()
+    if made:  # none where making them failed
+        for d, span in zip(made, placed, strict=True):
+            spans[id(d)] = span
+
+
 def _materialize(results: Sequence[FileResult], spans: Spans) -> None:
     """Every dump made, with its entries: what goes back by the pipe."""
     for r in results:
-        if r.block is not None:
-            placed = _spans_of(r, spans)
-            for d, span in zip(r.unblock(), placed, strict=True):
-                spans[id(d)] = span
+        _unblock(r, spans)
         for d in r.dumps:
             entries(d, spans)
 
@@ -355,7 +366,10 @@ def _adopt(
     spans: Spans,
 ) -> None:
     for r, mine in zip(results, where, strict=True):
-        for d, (offset, rows) in zip(r.dumps, mine, strict=True):
+        dumps = r.dumps
+        if not dumps:  # none made (a block whose dumps failed): its rows go unused
+            continue
+        for d, (offset, rows) in zip(dumps, mine, strict=True):
             spans[id(d)] = (table, offset, rows)
 
 

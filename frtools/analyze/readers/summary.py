@@ -203,8 +203,9 @@ def _rank_info(
     exit_detail: str | None,
     startup_phase: str | None,
 ) -> RankInfo:
-    """A rank's identity and failure facts, from a JSON summary or a packed host's rank
-    table (the two carry them under the same names)."""
+    """A rank's identity and failure facts, the one mapping for a JSON summary's rank
+    (``_facts``) and a packed host's rank table (``_FACT_COLUMNS``): both give the values
+    in this order."""
     pid, local_rank = ident.get("pid"), ident.get("local_rank")
     return RankInfo(
         rank=rank,
