@@ -307,12 +307,12 @@ def _op_name(text: str) -> str:
 
 def packed_to_arrow(
     hosts: list[PackedHost], sources: list[str]
-) -> tuple[pa.Table, list[PackedRanks], list[list[int]]]:
+) -> tuple[pa.Table, list[PackedRanks]]:
     """Several decoded packed host summaries -> one entries table (all their ranks, host
     after host) and, per host, its ranks (``PackedRanks``: one RankDump per rank when
-    asked, ``entries`` left None: rows ``rows[h][k]`` of the table, in order), mapped as
-    ``summary_to_rank_dump`` maps each rank. One table per batch: building Arrow arrays
-    costs per call, not per row."""
+    asked, ``entries`` left None; its ``rows``: each rank's rows of the table, in order),
+    mapped as ``summary_to_rank_dump`` maps each rank. One table per batch: building Arrow
+    arrays costs per call, not per row."""
     strings = _Interner()
     n_host = np.array([h.n_entries for h in hosts], dtype=np.int64)
     n_total = int(n_host.sum())
@@ -320,7 +320,6 @@ def packed_to_arrow(
     group_names: list[str] = []
     group_descs: list[str] = []
     all_blocks: list[PackedRanks] = []
-    all_rows: list[list[int]] = []
     # per host and per rank, small tables; the rows are mapped through them in one pass
     code_parts: list[np.ndarray] = []  # host string -> batch string
     gmap_parts: list[list[int]] = []  # host group -> batch group
@@ -352,7 +351,6 @@ def packed_to_arrow(
         rows = np.diff(packed.offsets).tolist()
         rank_rows.extend(rows)
         all_blocks.append(_block(packed, source, rows))
-        all_rows.append(rows)
 
     # row -> host, rank, group numbers in 32 bits: each such array is fresh memory a row
     host_of_row = np.repeat(np.arange(len(hosts), dtype=np.int32), n_host)
@@ -508,7 +506,7 @@ def packed_to_arrow(
             array = pa.nulls(n_total, f.type)
         columns.append(array if array.type == f.type else array.cast(f.type))
     assert all(len(c) == n_total for c in columns)
-    return pa.Table.from_arrays(columns, schema=ENTRY_SCHEMA), all_blocks, all_rows
+    return pa.Table.from_arrays(columns, schema=ENTRY_SCHEMA), all_blocks
 
 
 @dataclass
@@ -601,10 +599,10 @@ def _block(packed: PackedHost, source: str, rows: list[int]) -> PackedRanks:
 
 def packed_to_rank_dumps(packed: PackedHost, source: str) -> list[RankDump]:
     """One host's ranks as RankDumps, each ``entries`` a slice of one table."""
-    table, (block,), (rows,) = packed_to_arrow([packed], [source])
+    table, (block,) = packed_to_arrow([packed], [source])
     dumps = block.dumps()
     offset = 0
-    for d, n in zip(dumps, rows, strict=True):
+    for d, n in zip(dumps, block.rows, strict=True):
         d.entries = table.slice(offset, n)
         offset += n
     return dumps
@@ -649,8 +647,8 @@ def read_many(
     rows: list[list[int]] = [[] for _ in out]
     if not hosts:
         return out, None, rows
-    table, blocks, counts = packed_to_arrow(hosts, host_paths)
-    for i, b, c in zip(where, blocks, counts, strict=True):
+    table, blocks = packed_to_arrow(hosts, host_paths)
+    for i, b in zip(where, blocks, strict=True):
         out[i] = b
-        rows[i] = c
+        rows[i] = b.rows
     return out, table, rows
