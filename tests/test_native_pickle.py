@@ -177,6 +177,66 @@ def test_a_dump_with_split_sizes_is_left_to_python_which_reads_them(
     assert _frpickle.parse(pickle.dumps(other, protocol=2)) is not None
 
 
+@pytest.mark.timeout(120)
+def test_a_chunk_of_dumps_reads_in_one_table_as_each_file_alone(
+    synth_job: Path, tmp_path: Path
+) -> None:
+    """``read_many`` (a worker's chunk) joins the entries of the dumps the native parser
+    reads into one table, one dictionary per column over all of them; each file's rows,
+    rank, groups and notes are what ``read`` gives for it alone, and a file read the Python
+    way (protocol 0, split sizes) or refused keeps its own table or its error."""
+    paths = sorted(synth_job.glob("nccl_trace_rank_*"))[:6]
+    odd = fr_dump("2.10", n=3)
+    odd["pg_config"]["0"]["ranks"] = "[]"  # members unknown: a send's peer stays local
+    odd["entries"][1]["profiling_name"] = "nccl:send 0->5000000000"  # beyond int32
+    splits = fr_dump("2.11", n=2)
+    splits["entries"][0].update(
+        profiling_name="nccl:all_to_all", input_split_sizes=[1, 3], output_split_sizes=[2, 2]
+    )
+    made = {
+        "rank_40.pkl": pickle.dumps(fr_dump("2.10", n=4), protocol=0),
+        "rank_41.pkl": pickle.dumps(splits, protocol=2),
+        "rank_42.pkl": b"\x80\x02}q\x00(X\x07\x00\x00\x00entries",  # truncated
+        "rank_43.pkl": pickle.dumps(odd, protocol=2),
+        "rank_44.pkl": pickle.dumps(fr_dump("2.10", n=0), protocol=2),
+    }
+    for name, data in made.items():
+        (tmp_path / name).write_bytes(data)
+        paths.insert(2, tmp_path / name)
+    outs, table, rows = torch_pickle.read_many(paths)
+    assert len(outs) == len(rows) == len(paths)
+    assert table.num_rows == sum(sum(r) for r in rows) > 0
+    assert all(c.num_chunks == 1 for c in table.columns)
+    offset = 0
+    for path, out, counts in zip(paths, outs, rows, strict=True):
+        try:
+            alone = torch_pickle.read(path)
+        except DumpError as e:
+            assert isinstance(out, DumpError) and str(out) == str(e), path
+            assert counts == []
+            continue
+        [got] = out
+        if counts:  # native: rows of the chunk's table
+            assert got.entries is None
+            entries = table.slice(offset, counts[0])
+            offset += counts[0]
+        else:  # read the Python way: its own table
+            assert path.name in ("rank_40.pkl", "rank_41.pkl")
+            entries = got.entries
+        assert _plain(entries).equals(_plain(alone.entries)), path
+        assert got.rank_info == alone.rank_info
+        assert got.process_groups == alone.process_groups
+        assert got.unmapped_peer_groups == alone.unmapped_peer_groups
+        assert got.notes == alone.notes
+        assert got.max_time_created_ns == alone.max_time_created_ns
+    assert offset == table.num_rows
+    odd_read = outs[[p.name for p in paths].index("rank_43.pkl")][0]
+    assert "unreadable values in 'peer' set to null" in odd_read.notes
+    # and what the Python path makes of the same dump
+    python = torch_pickle.read_python(made["rank_43.pkl"], tmp_path / "rank_43.pkl")
+    assert odd_read.notes == python.notes
+
+
 def _odd_entries() -> dict[str, list]:
     """Entries whose values are odd but legal: each either matches Python or goes to it."""
     e = fr_entry

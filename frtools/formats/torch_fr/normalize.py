@@ -251,7 +251,7 @@ def normalize(dump: Any, name_rank: int | None = None, name_host: str | None = N
     if bad:
         notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
     cols["rank"] = [top.rank] * len(cols["op"])
-    table = _table(cols, notes)
+    table = entries_table([EntryColumns(len(cols["op"]), cols, notes)])
     return _torch_dump(top, table, pg_id_to_name, pg_descs, unmapped, bad)
 
 
@@ -264,6 +264,20 @@ def normalize_native(
     """``normalize`` for a dump the native parser (``_frpickle.parse``) already turned into
     columns: the same ``TorchDump``, built with numpy over the few distinct values instead
     of a Python loop over every entry."""
+    dump, columns = native_columns(top_dump, native, name_rank, name_host)
+    dump.entries = entries_table([columns])
+    return dump
+
+
+def native_columns(
+    top_dump: Mapping[str, Any],
+    native: Mapping[str, Any],
+    name_rank: int | None = None,
+    name_host: str | None = None,
+) -> tuple[TorchDump, EntryColumns]:
+    """``normalize_native`` without the Arrow table: the dump (its ``entries`` None) and
+    its entry columns, for ``entries_table`` to join with other files' (a worker's chunk of
+    files then costs one Arrow array per column, not ~30 per file)."""
     notes: list[str] = []
     # every text the parser read is valid UTF-8 unless it says some holds a surrogate
     clean = native.get("surrogates", True)
@@ -273,9 +287,12 @@ def normalize_native(
     cols, pg_id_to_name, pg_descs, unmapped, bad = _native_columns(native, top.groups)
     if bad:
         notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
-    cols["rank"] = pa.array(np.full(native["n"], top.rank, dtype=np.int32))
-    table = _table(cols, notes)
-    return _torch_dump(top, table, pg_id_to_name, pg_descs, unmapped, bad, clean)
+    n = native["n"]
+    if isinstance(cols["peer"], list):  # peers beyond int32: cleaned and noted, as by Python
+        cols["peer"] = _array(ENTRY_SCHEMA.field("peer"), cols["peer"], n, notes)
+    cols["rank"] = pa.array(np.full(n, top.rank, dtype=np.int32))
+    dump = _torch_dump(top, None, pg_id_to_name, pg_descs, unmapped, bad, clean)
+    return dump, EntryColumns(n, cols, notes)
 
 
 def _top_level(
@@ -359,7 +376,7 @@ def _nameless_is_world(
 
 def _torch_dump(
     top: _TopLevel,
-    table: pa.Table,
+    table: pa.Table | None,
     pg_id_to_name: dict[str, str],
     pg_descs: dict[str, str],
     unmapped: set[str],
@@ -379,7 +396,6 @@ def _torch_dump(
     pg_status, note = _pg_status(dump.get("pg_status"), pg_id_to_name)
     if note:
         notes.append(note)
-    table = _retired_at_issue(table)
     if _nameless_is_world(top, pg_id_to_name, pg_status):
         groups["0"] = ProcessGroup(name="0", desc=pg_descs.get("0") or "default_pg",
                                    ranks=top.nameless)  # fmt: skip
@@ -393,7 +409,7 @@ def _torch_dump(
         pg_status=pg_status,
         process_groups=groups,
         default_pg_all=top.default_pg_all,
-        entries=table,
+        entries=table,  # type: ignore[arg-type]
         unmapped_peer_groups=unmapped,
         bad_entries=bad,
         notes=notes,
@@ -430,28 +446,87 @@ def _retired_at_issue(table: pa.Table) -> pa.Table:
     return table.set_column(i, table.schema.field(i), retired)
 
 
-def _table(cols: dict[str, list[Any]], notes: list[str]) -> pa.Table:
-    """One Arrow table; a column whose values do not fit its type is cleaned value by value
-    (bad values become null) instead of failing the file."""
-    n = len(cols["rank"])
+@dataclass
+class Coded:
+    """A dictionary column before Arrow: each row's int32 code into ``values`` (-1: null);
+    the values are distinct and none is None."""
+
+    codes: np.ndarray
+    values: list[str]
+
+
+@dataclass
+class EntryColumns:
+    """One dump's entry columns before Arrow (``ENTRY_SCHEMA`` names): an Arrow array, a
+    ``Coded`` column, a list of Python values (cleaned as they become Arrow) or None (all
+    null). ``notes``: the dump's notes, which cleaning adds to."""
+
+    n: int
+    columns: dict[str, Any]
+    notes: list[str]
+
+
+def entries_table(parts: Sequence[EntryColumns]) -> pa.Table:
+    """Several dumps' entries as one Arrow table, one array per column: their rows in
+    order, each dictionary column over the values of all of them (in order of first
+    appearance, as Arrow's dictionary unification orders them). A column whose values do
+    not fit its type is cleaned value by value (bad values become null, and the dump says
+    so) instead of failing the file."""
     arrays = []
     for fld in ENTRY_SCHEMA:
-        values = cols.get(fld.name)
-        if isinstance(values, pa.Array):
-            arrays.append(values if values.type == fld.type else values.cast(fld.type))
+        values = [p.columns.get(fld.name) for p in parts]
+        if all(v is None for v in values):  # a column no file has (splits, errors)
+            arrays.append(pa.nulls(sum(p.n for p in parts), type=fld.type))
             continue
-        if values is None:
-            arrays.append(pa.nulls(n, type=fld.type))
+        if fld.type == _DICT and all(v is None or v.__class__ is Coded for v in values):
+            arrays.append(_joined_dictionary(values, [p.n for p in parts]))
             continue
-        try:
-            arrays.append(pa.array(values, type=fld.type))
-        except UnicodeEncodeError:  # lone surrogates: replaced, the rest kept
-            arrays.append(pa.array([_clean_str(v) for v in values], type=fld.type))
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
-            clean = _CLEANERS.get(str(fld.type), _clean_str)
-            arrays.append(pa.array([clean(v) for v in values], type=fld.type))
-            notes.append(f"unreadable values in '{fld.name}' set to null")
-    return pa.Table.from_arrays(arrays, schema=ENTRY_SCHEMA)
+        pieces = [_array(fld, v, p.n, p.notes) for p, v in zip(parts, values, strict=True)]
+        arrays.append(pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces))
+    return _retired_at_issue(pa.Table.from_arrays(arrays, schema=ENTRY_SCHEMA))
+
+
+def _joined_dictionary(columns: Sequence[Coded | None], ns: Sequence[int]) -> pa.Array:
+    if len(columns) == 1 and columns[0] is not None:
+        return _dictionary_array(columns[0].codes, columns[0].values)
+    slot: dict[str, int] = {}
+    # values list -> its codes' remapping (None: none needed); the files of a job repeat
+    # the same few lists (ops, sizes, states), which then cost one look-up each
+    remaps: dict[tuple[str, ...], np.ndarray | None] = {}
+    codes = []
+    for c, n in zip(columns, ns, strict=True):
+        if c is None:
+            codes.append(np.full(n, -1, dtype=np.int32))
+            continue
+        key = tuple(c.values)
+        if key in remaps:
+            remap = remaps[key]
+        else:
+            at = [slot.setdefault(v, len(slot)) for v in key]
+            same = at == list(range(len(at)))
+            remap = None if same else np.array([*at, -1], dtype=np.int32)  # -1 stays null
+            remaps[key] = remap
+        codes.append(c.codes if remap is None else remap[c.codes])
+    joined = np.concatenate(codes) if codes else np.zeros(0, dtype=np.int32)
+    return _dictionary_array(joined, list(slot))
+
+
+def _array(fld: pa.Field, values: Any, n: int, notes: list[str]) -> pa.Array:
+    """One dump's column as an Arrow array of the field's type."""
+    if isinstance(values, pa.Array):
+        return values if values.type == fld.type else values.cast(fld.type)
+    if values is None:
+        return pa.nulls(n, type=fld.type)
+    if values.__class__ is Coded:
+        return _dictionary_array(values.codes, values.values)
+    try:
+        return pa.array(values, type=fld.type)
+    except UnicodeEncodeError:  # lone surrogates: replaced, the rest kept
+        return pa.array([_clean_str(v) for v in values], type=fld.type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+        clean = _CLEANERS.get(str(fld.type), _clean_str)
+        notes.append(f"unreadable values in '{fld.name}' set to null")
+        return pa.array([clean(v) for v in values], type=fld.type)
 
 
 def _clean_float(v: Any) -> float | None:
@@ -722,20 +797,20 @@ def _pg_descs(hits: Iterable[tuple[str, str]]) -> dict[str, str]:
 # rules to each distinct value once and spread the results with numpy.
 
 
-def _dictionary(codes: np.ndarray, values: Sequence[Any], null_value: Any = None) -> pa.Array:
-    """Dictionary array of ``values[code]`` (code -1: ``null_value``); equal values share
-    one slot and None values are nulls, as ``pa.array(strings, type=dictionary)`` gives."""
-    uniq: dict[str, int] = {}
+def _dictionary(codes: np.ndarray, values: Sequence[Any], null_value: Any = None) -> Coded:
+    """``values[code]`` per row (code -1: ``null_value``) as a ``Coded`` column: equal
+    values share one code and None values are nulls, as ``pa.array(strings,
+    type=dictionary)`` gives."""
     if null_value is None and None not in values:
         uniq = dict.fromkeys(values)
         if len(uniq) == len(values):  # already distinct: the codes are the indices
-            return _dictionary_array(codes, values)
-        uniq = {}
+            return Coded(codes, list(values))
+    uniq: dict[Any, int] = {}
     remap = np.empty(len(values) + 1, dtype=np.int32)
     for i, v in enumerate(values):
         remap[i] = -1 if v is None else uniq.setdefault(v, len(uniq))
     remap[-1] = -1 if null_value is None else uniq.setdefault(null_value, len(uniq))
-    return _dictionary_array(remap[codes], list(uniq))
+    return Coded(remap[codes], list(uniq))
 
 
 def _dictionary_array(indices: np.ndarray, values: Sequence[str | None]) -> pa.Array:
@@ -859,7 +934,7 @@ def _native_columns(
     stack_of = [interned.intern(f) for f in frame_lists]
     stack_ids = np.array([-1 if i is None else i for i in stack_of] + [-1], dtype=np.int32)
     stack_ids = stack_ids[frame_codes]
-    stacks = _dictionary_array(stack_ids, interned.texts)
+    stacks = _dictionary(stack_ids, interned.texts)
 
     state_codes, states = _codes(native, "state")
     state_text = [v if v.__class__ is str else str(v or "scheduled") for v in states]
@@ -926,7 +1001,7 @@ def _native_peers(
         name = pg_hits[pair // width][0]
         mapped.append(_global_peer(groups, name, op_hits[pair % width][1], unmapped))
     if not all(v is None or -(2**31) <= v < 2**31 for v in mapped):
-        # out of int32: a plain list, cleaned (and noted) by _table as the Python path does
+        # out of int32: a plain list, cleaned (and noted) by native_columns as by Python
         peers: list[int | None] = [None] * n
         for row, i in zip(rows.tolist(), inverse.tolist(), strict=True):
             peers[row] = mapped[i]
