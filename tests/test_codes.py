@@ -1,11 +1,13 @@
-"""model.codes: np.unique's and np.isin's answers, by a look-up table, where it applies."""
+"""model.codes: np.unique's and np.isin's answers, by a look-up table, where it applies;
+several files' dictionary columns joined as Arrow would join them."""
 
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
-from frtools.model.codes import among, dense_unique
+from frtools.model.codes import among, dense_unique, join_dictionaries
 
 
 @pytest.mark.parametrize("dtype", [np.uint32, np.int16, np.int64])
@@ -42,3 +44,44 @@ def test_among_is_np_isin(values: list[int], wanted: list[int]) -> None:
     assert among(v.astype(np.int32) if v.max(initial=0) < 2**31 else v, w).tolist() == (
         np.isin(v, w).tolist()
     )
+
+
+def _arrow_join(parts: list) -> pa.ChunkedArray:
+    """What Arrow makes of the same parts: one dictionary array each, then unified."""
+    arrays = []
+    for values, indices, valid in parts:
+        null = np.asarray(indices) < 0
+        if valid is not None:
+            null |= ~valid
+        rows = [None if n else values[i] for i, n in zip(indices, null, strict=True)]
+        arrays.append(pa.array(rows, type=pa.string()).dictionary_encode())
+    return pa.chunked_array(arrays).unify_dictionaries()
+
+
+def test_joined_dictionaries_decode_as_arrows_join_in_its_order() -> None:
+    """Rows decode to their file's values (None values, code -1 and invalid rows are null),
+    the dictionary is distinct, in order of first appearance file after file, and a list
+    of values that several files share (one mapping, cached) maps the same each time."""
+    ops = ["all_reduce", "broadcast", "send"]
+    parts = [
+        (ops, np.array([0, 1, 0, 2], dtype=np.int32), None),  # identity: codes kept
+        (["send", "recv", "all_reduce"], np.array([2, 1, -1, 0], dtype=np.int32), None),
+        (ops, np.array([2, 2, 1], dtype=np.int32), None),  # the first file's list again
+        (["x", None, "x", ""], np.array([0, 1, 2, 3], dtype=np.int32), None),  # None, repeat
+        (ops, np.array([0, 1, 2], dtype=np.int32), np.array([True, False, True])),
+        ((), np.full(2, -1, dtype=np.int32), None),  # a file without the column
+    ]
+    got = join_dictionaries(parts)
+    want = _arrow_join(parts)
+    assert got.to_pylist() == want.to_pylist()
+    assert got.to_pylist()[:8] == [
+        "all_reduce", "broadcast", "all_reduce", "send", "all_reduce", "recv", None, "send"
+    ]  # fmt: skip
+    assert got.null_count == 1 + 1 + 1 + 2
+    values = got.dictionary.to_pylist()
+    assert len(values) == len(set(values)) and None not in values
+    assert values == ["all_reduce", "broadcast", "send", "recv", "x", ""]  # "" for the None
+    assert got.type == pa.dictionary(pa.int32(), pa.string())
+    single = join_dictionaries([(["a", "b"], np.array([1, 0, -1], dtype=np.int32), None)])
+    assert single.to_pylist() == ["b", "a", None]
+    assert join_dictionaries([]).to_pylist() == []

@@ -8,7 +8,6 @@ column — thousands of snapshots read in seconds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from frtools.formats.blackbox import (
     read_snapshot,
 )
 from frtools.formats.limits import strict_int
-from frtools.model.codes import dense_unique
+from frtools.model.codes import DictionaryPart, dense_unique, join_dictionaries
 from frtools.model.ops import op_name
 from frtools.model.trace import ENTRY_SCHEMA, ProcessGroup, RankInfo, is_default, is_user_frame
 
@@ -208,45 +207,6 @@ def all_ranks_of(name: str, desc: str, ranks: tuple[int, ...], world: int | None
     )
 
 
-# a dictionary column of one box before Arrow: its dictionary's values (a None is a null
-# value), each row's int32 index into them, and which rows are valid (None: all)
-_DictParts = tuple[Sequence, np.ndarray, "np.ndarray | None"]
-
-
-def _dictionary_column(parts: list[_DictParts]) -> pa.Array:
-    """One dictionary column of several boxes' ``parts``: the rows keep int32 codes into
-    the few distinct values, a null value in a dictionary becomes a null code (Arrow cannot
-    unify the former), and the values are distinct (two stacks with one call site, two ids
-    of one text are merged: pandas' categories must be). The values are in order of first
-    appearance, box after box, as Arrow's dictionary unification orders them."""
-    code: dict[str, int] = {}
-    codes = []
-    valids = []
-    masked = False
-    for values, indices, valid in parts:
-        remap = np.array(
-            [code.setdefault("" if v is None else v, len(code)) for v in values], dtype=np.int32
-        )
-        if any(v is None for v in values):
-            null_code = np.array([v is None for v in values], dtype=bool)[indices]
-            valid = ~null_code if valid is None else valid & ~null_code
-        codes.append(remap[indices])
-        valids.append(valid)
-        masked = masked or valid is not None
-    mask = None
-    if masked:
-        mask = ~np.concatenate(
-            [
-                np.ones(len(c), dtype=bool) if v is None else v
-                for c, v in zip(codes, valids, strict=True)
-            ]
-        )
-    indices = np.concatenate(codes) if len(codes) > 1 else codes[0]
-    return pa.DictionaryArray.from_arrays(
-        pa.array(indices, mask=mask), pa.array(list(code), type=pa.string())
-    )
-
-
 _SPLITS = pa.list_(pa.int64())
 
 
@@ -266,13 +226,13 @@ def split_columns(texts: list[str], idx: np.ndarray) -> dict[str, pa.Array]:
 @dataclass
 class _BoxColumns:
     """One box's entries before Arrow: numeric columns as (values, null mask) and
-    dictionary columns as ``_DictParts``; ``_entries_table`` turns the columns of several
+    dictionary columns as ``DictionaryPart``s; ``_entries_table`` turns the columns of several
     boxes into one table (a worker's chunk of boxes: one Arrow array per column, not one per
     box and column, then one concatenation)."""
 
     n: int
     numbers: dict[str, tuple[np.ndarray, np.ndarray | None]]
-    texts: dict[str, _DictParts]
+    texts: dict[str, DictionaryPart]
     splits: dict[str, pa.Array]
 
 
@@ -299,7 +259,7 @@ def _columns(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> _
     profiling = [t if (":" in t or not backend or not t) else f"{backend}:{t}" for t in texts]
     sites = [call_site_of(t) for t in texts]
 
-    def column(name: str, dictionary: list, none_is_null: bool) -> _DictParts:
+    def column(name: str, dictionary: list, none_is_null: bool) -> DictionaryPart:
         idx = col_index[name]
         return dictionary, idx, ~none[idx] if none_is_null else None
 
@@ -372,7 +332,7 @@ def _entries_table(boxes: list[_BoxColumns]) -> pa.Table:
             mask = np.concatenate([m for _, m in parts]) if len(parts) > 1 else parts[0][1]
         arrays[name] = pa.array(values, mask=mask)
     for name in boxes[0].texts:
-        arrays[name] = _dictionary_column([b.texts[name] for b in boxes])
+        arrays[name] = join_dictionaries([b.texts[name] for b in boxes])
     arrays["timeout_ms"] = pa.nulls(total, type=pa.int64())
     for name in {name for b in boxes for name in b.splits}:
         arrays[name] = pa.concat_arrays(

@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 
 from frtools.formats import limits
 from frtools.formats.limits import strict_int
+from frtools.model.codes import join_dictionaries
 from frtools.model.ops import P2P_OPS
 from frtools.model.ranks import MAX_WORLD_SIZE, valid_rank
 from frtools.model.trace import (
@@ -487,28 +488,16 @@ def entries_table(parts: Sequence[EntryColumns]) -> pa.Table:
 
 
 def _joined_dictionary(columns: Sequence[Coded | None], ns: Sequence[int]) -> pa.Array:
-    if len(columns) == 1 and columns[0] is not None:
-        return _dictionary_array(columns[0].codes, columns[0].values)
-    slot: dict[str, int] = {}
-    # values list -> its codes' remapping (None: none needed); the files of a job repeat
-    # the same few lists (ops, sizes, states), which then cost one look-up each
-    remaps: dict[tuple[str, ...], np.ndarray | None] = {}
-    codes = []
-    for c, n in zip(columns, ns, strict=True):
-        if c is None:
-            codes.append(np.full(n, -1, dtype=np.int32))
-            continue
-        key = tuple(c.values)
-        if key in remaps:
-            remap = remaps[key]
-        else:
-            at = [slot.setdefault(v, len(slot)) for v in key]
-            same = at == list(range(len(at)))
-            remap = None if same else np.array([*at, -1], dtype=np.int32)  # -1 stays null
-            remaps[key] = remap
-        codes.append(c.codes if remap is None else remap[c.codes])
-    joined = np.concatenate(codes) if codes else np.zeros(0, dtype=np.int32)
-    return _dictionary_array(joined, list(slot))
+    parts = [
+        (_NO_VALUES, np.full(n, -1, dtype=np.int32), None)
+        if c is None
+        else (c.values, c.codes, None)
+        for c, n in zip(columns, ns, strict=True)
+    ]
+    return join_dictionaries(parts, _string_array)
+
+
+_NO_VALUES: tuple[str, ...] = ()
 
 
 def _array(fld: pa.Field, values: Any, n: int, notes: list[str]) -> pa.Array:
@@ -518,7 +507,7 @@ def _array(fld: pa.Field, values: Any, n: int, notes: list[str]) -> pa.Array:
     if values is None:
         return pa.nulls(n, type=fld.type)
     if values.__class__ is Coded:
-        return _dictionary_array(values.codes, values.values)
+        return join_dictionaries([(values.values, values.codes, None)], _string_array)
     try:
         return pa.array(values, type=fld.type)
     except UnicodeEncodeError:  # lone surrogates: replaced, the rest kept
@@ -811,22 +800,6 @@ def _dictionary(codes: np.ndarray, values: Sequence[Any], null_value: Any = None
         remap[i] = -1 if v is None else uniq.setdefault(v, len(uniq))
     remap[-1] = -1 if null_value is None else uniq.setdefault(null_value, len(uniq))
     return Coded(remap[codes], list(uniq))
-
-
-def _dictionary_array(indices: np.ndarray, values: Sequence[str | None]) -> pa.Array:
-    """int32 ``indices`` (-1: null) into distinct ``values``, without copying the indices."""
-    nulls = indices < 0
-    null_count = int(np.count_nonzero(nulls))
-    validity = None
-    if null_count:
-        validity = pa.py_buffer(np.packbits(~nulls, bitorder="little"))
-    return pa.DictionaryArray.from_buffers(
-        _DICT,
-        len(indices),
-        [validity, pa.py_buffer(indices)],
-        _string_array(values),
-        null_count=null_count,
-    )
 
 
 # distinct values -> their Arrow array: the ranks of a job repeat the same few lists
