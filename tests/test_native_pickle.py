@@ -193,12 +193,23 @@ def test_a_chunk_of_dumps_reads_in_one_table_as_each_file_alone(
     splits["entries"][0].update(
         profiling_name="nccl:all_to_all", input_split_sizes=[1, 3], output_split_sizes=[2, 2]
     )
+    malformed = fr_dump("2.10", n=2)
+    malformed["entries"] = [1, "x"]  # every entry malformed: none kept, both counted
+    lone, replaced = fr_dump("2.10", n=3), fr_dump("2.10", n=3)
+    for e in lone["entries"]:
+        e["thread_name"] = "w\ud800"  # a lone surrogate: U+FFFD once read
+    for e in replaced["entries"]:
+        e["thread_name"] = "w\ufffd"  # what that reads as, in another file of the chunk
     made = {
         "rank_40.pkl": pickle.dumps(fr_dump("2.10", n=4), protocol=0),
         "rank_41.pkl": pickle.dumps(splits, protocol=2),
         "rank_42.pkl": b"\x80\x02}q\x00(X\x07\x00\x00\x00entries",  # truncated
         "rank_43.pkl": pickle.dumps(odd, protocol=2),
         "rank_44.pkl": pickle.dumps(fr_dump("2.10", n=0), protocol=2),
+        "rank_45.pkl.gz": gzip.compress(pickle.dumps(fr_dump("2.10", n=5), protocol=2)),
+        "rank_46.pkl": pickle.dumps(malformed, protocol=2),
+        "rank_47.pkl": pickle.dumps(lone, protocol=2),
+        "rank_48.pkl": pickle.dumps(replaced, protocol=2),
     }
     for name, data in made.items():
         (tmp_path / name).write_bytes(data)
@@ -229,7 +240,16 @@ def test_a_chunk_of_dumps_reads_in_one_table_as_each_file_alone(
         assert got.unmapped_peer_groups == alone.unmapped_peer_groups
         assert got.notes == alone.notes
         assert got.max_time_created_ns == alone.max_time_created_ns
+        assert got.bad_entries == alone.bad_entries
+        assert got.default_pg_all == alone.default_pg_all
     assert offset == table.num_rows
+    # distinct texts once read: pandas' categories (the alignment's) must be
+    for name in table.column_names:
+        if pa.types.is_dictionary(table.column(name).type):
+            values = table.column(name).chunk(0).dictionary.to_pylist()
+            assert len(values) == len(set(values)), name
+    assert table.to_pandas()["thread_name"].str.startswith("w").sum() == 6
+    assert outs[[p.name for p in paths].index("rank_46.pkl")][0].bad_entries == 2
     odd_read = outs[[p.name for p in paths].index("rank_43.pkl")][0]
     assert "unreadable values in 'peer' set to null" in odd_read.notes
     # and what the Python path makes of the same dump

@@ -1,4 +1,5 @@
-"""Integer codes of a column: its distinct values and each row's index among them.
+"""Integer codes of a column: its distinct values and each row's index among them; and
+several files' dictionary columns joined into one Arrow array (``join_dictionaries``).
 
 Where the values are small non-negative ints (string ids, group codes, packed keys), a
 look-up table numbers them in a few passes; ``np.unique`` sorts and ``pd.factorize`` hashes,
@@ -59,7 +60,7 @@ def join_dictionaries(
     row (Arrow cannot unify a null in a dictionary) and repeated values are merged (pandas'
     categories must be distinct). Files of one job repeat the same few value lists (ops,
     sizes, states): each distinct list is mapped once. ``strings``: the values' Arrow
-    array (a reader's own, where its texts may need cleaning)."""
+    array (a reader's own), which must keep distinct values distinct."""
     slot: dict[str, int] = {}
     # values -> (their codes' remapping, None where it is the identity; which are None)
     seen: dict[tuple, tuple[np.ndarray | None, np.ndarray | None]] = {}

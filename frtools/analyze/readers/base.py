@@ -60,7 +60,8 @@ class Capabilities:
     records_ending: bool = False
     # one file may hold several ranks (``read_all``: a host summary)
     several_ranks: bool = False
-    # many files are read in one call (``read_many``: packed host summaries, black boxes)
+    # many files are read in one call (``read_many``: packed host summaries, black boxes,
+    # PyTorch pickles)
     batches: bool = False
 
     @classmethod

@@ -1,6 +1,6 @@
 """Reading many files: in worker processes when there are many, their tables handed over
 through a spool of Arrow IPC files in shared memory, and files whose reader reads many at
-once (packed host summaries, black boxes) read in one call.
+once (packed host summaries, black boxes, PyTorch pickles) read in one call.
 
 A file may hold several ranks (a host summary): its reader's ``read_all`` returns one
 ``RankDump`` per rank, their entries slices of one table. Worker processes hand over one
@@ -54,8 +54,8 @@ def entries(d: RankDump, spans: Spans) -> pa.Table:
 
 def read_chunk(paths: Sequence[str], spans: Spans, *, blocks: bool = False) -> list[FileResult]:
     """Read several files; those whose reader reads many at once (``read_many``: packed
-    host summaries, black boxes) are read in one call, their dumps' entries left None and found in
-    ``spans`` (one table for all of them). ``blocks``: a file of several ranks that its
+    host summaries, black boxes, PyTorch pickles) are read in one call, their dumps'
+    entries left None and found in ``spans`` (one table for all of them). ``blocks``: a file of several ranks that its
     reader returned as a ``RankBlock`` stays one (``FileResult.block``; its rows: the span
     of ``id(block)``), for a worker to hand over without making its dumps."""
     results: list[FileResult | None] = [None] * len(paths)

@@ -80,11 +80,10 @@ def _rank_dump(
 ) -> RankDump:
     """``extremes``: the record ids and creation times (Arrow arrays or None) where the
     dump's entries are not a table yet."""
-    record_ids, created = (
-        (dump.entries.column("record_id"), dump.entries.column("time_created_ns"))
-        if extremes is None
-        else extremes
-    )
+    if extremes is None:  # the Python path: its dump comes with its table
+        assert dump.entries is not None
+        extremes = dump.entries.column("record_id"), dump.entries.column("time_created_ns")
+    record_ids, created = extremes
     first_id = _extreme(record_ids, pc.min)
     info = RankInfo(
         rank=dump.rank,

@@ -13,7 +13,8 @@ the version (``ENTRY_KEY_HISTORY``, ``TOP_LEVEL_KEY_HISTORY``; docs/dump-formats
   numpy or pyarrow.
 * ``torch_fr.normalize``: reading. ``normalize`` turns a parsed dump (plain dicts and lists,
   any version 1.x … 2.x) into the Trace's entry columns and what the top level says;
-  ``normalize_native`` does the same from the native pickle parser's columns.
+  ``native_columns`` does the same from the native pickle parser's columns, and
+  ``entries_table`` makes one table of one or many files' columns.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 ``normalize`` turns a parsed dump (plain dicts and lists, from pickle or JSON, any version
 1.x … 2.x) into a ``TorchDump``: the Trace's entry columns (one Arrow table, built column by
 column: no per-entry Python objects outlive the call) and what the top level says.
-``normalize_native`` does the same from the columns of the native pickle parser
+``native_columns`` does the same from the columns of the native pickle parser
 (``frtools/analyze/readers/_native/frpickle.cpp``), with numpy over the few distinct values
-instead of a loop over every entry; both apply the same rules. Every lookup takes the
+instead of a loop over every entry, and leaves the table to ``entries_table``, which joins
+several files' columns into one (a worker's chunk); both apply the same rules. Every lookup takes the
 newest key first and falls back to the older ones (``frtools.formats.torch_fr``'s version
 table), so one code path reads them all.
 """
@@ -60,7 +61,7 @@ class TorchDump:
     pg_status: dict[str, dict[str, int]]
     process_groups: dict[str, ProcessGroup]
     default_pg_all: bool  # the default group's members were written as "all ranks"
-    entries: pa.Table
+    entries: pa.Table | None  # None from native_columns: its EntryColumns make the table
     unmapped_peer_groups: set[str] = field(default_factory=set)
     bad_entries: int = 0
     notes: list[str] = field(default_factory=list)
@@ -256,29 +257,17 @@ def normalize(dump: Any, name_rank: int | None = None, name_host: str | None = N
     return _torch_dump(top, table, pg_id_to_name, pg_descs, unmapped, bad)
 
 
-def normalize_native(
-    top_dump: Mapping[str, Any],
-    native: Mapping[str, Any],
-    name_rank: int | None = None,
-    name_host: str | None = None,
-) -> TorchDump:
-    """``normalize`` for a dump the native parser (``_frpickle.parse``) already turned into
-    columns: the same ``TorchDump``, built with numpy over the few distinct values instead
-    of a Python loop over every entry."""
-    dump, columns = native_columns(top_dump, native, name_rank, name_host)
-    dump.entries = entries_table([columns])
-    return dump
-
-
 def native_columns(
     top_dump: Mapping[str, Any],
     native: Mapping[str, Any],
     name_rank: int | None = None,
     name_host: str | None = None,
 ) -> tuple[TorchDump, EntryColumns]:
-    """``normalize_native`` without the Arrow table: the dump (its ``entries`` None) and
-    its entry columns, for ``entries_table`` to join with other files' (a worker's chunk of
-    files then costs one Arrow array per column, not ~30 per file)."""
+    """``normalize`` for a dump the native parser (``_frpickle.parse``) already turned into
+    columns, with numpy over the few distinct values instead of a Python loop over every
+    entry: the ``TorchDump`` (its ``entries`` None) and its entry columns, for
+    ``entries_table`` to make into a table, alone or joined with other files' (a worker's
+    chunk of files then costs one Arrow array per column, not ~30 per file)."""
     notes: list[str] = []
     # every text the parser read is valid UTF-8 unless it says some holds a surrogate
     clean = native.get("surrogates", True)
@@ -289,6 +278,10 @@ def native_columns(
     if bad:
         notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
     n = native["n"]
+    if clean:  # a text may hold a lone surrogate: as UTF-8 carries it, equal ones merged
+        for name, col in cols.items():
+            if col.__class__ is Coded:
+                cols[name] = _dictionary(col.codes, [encodable_text(v) for v in col.values])
     if isinstance(cols["peer"], list):  # peers beyond int32: cleaned and noted, as by Python
         cols["peer"] = _array(ENTRY_SCHEMA.field("peer"), cols["peer"], n, notes)
     cols["rank"] = pa.array(np.full(n, top.rank, dtype=np.int32))
@@ -410,7 +403,7 @@ def _torch_dump(
         pg_status=pg_status,
         process_groups=groups,
         default_pg_all=top.default_pg_all,
-        entries=table,  # type: ignore[arg-type]
+        entries=table,
         unmapped_peer_groups=unmapped,
         bad_entries=bad,
         notes=notes,
