@@ -71,8 +71,14 @@ def assert_same(data: bytes, path: Path, *, native_required: bool = False) -> Ra
         return None
     want = _python_read(data, path)
     assert not isinstance(want, str), f"{path}: native read a dump Python refuses ({want})"
-    assert got.entries.schema == want.entries.schema
-    assert _plain(got.entries).equals(_plain(want.entries)), path
+    assert_same_dump(got, got.entries, want)
+    return got
+
+
+def assert_same_dump(got: RankDump, entries: pa.Table, want: RankDump) -> None:
+    """``got`` (its rows ``entries``) is the dump ``want`` is, field by field."""
+    assert entries.schema == want.entries.schema
+    assert _plain(entries).equals(_plain(want.entries)), want.rank_info.source
     assert got.rank_info == want.rank_info
     assert got.process_groups == want.process_groups
     assert got.unmapped_peer_groups == want.unmapped_peer_groups
@@ -80,7 +86,6 @@ def assert_same(data: bytes, path: Path, *, native_required: bool = False) -> Ra
     assert got.bad_entries == want.bad_entries
     assert got.max_time_created_ns == want.max_time_created_ns
     assert got.default_pg_all == want.default_pg_all
-    return got
 
 
 # --- equivalence ---------------------------------------------------------------------------
@@ -234,14 +239,7 @@ def test_a_chunk_of_dumps_reads_in_one_table_as_each_file_alone(
         else:  # read the Python way: its own table
             assert path.name in ("rank_40.pkl", "rank_41.pkl")
             entries = got.entries
-        assert _plain(entries).equals(_plain(alone.entries)), path
-        assert got.rank_info == alone.rank_info
-        assert got.process_groups == alone.process_groups
-        assert got.unmapped_peer_groups == alone.unmapped_peer_groups
-        assert got.notes == alone.notes
-        assert got.max_time_created_ns == alone.max_time_created_ns
-        assert got.bad_entries == alone.bad_entries
-        assert got.default_pg_all == alone.default_pg_all
+        assert_same_dump(got, entries, alone)
     assert offset == table.num_rows
     # distinct texts once read: pandas' categories (the alignment's) must be
     for name in table.column_names:

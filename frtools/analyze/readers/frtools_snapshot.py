@@ -226,9 +226,9 @@ def split_columns(texts: list[str], idx: np.ndarray) -> dict[str, pa.Array]:
 @dataclass
 class _BoxColumns:
     """One box's entries before Arrow: numeric columns as (values, null mask) and
-    dictionary columns as ``DictionaryPart``s; ``_entries_table`` turns the columns of several
-    boxes into one table (a worker's chunk of boxes: one Arrow array per column, not one per
-    box and column, then one concatenation)."""
+    dictionary columns as ``DictionaryPart``s; ``_entries_table`` turns the columns of
+    several boxes into one table (a worker's chunk of boxes: one Arrow array per column, not
+    one per box and column, then one concatenation)."""
 
     n: int
     numbers: dict[str, tuple[np.ndarray, np.ndarray | None]]

@@ -55,9 +55,10 @@ def entries(d: RankDump, spans: Spans) -> pa.Table:
 def read_chunk(paths: Sequence[str], spans: Spans, *, blocks: bool = False) -> list[FileResult]:
     """Read several files; those whose reader reads many at once (``read_many``: packed
     host summaries, black boxes, PyTorch pickles) are read in one call, their dumps'
-    entries left None and found in ``spans`` (one table for all of them). ``blocks``: a file of several ranks that its
-    reader returned as a ``RankBlock`` stays one (``FileResult.block``; its rows: the span
-    of ``id(block)``), for a worker to hand over without making its dumps."""
+    entries left None and found in ``spans`` (one table for all of them). ``blocks``: a
+    file of several ranks that its reader returned as a ``RankBlock`` stays one
+    (``FileResult.block``; its rows: the span of ``id(block)``), for a worker to hand over
+    without making its dumps."""
     results: list[FileResult | None] = [None] * len(paths)
     batches: dict[str, tuple[ModuleType, list[tuple[int, Path, float]]]] = {}
     for i, p in enumerate(paths):

@@ -6,9 +6,9 @@ column: no per-entry Python objects outlive the call) and what the top level say
 ``native_columns`` does the same from the columns of the native pickle parser
 (``frtools/analyze/readers/_native/frpickle.cpp``), with numpy over the few distinct values
 instead of a loop over every entry, and leaves the table to ``entries_table``, which joins
-several files' columns into one (a worker's chunk); both apply the same rules. Every lookup takes the
-newest key first and falls back to the older ones (``frtools.formats.torch_fr``'s version
-table), so one code path reads them all.
+several files' columns into one (a worker's chunk); both apply the same rules. Every lookup
+takes the newest key first and falls back to the older ones (``frtools.formats.torch_fr``'s
+version table), so one code path reads them all.
 """
 
 from __future__ import annotations
@@ -500,7 +500,7 @@ def _array(fld: pa.Field, values: Any, n: int, notes: list[str]) -> pa.Array:
     if values is None:
         return pa.nulls(n, type=fld.type)
     if values.__class__ is Coded:
-        return join_dictionaries([(values.values, values.codes, None)], _string_array)
+        return _joined_dictionary([values], [n])
     try:
         return pa.array(values, type=fld.type)
     except UnicodeEncodeError:  # lone surrogates: replaced, the rest kept
