@@ -134,13 +134,19 @@ def test_kth_send_matches_kth_recv_of_the_pair_with_global_peers():
     assert list(zip(recvs["sender"], recvs["pair_index"], strict=True)) == [(4, 0), (4, 1)]
 
 
+@pytest.mark.parametrize("block", [7, None])  # rows a step at a time: a few; the default
+@pytest.mark.parametrize("ranks", [4, 40])  # every (rank, group) numbered densely; those in use
 @pytest.mark.parametrize("top_seq", [50, 2**26])  # packed into one int64; too big to pack
-def test_duplicated_units_are_the_rows_sharing_rank_group_and_seq(top_seq):
+def test_duplicated_units_are_the_rows_sharing_rank_group_and_seq(
+    top_seq, ranks, block, monkeypatch
+):
+    if block is not None:
+        monkeypatch.setattr("frtools.analyze.align._BLOCK", block)
     rng = np.random.default_rng(7)
     n = 3000
     frame = pd.DataFrame(
         {
-            "rank": rng.integers(0, 40, n).astype(np.int32),
+            "rank": rng.integers(0, ranks, n).astype(np.int32),
             "pg_name": pd.Categorical(rng.choice(["0", "1", "tp", "dp"], n)),
             "collective_seq_id": rng.integers(1, top_seq, n),
         }
@@ -175,6 +181,30 @@ def test_duplicated_units_of_a_group_table_mostly_unused(ranks):
     assert 0 < expected.sum() < n
     assert _duplicated_units(frame).tolist() == expected.tolist()
     assert not _duplicated_units(frame.drop_duplicates()).any()
+
+
+def test_alignment_does_not_depend_on_how_many_rows_a_step_takes(monkeypatch):
+    """The signature, the coalesced units and the per-member status are worked out a block
+    of rows at a time (their temporaries stay small at millions of rows): blocks of a few
+    rows give the frames one block gives."""
+    rng = np.random.default_rng(5)
+    rows = []
+    for rank in range(6):
+        for seq in range(1, 40):
+            pg = ["0", "tp", "dp"][seq % 3]
+            state = "completed" if seq < 30 + rank else "scheduled"
+            op = ["all_reduce", "all_gather", "broadcast"][int(rng.integers(0, 3))]
+            sizes = f"[[{int(rng.integers(1, 4))}]]"
+            rows.append(row(rank, seq, pg=pg, op=op, state=state, input_sizes=sizes))
+            if seq % 7 == 0:  # a coalesced block: two ops of one seq
+                rows.append(row(rank, seq, pg=pg, state=state, record_id=1000 + seq))
+    groups = {g: ProcessGroup(g, "", tuple(range(6))) for g in ("0", "tp", "dp")}
+    whole = align(make(rows, ranks=6, groups=groups))
+    monkeypatch.setattr("frtools.analyze.align._BLOCK", 5)
+    blocked = align(make(rows, ranks=6, groups=groups))
+    assert whole.collectives["sig"].nunique() > 3 and (whole.collectives["op"] == "coalesced").any()
+    pd.testing.assert_frame_equal(blocked.collectives, whole.collectives)
+    pd.testing.assert_frame_equal(blocked.status, whole.status)
 
 
 @pytest.mark.parametrize(

@@ -641,6 +641,57 @@ def test_a_worker_that_cannot_spool_its_table_hands_it_over_by_pipe(tmp_path: Pa
 
 
 @pytest.mark.timeout(30)
+def test_a_spool_file_leaves_its_constant_columns_to_the_parent(tmp_path: Path) -> None:
+    """A worker's table goes to the spool without the columns that hold one value in every
+    row (nulls, or one int or bool): the parent puts them back as slices of one array per
+    value, which every chunk shares, and the table is the worker's, dictionaries and
+    schema included."""
+    import pyarrow as pa
+
+    from frtools.analyze.readers.parallel import _spool_table, _unspool
+
+    n = 1000
+    table = pa.table(
+        {
+            "varies": pa.array(range(n), pa.int64()),
+            "zero": pa.array([0] * n, pa.int64()),
+            "flag": pa.array([False] * n),
+            "none": pa.nulls(n, pa.int64()),
+            # all null, over a dictionary of two values, which it keeps
+            "codes": pa.DictionaryArray.from_arrays(pa.nulls(n, pa.int32()), ["x", "y"]),
+            "splits": pa.nulls(n, pa.list_(pa.int64())),
+            "text": pa.DictionaryArray.from_arrays(pa.array([i % 2 for i in range(n)]), ["a", "b"]),
+            "nearly": pa.array([None] + [1] * (n - 1), pa.int64()),
+        }
+    )
+    table = table.cast(table.schema.with_metadata({"k": "v"}))
+    runs: dict = {}
+    back = []
+    for k in range(2):
+        path = tmp_path / f"{k}.arrow"
+        with open(path, "wb") as f:
+            _spool_table(table.slice(0, n - k), f)
+        assert pa.ipc.open_file(path).read_all().column_names == ["varies", "text", "nearly"]
+        back.append(_unspool(str(path), runs))
+        assert not path.exists()  # the mapping holds the pages
+    assert back[0].equals(table) and back[1].equals(table.slice(0, n - 1))
+    assert back[0].schema.equals(table.schema, check_metadata=True)
+    assert back[1]["codes"].chunk(0).dictionary.to_pylist() == ["x", "y"]
+    for name in ("zero", "flag", "none"):  # one array per value, which both slice
+        first, second = (b[name].chunk(0).buffers()[-1] for b in back)
+        assert first.address == second.address
+    # an empty table, or an IPC file of the plain table, reads back as it is
+    for kept, path in ((table.slice(0, 0), tmp_path / "empty"), (table, tmp_path / "plain")):
+        with open(path, "wb") as f:
+            if path.name == "empty":
+                _spool_table(kept, f)
+            else:
+                with pa.ipc.new_file(f, kept.schema) as w:
+                    w.write_table(kept)
+        assert _unspool(str(path)).equals(kept)
+
+
+@pytest.mark.timeout(30)
 def test_analyzer_side_imports_without_torch(tmp_path: Path) -> None:
     import subprocess
 

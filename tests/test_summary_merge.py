@@ -363,6 +363,7 @@ def test_a_worker_hands_a_partials_ranks_over_as_columns_and_they_read_as_in_pro
     import pickle
 
     from frtools.analyze.readers.loader import _read_chunk_to_spool, read_rank_dumps
+    from frtools.analyze.readers.parallel import _unspool
 
     partial = merge_files(two_hosts).data
     paths = [tmp_path / "new.summary", tmp_path / "old.summary"]
@@ -388,7 +389,7 @@ def test_a_worker_hands_a_partials_ranks_over_as_columns_and_they_read_as_in_pro
     assert table_path is not None
     assert all(r.block is not None and r.dump is None and not r.more for r in results)
     assert [r.input.reason for r in results] == ["ranks 0-15"] * 2
-    table = pa.ipc.open_file(table_path).read_all()
+    table = _unspool(table_path)
     results = pickle.loads(pickle.dumps(results))  # as the pool hands them over
     for r, mine in zip(results, where, strict=True):
         assert facts(r.unblock()) == want_facts and r.block is None

@@ -85,8 +85,8 @@ class Alignment:
     collectives: pd.DataFrame
     """One row per (rank, pg_name, seq) unit: signature columns, ``sig`` (an int, equal iff
     the op family and every attribute that family requires to agree are equal), state,
-    completed (nullable bool), time_created_ns, record_id, call_site, n_ops, and ``parts``
-    (the ops of a coalesced unit joined with ``;``; null for a single op)."""
+    completed (nullable bool), time_created_ns, record_id, call_site, and ``parts`` (the
+    ops of a coalesced unit joined with ``;``; null for a single op)."""
     p2p: pd.DataFrame
     """One row per P2P op: rank, pg_name, op, peer, sender, receiver, pair_index, sizes,
     completed, time_created_ns, call_site, uncertain."""
@@ -160,13 +160,28 @@ def _p2p_frame(df: pd.DataFrame, trace: Trace) -> pd.DataFrame:
     """The P2P rows of the entries frame, with the columns only they use (``_P2P_ONLY``),
     in ``_LOAD_COLUMNS``' order."""
     p2p = df[df["is_p2p"]].copy()
-    rows = pa.array(p2p.index.to_numpy(dtype=np.int64))
+    rows = p2p.index.to_numpy(dtype=np.int64)
     for name in _P2P_ONLY:
-        col = trace.entries.column(name).take(rows)
+        col = _take_rows(trace.entries.column(name), rows)
         at = sum(1 for c in _LOAD_COLUMNS[: _LOAD_COLUMNS.index(name)] if c in p2p.columns)
         values = _ints(col, 0) if name == "p2p_seq_id" else col.to_pandas().to_numpy()
         p2p.insert(at, name, values)
     return p2p
+
+
+def _take_rows(col: pa.ChunkedArray, rows: np.ndarray) -> pa.ChunkedArray:
+    """``col.take(rows)`` for ascending ``rows``, from the chunks that hold them: Arrow's
+    take of a chunked array touches every chunk (16,384 ranks: 0.7 s and 278 MB of page
+    faults to take the few P2P rows, or none)."""
+    ends = np.cumsum([len(chunk) for chunk in col.chunks], dtype=np.int64)
+    cuts = np.searchsorted(rows, ends)
+    parts, start = [], 0
+    for k, cut in enumerate(cuts.tolist()):
+        if cut > start:
+            local = rows[start:cut] - (ends[k] - len(col.chunk(k)))
+            parts.append(col.chunk(k).take(pa.array(local)))
+        start = cut
+    return pa.chunked_array(parts, type=col.type)
 
 
 def _ints(col: pa.ChunkedArray, null: int) -> np.ndarray:
@@ -314,7 +329,9 @@ def _duplicates_by_span(rank: np.ndarray, pg: np.ndarray, seq: np.ndarray) -> np
     # 32-bit numbers where they fit: every array here is fresh memory, and on a VM its first
     # touch costs more than the arithmetic (8 M rows: 1.3 s on fresh memory, 0.3 s reused)
     small = most < 2**31 - 2**26
-    if (int(rank.max()) + 1) * groups <= most:  # (rank, group) numbered densely: no hashing
+    # (rank, group) numbered densely, no look-up, where its four per-pair arrays are small
+    # beside the rows (every rank on every group: a few groups); else the pairs in use
+    if (int(rank.max()) + 1) * groups <= len(seq) // 16:
         unit = rank.astype(np.int32 if small else np.int64)
         unit *= groups
         unit += pg
@@ -333,17 +350,27 @@ def _duplicates_by_span(rank: np.ndarray, pg: np.ndarray, seq: np.ndarray) -> np
         return None
     base = np.cumsum(span) - span - low  # >= -2**25: seqs are below that
     slot = base.astype(np.int32)[unit] if small else base[unit]
+    del unit
     slot += seq
-    # each slot keeps one of its rows (whichever): a row that is not kept shares its slot
-    rows = np.arange(len(seq), dtype=slot.dtype)
+    # each slot keeps one of its rows (whichever): a row that is not kept shares its slot;
+    # a block of row numbers at a time, not an array of every row's
     kept = np.empty(total, dtype=slot.dtype)
-    kept[slot] = rows
-    lost = kept[slot] != rows
+    lost = np.empty(len(slot), dtype=bool)
+    for start in range(0, len(slot), _BLOCK):
+        kept[slot[start : start + _BLOCK]] = _row_numbers(start, len(slot), slot.dtype)
+    for start in range(0, len(slot), _BLOCK):
+        rows = _row_numbers(start, len(slot), slot.dtype)
+        np.not_equal(kept[slot[start : start + _BLOCK]], rows, out=lost[start : start + _BLOCK])
     if not lost.any():
         return np.zeros(len(seq), dtype=bool)
     shared = np.zeros(total, dtype=bool)
     shared[slot[lost]] = True
     return shared[slot]
+
+
+def _row_numbers(start: int, n: int, dtype: np.dtype) -> np.ndarray:
+    """The numbers of the rows of the block that begins at ``start`` (of ``n`` rows)."""
+    return np.arange(start, min(start + _BLOCK, n), dtype=dtype)
 
 
 def _rank_group_units(rank: np.ndarray, pg: np.ndarray, most: int) -> tuple[np.ndarray, int]:
@@ -376,7 +403,6 @@ def _in_use(codes: np.ndarray, n: int) -> np.ndarray:
 
 def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
     dup = _duplicated_units(coll)
-    coll = coll.assign(n_ops=np.ones(len(coll), dtype=np.int32))
     if not dup.any():
         return coll.assign(parts=_no_parts(len(coll)))
     single = coll[~dup]
@@ -398,7 +424,6 @@ def _collapse_coalesced(coll: pd.DataFrame) -> pd.DataFrame:
         retired=("retired", "last"),
         call_site=("call_site", "first"),
         error=("error", "first"),
-        n_ops=("op", "size"),
         parts=("op", lambda v: ";".join(str(x) for x in v)),
     )
     agg["op"] = "coalesced"
@@ -524,6 +549,8 @@ def text_series(values: pd.Series) -> pd.Series:
 
 
 _FAMILIES = {f: i + 1 for i, f in enumerate(OpFamily)}
+# rows a step of a column-at-a-time pass works on: its temporaries stay a few MB
+_BLOCK = 1 << 20
 
 
 def _signature_ids(coll: pd.DataFrame) -> np.ndarray:
@@ -566,17 +593,21 @@ def _signature_ids(coll: pd.DataFrame) -> np.ndarray:
                 _checked(attr, op_rules, op_codes, blocks), category_codes(coll[attr])[0] + 1, 0
             )
         return frame.groupby(list(frame.columns), sort=False).ngroup().to_numpy(np.int64)
-    key = fam_of_cat[op_codes]
+    narrow_ops = category_codes(coll["op"], wide=False)[0]
+    key = fam_of_cat[narrow_ops]
     radix = len(_FAMILIES) + 1
     if parts_key is not None:
         key += parts_key * radix
         radix *= int(parts_key.max()) + 1
     for attr, n in zip(columns, sizes, strict=True):
-        codes, _ = category_codes(coll[attr])
-        codes += 1
-        codes[~_checked(attr, op_rules, op_codes, blocks)] = 0
-        codes *= radix
-        key += codes
+        codes, _ = category_codes(coll[attr], wide=False)
+        # code c adds (c + 1) * radix, code -1 (at the table's end) 0
+        table = np.append(np.arange(1, n - 1, dtype=np.int64) * radix, 0)
+        checked = _checked(attr, op_rules, narrow_ops, blocks)
+        for start in range(0, len(key), _BLOCK):  # no int64 copy of every row's codes
+            part = table[codes[start : start + _BLOCK]]
+            part[~checked[start : start + _BLOCK]] = 0
+            key[start : start + _BLOCK] += part
         radix *= n
     return key  # equal iff the keys are: numbering them costs a 30 M-entry hash table
 
@@ -627,17 +658,20 @@ def _status(coll: pd.DataFrame, ps: pd.DataFrame) -> pd.DataFrame:
         # one factorization, then the three reductions by index (pandas' group-by hashes the
         # 8 M keys once per group-by: 2.5x slower at 131,072 ranks)
         unit, k = _numbered(key, 4 * len(key) + 1024)
+        del key
         seq = coll["seq"].to_numpy().astype(np.int64, copy=False)
         first = np.full(len(k), np.iinfo(np.int64).max)
         np.minimum.at(first, unit, seq)
         last = np.full(len(k), np.iinfo(np.int64).min)
         np.maximum.at(last, unit, seq)
-        done = coll["completed"].fillna(False).to_numpy(dtype=bool)
+        done = coll["completed"].to_numpy(dtype=bool, na_value=False)
         # over every row, a row not done counting as the lowest int (masking both arrays
-        # first made this 5x slower at 131,072 ranks)
+        # first made this 5x slower at 131,072 ranks), a block of rows at a time
         lowest = np.iinfo(np.int64).min
         done_seq = np.full(len(k), lowest, dtype=np.int64)
-        np.maximum.at(done_seq, unit, np.where(done, seq, lowest))
+        for start in range(0, len(seq), _BLOCK):
+            rows = slice(start, start + _BLOCK)
+            np.maximum.at(done_seq, unit[rows], np.where(done[rows], seq[rows], lowest))
         none_done = done_seq == lowest
         done_seq[none_done] = -1
         agg = pd.DataFrame(

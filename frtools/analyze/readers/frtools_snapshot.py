@@ -265,9 +265,16 @@ def _columns(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> _
 
     pg = c["pg"]
     pg_valid = (pg >= 0) & (pg < n_groups)
-    pg_idx = np.where(pg_valid, pg, 0).astype(np.int32, copy=False)
-    pg_names = [g.name for g in snap.groups] or [""]
-    pg_descs = [g.desc for g in snap.groups] or [""]
+    # the groups this box's entries are on, not every group its table lists (16,384 boxes
+    # list 51,210 groups each, and use a few): a worker's table holds their names
+    used = np.zeros(n_groups + 1, dtype=bool)
+    used[np.where(pg_valid, pg, n_groups)] = True
+    on = np.flatnonzero(used[:-1])
+    number = np.zeros(n_groups + 1, dtype=np.int32)
+    number[on] = np.arange(len(on), dtype=np.int32)
+    pg_idx = number[np.where(pg_valid, pg, n_groups)]
+    pg_names = [snap.groups[k].name for k in on.tolist()] or [""]
+    pg_descs = [snap.groups[k].desc for k in on.tolist()] or [""]
 
     thread = c["thread_id"]
     if (thread == thread[0]).all():  # one thread issues every op: no sort

@@ -11,6 +11,7 @@ one slice (``Spans``), so 16,384 host summaries of 8 ranks do not become 131,072
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import sys
@@ -23,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from frtools.model.trace import InputFile, concat_entries
 
@@ -140,6 +142,7 @@ def read_files(
     bar, advance = _progress_bar(len(files)) if progress else (None, lambda: None)
     results: list[FileResult] = []
     spool = _spool_dir() if workers > 1 else None
+    runs: Runs = {}
     try:
         if workers > 1:
             chunks = _chunks(files, workers)
@@ -160,7 +163,7 @@ def read_files(
                                 r.unblock()
                         if table_path is not None:
                             try:
-                                _adopt(chunk_results, _unspool(table_path), where, spans)
+                                _adopt(chunk_results, _unspool(table_path, runs), where, spans)
                             except (OSError, pa.ArrowException) as e:
                                 chunk_results = [
                                     FileResult(
@@ -327,8 +330,8 @@ def _read_chunk_to_spool(
     table_path = None
     try:
         fd, table_path = tempfile.mkstemp(suffix=".arrow", dir=spool)
-        with os.fdopen(fd, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
-            w.write_table(table)
+        with os.fdopen(fd, "wb") as f:
+            _spool_table(table, f)
     except OSError:  # shared memory full (a container's 64 MB): these tables go by the pipe
         if table_path is not None:
             with contextlib.suppress(OSError):
@@ -374,8 +377,86 @@ def _adopt(
             spans[id(d)] = (table, offset, rows)
 
 
-def _unspool(table_path: str) -> pa.Table:
+# A spool file: an Arrow IPC file of the chunk's table less its constant columns (nulls in
+# every row, or one int or bool), which the parent puts back as slices of one array it
+# shares among the chunks. Every byte a worker writes there is new shared memory, and on a
+# VM new memory past the first GB costs ~2.7 s a GB: at 16,384 black boxes the constant
+# columns were 33 of 148 bytes a row.
+_CONSTANT_COLUMNS = b"frtools.constant_columns"  # JSON [[name, value, dictionary], ...]
+_SCHEMA = b"frtools.schema"  # the whole table's schema, serialized
+_VARIES = object()
+# (type, value) -> an array of that value, which constant columns of any chunk slice
+Runs = dict[tuple[pa.DataType, Any], pa.Array]
+
+
+def _spool_table(table: pa.Table, sink: Any) -> None:
+    """Write ``table`` to ``sink`` as a spool file (``_unspool`` reads it back)."""
+    constants, fields, columns = [], [], []
+    for field, column in zip(table.schema, table.columns, strict=True):
+        value = _constant(column) if table.num_rows else _VARIES
+        if value is _VARIES:
+            fields.append(field)
+            columns.append(column)
+        else:
+            constants.append([field.name, *value])
+    metadata = {
+        _CONSTANT_COLUMNS: json.dumps(constants).encode(),
+        _SCHEMA: table.schema.serialize().to_pybytes(),
+    }
+    spooled = pa.Table.from_arrays(columns, schema=pa.schema(fields, metadata=metadata))
+    with pa.ipc.new_file(sink, spooled.schema) as writer:
+        writer.write_table(spooled)
+
+
+def _constant(column: pa.ChunkedArray) -> Any:
+    """(value, dictionary) where every row holds one int or bool (value) or is null (None;
+    a dictionary column's dictionary, kept as it was), else ``_VARIES``."""
+    kind = column.type
+    if column.null_count == len(column):
+        if not pa.types.is_dictionary(kind):
+            return None, None
+        if column.num_chunks != 1 or not pa.types.is_string(kind.value_type):
+            return _VARIES
+        return None, column.chunk(0).dictionary.to_pylist()
+    if column.null_count or not (pa.types.is_integer(kind) or pa.types.is_boolean(kind)):
+        return _VARIES
+    low, high = (v.as_py() for v in pc.min_max(column).values())
+    return (low, None) if low == high else _VARIES
+
+
+def _unspool(table_path: str, runs: Runs | None = None) -> pa.Table:
+    """The table a spool file holds, its constant columns slices of ``runs``' arrays."""
     with pa.memory_map(table_path) as source:
-        table = pa.ipc.open_file(source).read_all()
+        spooled = pa.ipc.open_file(source).read_all()
     os.unlink(table_path)  # the mapping keeps the pages until the table is gone
-    return table
+    metadata = spooled.schema.metadata or {}
+    if _SCHEMA not in metadata:
+        return spooled
+    schema = pa.ipc.read_schema(pa.py_buffer(metadata[_SCHEMA]))
+    constants = {name: rest for name, *rest in json.loads(metadata[_CONSTANT_COLUMNS])}
+    runs = {} if runs is None else runs
+    columns, kept, rows = [], iter(spooled.columns), spooled.num_rows
+    for field in schema:
+        if field.name not in constants:
+            columns.append(next(kept))
+            continue
+        value, dictionary = constants[field.name]
+        kind = field.type
+        if dictionary is None:
+            run = _run(kind, value, rows, runs)
+        else:  # null codes into the dictionary the column had
+            codes = _run(kind.index_type, None, rows, runs)
+            run = pa.DictionaryArray.from_arrays(codes, pa.array(dictionary, kind.value_type))
+        columns.append(pa.chunked_array([run], type=kind))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _run(kind: pa.DataType, value: Any, rows: int, runs: Runs) -> pa.Array:
+    """``rows`` rows of ``value`` (None: null), a slice of the array kept for it in ``runs``
+    (grown to twice its length when too short)."""
+    run = runs.get((kind, value))
+    if run is None or len(run) < rows:
+        size = max(rows, 2 * len(run)) if run is not None else rows
+        run = pa.nulls(size, kind) if value is None else pa.repeat(pa.scalar(value, kind), size)
+        runs[(kind, value)] = run
+    return run.slice(0, rows)
