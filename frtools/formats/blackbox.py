@@ -742,6 +742,15 @@ def _opt_int(value: object) -> int | None:
     return limits.strict_int(value)  # the one rule for an int read from a file
 
 
+# A slot as raw bytes: numpy copies, concatenates and selects a structured array field by
+# field, ten times slower than bytes (a 2,000-slot ring: 135 µs a copy, against 11 µs)
+_RAW_SLOT = np.dtype((np.void, SLOT_DTYPE.itemsize))
+
+
+def _as_bytes(slots: np.ndarray) -> np.ndarray:
+    return slots.view(_RAW_SLOT)
+
+
 def _valid_in(raw: np.ndarray, capacity: int, first: int) -> tuple[np.ndarray, int]:
     """The complete and consistent slots of ``raw`` (slots ``first`` … of the ring) and the
     number of torn ones."""
@@ -759,7 +768,7 @@ def _valid_in(raw: np.ndarray, capacity: int, first: int) -> tuple[np.ndarray, i
         & (rid % capacity == index)
     )
     torn = int(np.count_nonzero(written & ~ok))
-    return (raw if ok.all() else raw[ok]), torn
+    return (raw if ok.all() else _as_bytes(raw)[ok].view(SLOT_DTYPE)), torn
 
 
 def _in_order(slots: np.ndarray) -> np.ndarray:
@@ -768,10 +777,11 @@ def _in_order(slots: np.ndarray) -> np.ndarray:
         # a ring is oldest-first from the slot after the newest: one rotation, no sort
         start = int(np.argmin(rid))
         if start:
-            slots = np.concatenate([slots[start:], slots[:start]])
+            ring = _as_bytes(slots)
+            slots = np.concatenate([ring[start:], ring[:start]]).view(SLOT_DTYPE)
             rid = slots["record_id"]
         if not (rid[1:] > rid[:-1]).all():
-            slots = slots[np.argsort(rid, kind="stable")]
+            slots = _as_bytes(slots)[np.argsort(rid, kind="stable")].view(SLOT_DTYPE)
     return slots
 
 
@@ -792,7 +802,7 @@ def _read_slots(buf: bytes | memoryview, offset: int, capacity: int) -> tuple[np
         )
         # seqlock read: a slot whose counter moved while it was copied is torn (a live file)
         before = live["seq"].copy()
-        raw = live.copy()
+        raw = _as_bytes(live).copy().view(SLOT_DTYPE)
         moved = before != live["seq"]
         del live
         if moved.any():
@@ -801,7 +811,10 @@ def _read_slots(buf: bytes | memoryview, offset: int, capacity: int) -> tuple[np
         torn += bad
         if len(good):
             kept.append(good if len(good) < len(raw) else raw)
-    slots = kept[0] if len(kept) == 1 else np.concatenate(kept) if kept else np.empty(0, SLOT_DTYPE)
+    if len(kept) > 1:
+        slots = np.concatenate([_as_bytes(k) for k in kept]).view(SLOT_DTYPE)
+    else:
+        slots = kept[0] if kept else np.empty(0, SLOT_DTYPE)
     return _in_order(slots), torn
 
 
