@@ -214,10 +214,18 @@ def _categorical(col: pa.ChunkedArray, null_as: str | None) -> pd.Categorical:
         return cat.fillna(null_as).array if null_as is not None else cat.array
     if "" not in categories:
         categories = categories.append(pd.Index([""], dtype=object))
-    indices = pa.chunked_array([c.indices for c in chunks], type=pa.int32())
-    if indices.null_count:
-        indices = indices.fill_null(-1 if null_as is None else categories.get_loc(null_as))
-    codes = indices.to_numpy()
+    # the codes written chunk by chunk into the narrow type pandas keeps them in (an int32
+    # concatenation of every row first: 131 MB more new memory at 16,384 ranks)
+    k = len(categories)
+    codes = np.empty(len(col), dtype=np.int8 if k < 127 else np.int16 if k < 32767 else np.int32)
+    null = -1 if null_as is None else categories.get_loc(null_as)
+    at = 0
+    for chunk in chunks:
+        indices = chunk.indices
+        if indices.null_count:
+            indices = indices.fill_null(null)
+        codes[at : at + len(indices)] = indices.to_numpy()
+        at += len(indices)
     return pd.Categorical.from_codes(codes, dtype=pd.CategoricalDtype(categories))
 
 
@@ -453,18 +461,21 @@ def align(trace: Trace) -> Alignment:
         ps = counted.result()
 
     # A rank whose states ever leave "scheduled" has informative states (NCCL, frtools).
-    moved = df["state"].isin(
-        [s for s in ("completed", "started") if s in df["state"].cat.categories]
-    )
+    state = df["state"].array  # by the category codes: isin hashed every row (0.9 s)
+    moving = np.append(np.asarray(state.categories.isin(["completed", "started"])), False)
     slot, ranks = _rank_slots(df["rank"].to_numpy())
-    per_rank = np.bincount(slot, weights=moved.to_numpy(), minlength=len(ranks)) > 0
+    per_rank = np.zeros(len(ranks), dtype=bool)
+    for start in range(0, len(slot), _BLOCK):
+        rows = slice(start, start + _BLOCK)
+        per_rank[slot[rows][moving[state.codes[rows]]]] = True
+    del slot
     state_informative = {r: bool(per_rank[i]) for i, r in enumerate(ranks.tolist()) if r >= 0}
 
     is_coll = ~df["is_p2p"] & (df["collective_seq_id"] > 0)
     # all collectives (the usual case at scale): share the columns, copy none
     coll = df.copy(deep=False) if is_coll.all() else df[is_coll]
     coll = _collapse_coalesced(coll).rename(columns={"collective_seq_id": "seq"})
-    coll["informative"] = per_rank[_rank_slots(coll["rank"].to_numpy(), ranks)[0]]
+    coll["informative"] = _per_row(per_rank, ranks, coll["rank"].to_numpy())
     if len(ps) and bool((~coll["informative"] & coll["retired"].isna()).any()):
         coll = coll.merge(ps, on=["rank", "pg_name"], how="left")
         coll["completed"] = _completion(coll, use_pg_status=True)
@@ -476,7 +487,7 @@ def align(trace: Trace) -> Alignment:
     status = _status(coll, ps)
 
     p2p = _p2p_frame(df, trace)
-    p2p["informative"] = per_rank[_rank_slots(p2p["rank"].to_numpy(), ranks)[0]]
+    p2p["informative"] = _per_row(per_rank, ranks, p2p["rank"].to_numpy())
     p2p["completed"] = _completion(p2p, use_pg_status=False)
     p2p = _pair_p2p(p2p, trace)
 
@@ -491,10 +502,22 @@ def align(trace: Trace) -> Alignment:
     )
 
 
+def _per_row(per_rank: np.ndarray, ranks: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Each row's value of ``per_rank`` (one per rank of ``ranks``, sorted, which holds every
+    rank of ``rank``): by a table indexed by rank where ranks are 0..N as usual."""
+    if len(rank) and len(ranks) and ranks[0] >= 0 and ranks[-1] < 4 * len(rank) + 1024:
+        table = np.zeros(int(ranks[-1]) + 1, dtype=per_rank.dtype)
+        table[ranks] = per_rank
+        return table[rank]
+    return per_rank[_rank_slots(rank, ranks)[0]]
+
+
 def _rank_slots(rank: np.ndarray, ranks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Each entry's index into the sorted distinct ranks (given, or found here): a dense
-    lookup table where ranks are 0..N as usual, a binary search only where they are not."""
-    rank = rank.astype(np.int64, copy=False)
+    lookup table where ranks are 0..N as usual, a binary search only where they are not.
+    The ranks' own int type indexes the table (no int64 copy of every row's rank)."""
+    if not np.issubdtype(rank.dtype, np.integer):
+        rank = rank.astype(np.int64)
     if not len(rank):
         return np.zeros(0, dtype=np.int64), (ranks if ranks is not None else rank)
     top, low = int(rank.max()), int(rank.min())
@@ -507,7 +530,10 @@ def _rank_slots(rank: np.ndarray, ranks: np.ndarray | None = None) -> tuple[np.n
         else:
             ranks = np.unique(rank)
     if dense and (not len(ranks) or ranks[-1] >= top):
-        pos = np.zeros(int(ranks[-1]) + 1 if len(ranks) else 1, dtype=np.int64)
+        pos = np.zeros(
+            int(ranks[-1]) + 1 if len(ranks) else 1,
+            dtype=np.int32 if len(ranks) < 2**31 else np.int64,
+        )
         pos[ranks] = np.arange(len(ranks))
         return pos[rank], ranks
     return np.searchsorted(ranks, rank), ranks
@@ -589,9 +615,9 @@ def _signature_ids(coll: pd.DataFrame) -> np.ndarray:
         if parts_key is not None:
             frame["p"] = parts_key
         for attr in columns:
-            frame[attr] = np.where(
-                _checked(attr, op_rules, op_codes, blocks), category_codes(coll[attr])[0] + 1, 0
-            )
+            checked = _checked(attr, op_rules, op_codes, blocks)
+            codes = category_codes(coll[attr])[0] + 1
+            frame[attr] = codes if checked is None else np.where(checked, codes, 0)
         return frame.groupby(list(frame.columns), sort=False).ngroup().to_numpy(np.int64)
     narrow_ops = category_codes(coll["op"], wide=False)[0]
     key = fam_of_cat[narrow_ops]
@@ -606,15 +632,20 @@ def _signature_ids(coll: pd.DataFrame) -> np.ndarray:
         checked = _checked(attr, op_rules, narrow_ops, blocks)
         for start in range(0, len(key), _BLOCK):  # no int64 copy of every row's codes
             part = table[codes[start : start + _BLOCK]]
-            part[~checked[start : start + _BLOCK]] = 0
+            if checked is not None:
+                part[~checked[start : start + _BLOCK]] = 0
             key[start : start + _BLOCK] += part
         radix *= n
     return key  # equal iff the keys are: numbering them costs a 30 M-entry hash table
 
 
-def _checked(attr: str, op_rules: list, op_codes: np.ndarray, blocks) -> np.ndarray:  # noqa: ANN001
-    """Per row: whether the row's op (or coalesced block) requires ``attr`` to agree."""
-    mask = np.array([attr in rule for rule in op_rules], dtype=bool)[op_codes]
+def _checked(attr: str, op_rules: list, op_codes: np.ndarray, blocks) -> np.ndarray | None:  # noqa: ANN001
+    """Per row: whether the row's op (or coalesced block) requires ``attr`` to agree; None
+    where every row's does (no mask of millions of rows to build and apply)."""
+    rule = np.array([attr in rule for rule in op_rules], dtype=bool)
+    if blocks is None and rule[:-1].all() and (not len(op_codes) or op_codes.min() >= 0):
+        return None
+    mask = rule[op_codes]
     if blocks is not None:
         block, uniq, inverse = blocks
         mask[block] = np.array([attr in parts_must_agree(t) for t in uniq], dtype=bool)[inverse]

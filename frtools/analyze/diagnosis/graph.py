@@ -131,6 +131,12 @@ class _Draft:
         )
 
 
+def _at_seqs(seq: pd.Series, wanted: pd.Series) -> np.ndarray:
+    """Which rows of the big frame's ``seq`` are at one of ``wanted``: a flag per seq number
+    (``among``), not ``Series.isin``'s hash look-up of every row (32.8 M rows: 1 s)."""
+    return among(seq.to_numpy(), np.asarray(wanted.unique(), dtype=np.int64))
+
+
 class _Builder:
     def __init__(self, facts: JobFacts, failed_last: frozenset[int] = frozenset()) -> None:
         self.f = facts
@@ -230,7 +236,7 @@ class _Builder:
         # the completed rows at those (group, seq): filter the big frame by seq first
         c = self.coll
         done = self.done.eq(True).fillna(False).to_numpy(dtype=bool)
-        at = c["seq"].isin(asked["seq"].unique()).to_numpy() & done
+        at = _at_seqs(c["seq"], asked["seq"]) & done
         # the two columns of those rows, not every column (millions of rows at fleet scale)
         near = pd.DataFrame(
             {"pg_name": text_series(c["pg_name"][at]), "seq": c["seq"].to_numpy()[at]}
@@ -249,7 +255,7 @@ class _Builder:
         coll_blocked = blocked[blocked["kind"] == "coll"]
         if len(coll_blocked):
             keys = coll_blocked[["pg_name", "seq"]].drop_duplicates()
-            near = self.coll["seq"].isin(keys["seq"].unique()).to_numpy()
+            near = _at_seqs(self.coll["seq"], keys["seq"])
             c = self.coll[near].assign(_done=self.done[near])
             rows = c.merge(keys, on=["pg_name", "seq"], how="inner")
             rows_by_point = dict(iter(rows.groupby(["pg_name", "seq"], sort=False, observed=True)))
