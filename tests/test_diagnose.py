@@ -823,3 +823,30 @@ def test_status_table_answers_as_a_dict_of_every_status_row():
     for key, value in rows.items():
         assert repr(table[key]) == repr(value)
     assert table.get((5, "no such group")) is None and table.get((99, "0")) is None
+
+
+@pytest.mark.parametrize("table", [["B", "A"], ["A", "B"]])
+def test_two_mismatches_at_one_moment_name_the_same_group_whatever_the_files_order(table, tmp_path):
+    """Two groups disagree at the same moment: the verdict names the first by group name,
+    not by the order in which the readers met the groups (a black box's group table, the
+    groups its entries use)."""
+    from hostile import snapshot
+
+    from frtools.analyze.readers import load_trace
+
+    ranges = {"B": "0-1", "A": "1-2"}  # rank 0's file, read first, is on B alone
+    groups = [(name, name, ranges[name]) for name in table]
+    pg = {name: table.index(name) for name in table}
+
+    def op(group: str, size: int) -> dict:
+        return {"op": "gloo:all_reduce", "pg": pg[group], "seq": 1,
+                "input_sizes": f"[[{size}]]", "stack": "t.py:1 in f"}  # fmt: skip
+
+    entries = {0: [op("B", 1)], 1: [op("B", 2), op("A", 1)], 2: [op("A", 2)]}
+    for rank, ops in entries.items():
+        identity = {"rank": rank, "world_size": 3, "backend": "gloo"}
+        (tmp_path / f"rank_{rank}.frbb").write_bytes(
+            snapshot(identity=identity, groups=groups, entries=ops)
+        )
+    v = diagnose(load_trace(tmp_path, workers=1))
+    assert v.kind == "mismatch" and v.process_group.name == "A"

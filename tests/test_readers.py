@@ -680,6 +680,16 @@ def test_a_spool_file_leaves_its_constant_columns_to_the_parent(tmp_path: Path) 
     for name in ("zero", "flag", "none"):  # one array per value, which both slice
         first, second = (b[name].chunk(0).buffers()[-1] for b in back)
         assert first.address == second.address
+    # a table whose every column is constant keeps its rows; an all-null column over a big
+    # dictionary stays in the file (its dictionary is not copied into the metadata)
+    constant = table.select(["zero", "flag", "none"])
+    big = pa.DictionaryArray.from_arrays(pa.nulls(n, pa.int32()), [str(i) for i in range(2000)])
+    for kept, spooled in ((constant, []), (pa.table({"big": big}), ["big"])):
+        path = tmp_path / "all.arrow"
+        with open(path, "wb") as f:
+            _spool_table(kept, f)
+        assert pa.ipc.open_file(path).read_all().column_names == spooled
+        assert _unspool(str(path), runs).equals(kept)
     # an empty table, or an IPC file of the plain table, reads back as it is
     for kept, path in ((table.slice(0, 0), tmp_path / "empty"), (table, tmp_path / "plain")):
         with open(path, "wb") as f:

@@ -215,7 +215,13 @@ def _categorical(col: pa.ChunkedArray, null_as: str | None) -> pd.Categorical:
     if "" not in categories:
         categories = categories.append(pd.Index([""], dtype=object))
     # the codes written chunk by chunk into the narrow type pandas keeps them in (an int32
-    # concatenation of every row first: 131 MB more new memory at 16,384 ranks)
+    # concatenation of every row first: 131 MB more new memory at 16,384 ranks), checked
+    # first as ``from_codes`` would (a narrow type would wrap a code out of range)
+    low, high = pc.min_max(
+        pa.chunked_array([c.indices for c in chunks], type=col.type.index_type)
+    ).values()
+    if low.is_valid and (low.as_py() < 0 or high.as_py() >= len(first)):
+        raise ValueError(f"dictionary code out of range in column {col.type}")
     k = len(categories)
     codes = np.empty(len(col), dtype=np.int8 if k < 127 else np.int16 if k < 32767 else np.int32)
     null = -1 if null_as is None else categories.get_loc(null_as)

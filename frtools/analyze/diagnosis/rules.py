@@ -357,8 +357,12 @@ def silent_mismatch(ev: Evidence) -> Finding | None:
     if not len(bad):
         return _odd_against_siblings(ev)
     first = c.set_index(["pg_name", "seq"]).loc[bad.index]
-    t = first.groupby(level=[0, 1], observed=True)["time_created_ns"].min().sort_values()
-    pg_name, seq = t.index[0]
+    t = first.groupby(level=[0, 1], observed=True)["time_created_ns"].min().reset_index()
+    # the earliest; a tie goes to the group name and seq, not to the order of the group
+    # categories (the order in which the readers met the groups)
+    t["name"] = as_texts(t["pg_name"])
+    earliest = t.sort_values(["time_created_ns", "name", "seq"], kind="stable").iloc[0]
+    pg_name, seq = earliest["pg_name"], earliest["seq"]
     rows = c[(c["pg_name"] == pg_name) & (c["seq"] == seq)]
     return _disagreement(collective_point(f, str(pg_name), int(seq), rows), len(bad))
 

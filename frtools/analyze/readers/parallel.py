@@ -164,7 +164,7 @@ def read_files(
                         if table_path is not None:
                             try:
                                 _adopt(chunk_results, _unspool(table_path, runs), where, spans)
-                            except (OSError, pa.ArrowException) as e:
+                            except (OSError, pa.ArrowException, ValueError, StopIteration) as e:
                                 chunk_results = [
                                     FileResult(
                                         InputFile(r.input.path, "error", f"cannot read: {e}"),
@@ -384,6 +384,9 @@ def _adopt(
 # columns were 33 of 148 bytes a row.
 _CONSTANT_COLUMNS = b"frtools.constant_columns"  # JSON [[name, value, dictionary], ...]
 _SCHEMA = b"frtools.schema"  # the whole table's schema, serialized
+_ROWS = b"frtools.rows"  # its rows (every column may be constant)
+# an all-null dictionary column keeps its dictionary in the metadata up to this many values
+_KEPT_DICTIONARY = 1024
 _VARIES = object()
 # (type, value) -> an array of that value, which constant columns of any chunk slice
 Runs = dict[tuple[pa.DataType, Any], pa.Array]
@@ -402,6 +405,7 @@ def _spool_table(table: pa.Table, sink: Any) -> None:
     metadata = {
         _CONSTANT_COLUMNS: json.dumps(constants).encode(),
         _SCHEMA: table.schema.serialize().to_pybytes(),
+        _ROWS: str(table.num_rows).encode(),
     }
     spooled = pa.Table.from_arrays(columns, schema=pa.schema(fields, metadata=metadata))
     with pa.ipc.new_file(sink, spooled.schema) as writer:
@@ -416,6 +420,8 @@ def _constant(column: pa.ChunkedArray) -> Any:
         if not pa.types.is_dictionary(kind):
             return None, None
         if column.num_chunks != 1 or not pa.types.is_string(kind.value_type):
+            return _VARIES
+        if len(column.chunk(0).dictionary) > _KEPT_DICTIONARY:
             return _VARIES
         return None, column.chunk(0).dictionary.to_pylist()
     if column.null_count or not (pa.types.is_integer(kind) or pa.types.is_boolean(kind)):
@@ -435,7 +441,7 @@ def _unspool(table_path: str, runs: Runs | None = None) -> pa.Table:
     schema = pa.ipc.read_schema(pa.py_buffer(metadata[_SCHEMA]))
     constants = {name: rest for name, *rest in json.loads(metadata[_CONSTANT_COLUMNS])}
     runs = {} if runs is None else runs
-    columns, kept, rows = [], iter(spooled.columns), spooled.num_rows
+    columns, kept, rows = [], iter(spooled.columns), int(metadata[_ROWS])
     for field in schema:
         if field.name not in constants:
             columns.append(next(kept))
