@@ -29,6 +29,7 @@ or per group.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from frtools.analyze import membership
-from frtools.model.codes import dense_unique
+from frtools.model.codes import among, dense_unique
 from frtools.model.ops import OP, P2P_OPS, OpFamily, family_of, parts_must_agree
 from frtools.model.trace import ProcessGroup, Trace
 
@@ -578,6 +579,12 @@ def text_series(values: pd.Series) -> pd.Series:
     asked for one at a time (131,072 ranks: a set of ~400,000 group names, 0.07-0.09 s a
     call)."""
     return pd.Series(as_texts(values), dtype=object, copy=False)
+
+
+def at_seqs(seq: pd.Series, wanted: Iterable[int]) -> np.ndarray:
+    """Which rows of a seq column are at one of the ``wanted`` seqs: a flag per seq number
+    (``among``), not ``Series.isin``'s hash look-up of every row (32.8 M rows: 1 s)."""
+    return among(seq.to_numpy(), np.fromiter(wanted, dtype=np.int64))
 
 
 _FAMILIES = {f: i + 1 for i, f in enumerate(OpFamily)}

@@ -34,7 +34,7 @@ from collections.abc import Container, Iterable
 import numpy as np
 import pandas as pd
 
-from frtools.analyze.align import as_texts, category_codes
+from frtools.analyze.align import as_texts, at_seqs, category_codes
 
 from .facts import CompletionSource, JobFacts
 
@@ -96,7 +96,7 @@ def _passed_rows(facts: JobFacts) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     # the (group, seq) of those rows: every member recorded it, with one agreement key
     cand = c.loc[pending, ["pg_name", "seq"]].drop_duplicates()
-    near = c[c["seq"].isin(cand["seq"].unique()).to_numpy()]
+    near = c[at_seqs(c["seq"], cand["seq"].unique())]
     rows = near.merge(cand, on=["pg_name", "seq"])
     stats = rows.groupby(["pg_name", "seq"], observed=True).agg(
         n=("rank", "nunique"), keys=("sig", "nunique"), t=("time_created_ns", "max")

@@ -36,7 +36,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from frtools.analyze.align import Alignment, text_series
+from frtools.analyze.align import Alignment, at_seqs, text_series
 from frtools.model.codes import among
 from frtools.model.ops import OpFamily, family_of
 from frtools.model.trace import Trace
@@ -160,7 +160,7 @@ def _ops_at(coll: pd.DataFrame, keys: set[tuple[str, int]]) -> dict[tuple[str, i
     if not keys or not len(coll):
         return {}
     seqs = {s for _, s in keys}
-    near = coll[coll["seq"].isin(seqs).to_numpy()]
+    near = coll[at_seqs(coll["seq"], seqs)]
     out: dict[tuple[str, int], str] = {}
     for name, seq, op in zip(
         near["pg_name"].astype(str), near["seq"].tolist(), near["op"].tolist(), strict=True

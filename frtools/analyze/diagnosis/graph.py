@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from frtools.analyze.align import SIGNATURE_COLUMNS, text_series
+from frtools.analyze.align import SIGNATURE_COLUMNS, at_seqs, text_series
 from frtools.model.codes import among
 from frtools.model.ops import OP, family_of, parts_must_agree, semantics
 
@@ -131,12 +131,6 @@ class _Draft:
         )
 
 
-def _at_seqs(seq: pd.Series, wanted: pd.Series) -> np.ndarray:
-    """Which rows of the big frame's ``seq`` are at one of ``wanted``: a flag per seq number
-    (``among``), not ``Series.isin``'s hash look-up of every row (32.8 M rows: 1 s)."""
-    return among(seq.to_numpy(), np.asarray(wanted.unique(), dtype=np.int64))
-
-
 class _Builder:
     def __init__(self, facts: JobFacts, failed_last: frozenset[int] = frozenset()) -> None:
         self.f = facts
@@ -236,7 +230,7 @@ class _Builder:
         # the completed rows at those (group, seq): filter the big frame by seq first
         c = self.coll
         done = self.done.eq(True).fillna(False).to_numpy(dtype=bool)
-        at = _at_seqs(c["seq"], asked["seq"]) & done
+        at = at_seqs(c["seq"], asked["seq"].unique()) & done
         # the two columns of those rows, not every column (millions of rows at fleet scale)
         near = pd.DataFrame(
             {"pg_name": text_series(c["pg_name"][at]), "seq": c["seq"].to_numpy()[at]}
@@ -255,7 +249,7 @@ class _Builder:
         coll_blocked = blocked[blocked["kind"] == "coll"]
         if len(coll_blocked):
             keys = coll_blocked[["pg_name", "seq"]].drop_duplicates()
-            near = _at_seqs(self.coll["seq"], keys["seq"])
+            near = at_seqs(self.coll["seq"], keys["seq"].unique())
             c = self.coll[near].assign(_done=self.done[near])
             rows = c.merge(keys, on=["pg_name", "seq"], how="inner")
             rows_by_point = dict(iter(rows.groupby(["pg_name", "seq"], sort=False, observed=True)))

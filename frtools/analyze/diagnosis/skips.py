@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from frtools.analyze.align import category_codes
+from frtools.analyze.align import at_seqs, category_codes
 
 from .facts import JobFacts
 from .graph import WaitForGraph
@@ -34,7 +34,7 @@ def skipped(facts: JobFacts, graph: WaitForGraph) -> dict[int, tuple[str, int]]:
     seqs = sorted(
         {s for v in wanted.values() for s in v} | {s + 1 for v in wanted.values() for s in v}
     )
-    near = coll[coll["seq"].isin(seqs).to_numpy() & coll["call_site"].notna().to_numpy()]
+    near = coll[at_seqs(coll["seq"], seqs) & coll["call_site"].notna().to_numpy()]
     if not len(near):
         return {}
     # columns as codes and plain ints (131,072 ranks: ~10^6 rows, not one string each)

@@ -287,13 +287,12 @@ def _columns(snap: Snapshot, rank: int, backend: str | None, n_groups: int) -> _
     pg = c["pg"]
     pg_valid = (pg >= 0) & (pg < n_groups)
     # the groups this box's entries are on, not every group its table lists (16,384 boxes
-    # list 51,210 groups each, and use a few): a worker's table holds their names
-    used = np.zeros(n_groups + 1, dtype=bool)
-    used[np.where(pg_valid, pg, n_groups)] = True
-    on = np.flatnonzero(used[:-1])
-    number = np.zeros(n_groups + 1, dtype=np.int32)
-    number[on] = np.arange(len(on), dtype=np.int32)
-    pg_idx = number[np.where(pg_valid, pg, n_groups)]
+    # list 51,210 groups each, and use a few): a worker's table holds their names. A row on
+    # no group counts as group ``n_groups``, numbered last, and is null (``pg_valid``).
+    numbered = dense_unique(np.where(pg_valid, pg, n_groups), n_groups + 1)
+    assert numbered is not None  # every value is in 0 … n_groups
+    on, pg_idx = numbered
+    on = on[on < n_groups]
     pg_names = [snap.groups[k].name for k in on.tolist()] or [""]
     pg_descs = [snap.groups[k].desc for k in on.tolist()] or [""]
 
