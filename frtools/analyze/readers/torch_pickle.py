@@ -21,7 +21,12 @@ import pyarrow as pa
 
 from frtools.config import NATIVE_PICKLE
 from frtools.formats import limits
-from frtools.formats.torch_fr.normalize import EntryColumns, entries_table, has_split_keys
+from frtools.formats.torch_fr.normalize import (
+    EntryColumns,
+    entries_table,
+    has_split_keys,
+    reuses_group_names,
+)
 from frtools.model.trace import ENTRY_SCHEMA
 
 from .base import DumpError, RankDump, read_content
@@ -121,7 +126,10 @@ def _parse(data: bytes, stored: int | None) -> tuple[Any, Any] | None:
     size = len(data) if stored is None else stored
     if _frpickle is None:
         return None
-    return _frpickle.parse(data, lim.parsed_cap(size), lim.expanded_cap(size))
+    parsed = _frpickle.parse(data, lim.parsed_cap(size), lim.expanded_cap(size))
+    if parsed is not None and reuses_group_names(parsed[1]["process_group"][1]):
+        return None  # a group created again in the process: the Python path sorts it out
+    return parsed
 
 
 def read_python(data: bytes, path: Path, stored: int | None = None) -> RankDump:

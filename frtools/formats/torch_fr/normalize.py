@@ -14,6 +14,7 @@ version table), so one code path reads them all.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -115,15 +116,20 @@ def _dtypes(v: Any) -> str:
     return ",".join(str(d) for d in v)
 
 
-def _pg_status(raw: Any, pg_id_to_name: Mapping[str, str]) -> tuple[dict[str, dict[str, int]], str]:
+def _pg_status(
+    raw: Any, pg_id_to_name: Mapping[str, str], replaced: Mapping[str, str] | None = None
+) -> tuple[dict[str, dict[str, int]], str]:
     """pg_status is keyed by the group's *uid* (``pg_id``), not its name; values are ints
-    (pickle), strings (JSON) or, in a few builds, a bare int (the last enqueued seq)."""
+    (pickle), strings (JSON) or, in a few builds, a bare int (the last enqueued seq).
+    ``replaced``: uids of destroyed instances whose name a later instance took (skipped)."""
     out: dict[str, dict[str, int]] = {}
     note = ""
     if not isinstance(raw, Mapping):
         return out, ("pg_status not a mapping; ignored" if raw is not None else "")
     named = set(pg_id_to_name.values())
     for key, status in raw.items():
+        if replaced and str(key) in replaced:
+            continue
         # A uid with no entry left in the buffer cannot be named in general (uids and names
         # are both small integers, so str(uid) would silently hit another group). Except
         # uid 0: the default group is every process's first group, uid 0 and name "0"
@@ -249,12 +255,13 @@ def normalize(dump: Any, name_rank: int | None = None, name_host: str | None = N
     if not isinstance(raw_entries, list):
         raise TorchDumpError(f"'entries' is {type(raw_entries).__name__}, not a list")
     top = _top_level(encodable(dump, skip="entries"), name_rank, name_host, notes)
-    cols, pg_id_to_name, pg_descs, unmapped, bad = _columns(raw_entries, top.groups)
+    cols, pg_id_to_name, pg_descs, unmapped, bad, replaced = _columns(raw_entries, top.groups)
     if bad:
         notes.append(f"{bad} malformed entr{'y' if bad == 1 else 'ies'} skipped")
+    notes.extend(replaced.notes)
     cols["rank"] = [top.rank] * len(cols["op"])
     table = entries_table([EntryColumns(len(cols["op"]), cols, notes)])
-    return _torch_dump(top, table, pg_id_to_name, pg_descs, unmapped, bad)
+    return _torch_dump(top, table, pg_id_to_name, pg_descs, unmapped, bad, replaced=replaced.uids)
 
 
 def native_columns(
@@ -265,7 +272,8 @@ def native_columns(
 ) -> tuple[TorchDump, EntryColumns]:
     """``normalize`` for a dump the native parser (``_frpickle.parse``) already turned into
     columns, with numpy over the few distinct values instead of a Python loop over every
-    entry: the ``TorchDump`` (its ``entries`` None) and its entry columns, for
+    entry (not for one whose group names ``reuses_group_names``: ``normalize`` leaves the
+    replaced instances out): the ``TorchDump`` (its ``entries`` None) and its entry columns, for
     ``entries_table`` to make into a table, alone or joined with other files' (a worker's
     chunk of files then costs one Arrow array per column, not ~30 per file)."""
     notes: list[str] = []
@@ -376,6 +384,7 @@ def _torch_dump(
     unmapped: set[str],
     bad: int,
     clean: bool = True,
+    replaced: Mapping[str, str] | None = None,
 ) -> TorchDump:
     groups, notes, dump = top.groups, top.notes, top.dump
     if clean:
@@ -387,7 +396,7 @@ def _torch_dump(
         elif not g.desc and desc:
             g.desc = desc
 
-    pg_status, note = _pg_status(dump.get("pg_status"), pg_id_to_name)
+    pg_status, note = _pg_status(dump.get("pg_status"), pg_id_to_name, replaced)
     if note:
         notes.append(note)
     if _nameless_is_world(top, pg_id_to_name, pg_status):
@@ -599,11 +608,90 @@ def _is_entry(e: Any) -> bool:
 
 def _columns(
     raw_entries: list[Any], groups: dict[str, ProcessGroup]
-) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str], int]:
+) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str], int, Replaced]:
     """Entries -> columns, column by column (list comprehensions and small caches over
-    the few distinct values of a column: the hot path for thousands of files)."""
+    the few distinct values of a column: the hot path for thousands of files). The
+    entries of a process-group instance that a later one replaced are left out
+    (``Replaced``)."""
     entries = [e for e in raw_entries if _is_entry(e)]
     bad = len(raw_entries) - len(entries)
+    cols, pg_id_to_name, pg_descs, unmapped, pg_cache = _entry_columns(entries, groups)
+    replaced = Replaced()
+    if reuses_group_names(pg_cache):
+        replaced = replaced_instances(cols["pg_name"], [e.get("pg_id") for e in entries])
+    if not replaced.uids:
+        return cols, pg_id_to_name, pg_descs, unmapped, bad, replaced
+    kept = [e for e, gone in zip(entries, replaced.rows, strict=True) if not gone]
+    cols, pg_id_to_name, pg_descs, unmapped, _ = _entry_columns(kept, groups)
+    return cols, pg_id_to_name, pg_descs, unmapped, bad, replaced
+
+
+@dataclass
+class Replaced:
+    """Process-group instances whose name a later instance took, in one dump.
+
+    A job that destroys its groups and initializes again in the same process (an in-process
+    restart: NVIDIA's inprocess wrapper, torchft) gets the same group names again ("0",
+    "1", ...: ``destroy_process_group`` restarts the count), while the Flight Recorder keeps
+    one buffer for the process: it then holds the ops of the destroyed communicators under
+    those names, with their own uid (``pg_id``) and seqs that start again at 1. Aligned with
+    the new ones by name and seq, they would read as a mismatch or a hang of the first
+    incarnation. An instance whose last op precedes the first op of another instance of its
+    name was gone before that one began: its ops can block nothing now and are left out.
+    Instances whose ops interleave (two backends of one group) are both kept."""
+
+    rows: list[bool] = field(default_factory=list)  # per entry: it belongs to one of them
+    uids: dict[str, str] = field(default_factory=dict)  # their uid -> group name
+    notes: list[str] = field(default_factory=list)
+
+
+def reuses_group_names(pairs: Iterable[Any]) -> bool:
+    """Whether two distinct ``(process_group, pg_id)`` pairs name one group with two uids
+    (cheap: over the distinct pairs, not the entries)."""
+    seen: dict[str, str] = {}
+    for pg, pg_id in pairs:
+        if pg_id is not None and seen.setdefault(_pg_of(pg, pg_id)[0], str(pg_id)) != str(pg_id):
+            return True
+    return False
+
+
+def replaced_instances(names: Sequence[str], pg_ids: Sequence[Any]) -> Replaced:
+    """Which entries (group names and uids in buffer order) belong to a replaced instance."""
+    first: dict[tuple[str, str], int] = {}
+    last: dict[tuple[str, str], int] = {}
+    for i, (name, uid) in enumerate(zip(names, pg_ids, strict=True)):
+        if uid is not None:
+            key = (name, str(uid))
+            first.setdefault(key, i)
+            last[key] = i
+    newest: dict[str, int] = {}  # name -> where its latest instance began
+    for (name, _), i in first.items():
+        newest[name] = max(newest.get(name, -1), i)
+    gone = {key for key, i in last.items() if i < newest[key[0]]}
+    if not gone:
+        return Replaced()
+    rows = [
+        uid is not None and (name, str(uid)) in gone
+        for name, uid in zip(names, pg_ids, strict=True)
+    ]
+    left_out = Counter(name for name, r in zip(names, rows, strict=True) if r)
+    notes = []
+    for name in sorted(left_out):
+        old = [uid for n, uid in first if n == name and (n, uid) in gone]
+        new = [uid for n, uid in first if n == name and (n, uid) not in gone]
+        count = left_out[name]
+        notes.append(
+            f"process group {name} was created again in this process (pg_id "
+            f"{', '.join(old)} then {', '.join(new)}): {count} entr"
+            f"{'y' if count == 1 else 'ies'} of the destroyed instance left out"
+        )
+    return Replaced(rows, {uid: name for name, uid in gone}, notes)
+
+
+def _entry_columns(
+    entries: list[Any], groups: dict[str, ProcessGroup]
+) -> tuple[dict[str, Any], dict[str, str], dict[str, str], set[str], dict[Any, Any]]:
+    """``_columns`` of well-formed entries, and the distinct (group, uid) pairs seen."""
 
     fetched = _fetch(entries)
 
@@ -708,7 +796,7 @@ def _columns(
         "stack": stacks,
     }
     cols.update(_split_columns(entries))
-    return cols, pg_id_to_name, pg_descs, unmapped, bad
+    return cols, pg_id_to_name, pg_descs, unmapped, pg_cache
 
 
 # all_to_all split sizes (elements per member, sent and received: pytorch#194559, dump 2.11)

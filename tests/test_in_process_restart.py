@@ -1,0 +1,166 @@
+"""A job that restarts in its own processes: destroy_process_group, then a new init.
+
+PyTorch's Flight Recorder keeps one buffer per process, and a new init names its groups
+"0", "1", ... again: the dump after the second fault holds the first incarnation's ops too,
+under the same group names, with their own uid (``pg_id``) and seqs from 1 again. Read by
+name, the first incarnation's unfinished op reads as the hang (or as a mismatch with the
+new seqs). These dumps come from a real 3-rank Gloo job on torch.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from jobs import run_job
+
+from frtools.analyze.readers import load_trace
+from frtools.formats.torch_fr.normalize import normalize
+
+# Incarnation 1: rank 2 skips the 4th all_reduce of group 1 (ranks 0 and 1 leave it
+# unfinished). Every rank destroys its groups and initializes again (a new store). In
+# incarnation 2, rank 0 skips the 3rd all_reduce of the new group 1: ranks 1 and 2 wait.
+JOB = textwrap.dedent(
+    """
+    import datetime, os, sys, time, torch, torch.distributed as dist
+    out, rank, world = sys.argv[1], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    def init(generation):
+        store = dist.FileStore(f"{out}/store-{generation}", world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        return dist.new_group(list(range(world)))
+
+    x = torch.ones(4)
+    group = init(1)
+    for _ in range(3):
+        dist.all_reduce(x, group=group)
+    pending = [dist.all_reduce(x.clone(), group=group, async_op=True)] if rank != 2 else []
+    time.sleep(1)
+    dist.destroy_process_group()
+
+    group = init(2)
+    for _ in range(2):
+        dist.all_reduce(x, group=group)
+    if rank != 0:
+        pending.append(dist.all_reduce(x.clone(), group=group, async_op=True))  # LINE_HANG
+    time.sleep(1)
+    os.makedirs(f"{out}/pkl", exist_ok=True)
+    os.makedirs(f"{out}/json", exist_ok=True)
+    with open(f"{out}/pkl/nccl_trace_rank_{rank}", "wb") as f:
+        f.write(torch._C._distributed_c10d._dump_fr_trace())
+    j = torch._C._distributed_c10d._dump_fr_trace_json()
+    with open(f"{out}/json/nccl_trace_rank_{rank}.json", "w") as f:
+        f.write(j if isinstance(j, str) else j.decode())
+    # nobody leaves before every dump is written: a rank's exit ends its peers' pending ops
+    open(f"{out}/dumped-{rank}", "w").close()
+    while not all(os.path.exists(f"{out}/dumped-{r}") for r in range(world)):
+        time.sleep(0.05)
+    os._exit(0)  # the unfinished ops hold the group: no clean shutdown
+    """
+)
+LINE_HANG = next(i for i, line in enumerate(JOB.splitlines(), 1) if "LINE_HANG" in line)
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("restarted")
+    script = out / "job.py"
+    script.write_text(JOB)
+    result = run_job(
+        script, world_size=3, args=[str(out)], env={"TORCH_FR_BUFFER_SIZE": "2000"}, timeout=90
+    )
+    assert not result.timed_out and all(r.returncode == 0 for r in result.ranks), result.output()
+    return out
+
+
+def _analyze(folder: Path) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "frtools", "analyze", "--format", "json", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode not in (0, 2), proc.stderr  # a hang found: not healthy, no error
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fmt", ["pkl", "json"])
+def test_after_an_in_process_restart_the_verdict_is_the_new_incarnations(
+    restarted: Path, fmt: str
+) -> None:
+    # the buffers do hold both incarnations under one group name (else this proves nothing)
+    raw = pickle.loads((restarted / "pkl" / "nccl_trace_rank_0").read_bytes())
+    uids = {e["pg_id"] for e in raw["entries"] if e["process_group"][0] == "1"}
+    assert len(uids) == 2, raw["entries"]
+
+    doc = _analyze(restarted / fmt)
+    verdict = doc["verdict"]
+    assert verdict["kind"] == "missing", verdict["headline"]
+    assert [g["rank"] for g in verdict["guilty"]] == [0]
+    assert verdict["process_group"]["name"] == "1" and verdict["collective_seq_id"] == 3
+    assert sorted(verdict["waiting"]) == [1, 2]
+    notes = {i["rank"]: i.get("reason") or "" for i in doc["inputs"]}
+    # ranks 0 and 1 left the first incarnation's 4th op unfinished; rank 2 never issued it
+    assert "process group 1 was created again in this process" in notes[0]
+    assert "4 entries of the destroyed instance left out" in notes[0]
+    assert "3 entries of the destroyed instance left out" in notes[2]
+
+
+@pytest.mark.timeout(240)
+def test_the_destroyed_instance_leaves_neither_entries_nor_counters(restarted: Path) -> None:
+    trace = load_trace(restarted / "pkl")
+    rows = trace.entries.filter(
+        [name == "1" for name in trace.entries.column("pg_name").to_pylist()]
+    )
+    seqs = {}
+    for rank, seq in zip(
+        rows.column("rank").to_pylist(), rows.column("collective_seq_id").to_pylist(), strict=True
+    ):
+        seqs.setdefault(rank, []).append(seq)
+    assert seqs == {0: [1, 2], 1: [1, 2, 3], 2: [1, 2, 3]}
+    raw = pickle.loads((restarted / "pkl" / "nccl_trace_rank_1").read_bytes())
+    new_uid = max(e["pg_id"] for e in raw["entries"] if e["process_group"][0] == "1")
+    newest = {k: v for k, v in raw["pg_status"][str(new_uid)].items() if v >= 0}
+    assert trace.ranks[1].pg_status["1"] == newest, raw["pg_status"]
+
+
+def _entry(i: int, uid: int, seq: int) -> dict:
+    return {
+        "record_id": i,
+        "pg_id": uid,
+        "process_group": ("1", "tp"),
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "profiling_name": "nccl:all_reduce",
+        "state": "completed",
+        "is_p2p": False,
+    }
+
+
+def test_two_instances_whose_ops_interleave_are_both_kept() -> None:
+    """Two backends of one group (its CPU and its GPU ops) record under one name with two
+    uids at once: neither replaced the other."""
+    entries = [_entry(i, uid=5 + i % 2, seq=i // 2 + 1) for i in range(6)]
+    dump = normalize({"version": "2.10", "entries": entries}, name_rank=0)
+    assert dump.entries.num_rows == 6
+    assert not any("created again" in n for n in dump.notes)
+
+
+def test_only_the_newest_of_three_instances_stays() -> None:
+    entries = [_entry(0, 1, 1), _entry(1, 1, 2), _entry(2, 4, 1), _entry(3, 9, 1)]
+    status = {
+        "1": {"last_enqueued_collective": 2, "last_completed_collective": 1},
+        "4": {"last_enqueued_collective": 1, "last_completed_collective": 0},
+        "9": {"last_enqueued_collective": 1, "last_completed_collective": 1},
+    }
+    dump = normalize({"version": "2.10", "entries": entries, "pg_status": status}, name_rank=0)
+    assert dump.entries.column("record_id").to_pylist() == [3]
+    assert dump.pg_status == {"1": status["9"]}
+    assert any("pg_id 1, 4 then 9): 3 entries" in n for n in dump.notes), dump.notes
