@@ -106,11 +106,16 @@ def test_intern_and_process_groups_are_idempotent(tmp_path):
     assert box.add_process_group("1", "tp", [0, 1]) == 0
     assert box.add_process_group("2", "dp", [0, 2]) == 1
     assert box.add_process_group("1", "tp", [0, 1]) == 0
+    # a group created again under its name (after destroy_process_group): a row of its own,
+    # which the name finds from then on
+    assert box.add_process_group("1", "tp", [0, 1], True) == 2
+    assert box.add_process_group("1", "tp", [0, 1]) == 2
     assert box.intern("x" * 200) == STRING_FULL
     snap = read_snapshot(path)
     assert [(g.name, g.desc, g.ranks) for g in snap.groups] == [
         ("1", "tp", (0, 1)),
         ("2", "dp", (0, 2)),
+        ("1", "tp", (0, 1)),
     ]
     assert snap.string(STRING_FULL) == "<string table full>"
     assert any("string table was full" in n for n in snap.notes)

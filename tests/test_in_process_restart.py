@@ -4,7 +4,8 @@ PyTorch's Flight Recorder keeps one buffer per process, and a new init names its
 "0", "1", ... again: the dump after the second fault holds the first incarnation's ops too,
 under the same group names, with their own uid (``pg_id``) and seqs from 1 again. Read by
 name, the first incarnation's unfinished op reads as the hang (or as a mismatch with the
-new seqs). These dumps come from a real 3-rank Gloo job on torch.
+new seqs). These dumps come from a real 3-rank Gloo job on torch, with PyTorch's recorder
+and under ``frtools run`` (the black box gives each new instance a row of its own).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from jobs import run_job
+from jobs import start_ranks, stop, wait_ranks
 
 from frtools.analyze.readers import load_trace
 from frtools.formats.torch_fr.normalize import normalize
@@ -57,9 +60,9 @@ JOB = textwrap.dedent(
     j = torch._C._distributed_c10d._dump_fr_trace_json()
     with open(f"{out}/json/nccl_trace_rank_{rank}.json", "w") as f:
         f.write(j if isinstance(j, str) else j.decode())
-    # nobody leaves before every dump is written: a rank's exit ends its peers' pending ops
+    # nobody leaves before the test says so: a rank's exit ends its peers' pending ops
     open(f"{out}/dumped-{rank}", "w").close()
-    while not all(os.path.exists(f"{out}/dumped-{r}") for r in range(world)):
+    while not os.path.exists(f"{out}/release"):
         time.sleep(0.05)
     os._exit(0)  # the unfinished ops hold the group: no clean shutdown
     """
@@ -67,26 +70,58 @@ JOB = textwrap.dedent(
 LINE_HANG = next(i for i, line in enumerate(JOB.splitlines(), 1) if "LINE_HANG" in line)
 
 
+WORLD = 3
+
+
+def _run(out: Path, recorder: bool, while_held: Callable[[], None] = lambda: None) -> None:
+    """Run the job (under ``frtools run`` with ``recorder``); ``while_held`` runs once every
+    rank has dumped and waits, then the ranks are let go."""
+    script = out / "job.py"
+    script.write_text(JOB)
+    argv = [sys.executable, str(script), str(out)]
+    if recorder:
+        # a pending op is in flight, not hung, until its rank's watchdog calls it stalled
+        argv = [sys.executable, "-m", "frtools", "run", "--dir", str(out / "frt"),
+                "--job-id", "job", "--stall-seconds", "1", "--", *argv]  # fmt: skip
+    procs = start_ranks(argv, WORLD, env={"TORCH_FR_BUFFER_SIZE": "2000"})
+    try:
+        deadline = time.monotonic() + 90
+        while not all((out / f"dumped-{r}").exists() for r in range(WORLD)):
+            assert time.monotonic() < deadline, wait_ranks(procs, 1).output()
+            assert all(p.poll() is None for p in procs), wait_ranks(procs, 1).output()
+            time.sleep(0.1)
+        while_held()
+        (out / "release").touch()
+        result = wait_ranks(procs, 30)
+        assert not result.timed_out and all(r.returncode == 0 for r in result.ranks), (
+            result.output()
+        )
+    finally:
+        stop(procs)
+
+
 @pytest.fixture(scope="module")
 def restarted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("restarted")
-    script = out / "job.py"
-    script.write_text(JOB)
-    result = run_job(
-        script, world_size=3, args=[str(out)], env={"TORCH_FR_BUFFER_SIZE": "2000"}, timeout=90
-    )
-    assert not result.timed_out and all(r.returncode == 0 for r in result.ranks), result.output()
+    _run(out, recorder=False)
     return out
 
 
-def _analyze(folder: Path) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "frtools", "analyze", "--format", "json", str(folder)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode not in (0, 2), proc.stderr  # a hang found: not healthy, no error
+def _analyze(folder: Path, within: float = 0) -> dict:
+    """The verdict document of ``frtools analyze``, once it finds the hang (asked again for
+    ``within`` seconds: a live rank's watchdog needs a moment to call it stalled)."""
+    deadline = time.monotonic() + within
+    while True:
+        proc = subprocess.run(
+            [sys.executable, "-m", "frtools", "analyze", "--format", "json", str(folder)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if proc.returncode not in (0, 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert proc.returncode not in (0, 2), proc.stdout + proc.stderr  # a hang; no error
     return json.loads(proc.stdout)
 
 
@@ -111,6 +146,21 @@ def test_after_an_in_process_restart_the_verdict_is_the_new_incarnations(
     assert "process group 1 was created again in this process" in notes[0]
     assert "4 entries of the destroyed instance left out" in notes[0]
     assert "3 entries of the destroyed instance left out" in notes[2]
+
+
+@pytest.mark.timeout(240)
+def test_the_black_box_tells_the_instances_apart_by_row(tmp_path: Path) -> None:
+    got: dict = {}
+    _run(tmp_path, recorder=True, while_held=lambda: got.update(_analyze(tmp_path / "frt", 30)))
+    verdict = got["verdict"]
+    assert verdict["kind"] == "missing", verdict["headline"]
+    assert [g["rank"] for g in verdict["guilty"]] == [0]
+    assert verdict["process_group"]["name"] == "1" and verdict["collective_seq_id"] == 3
+    # waiting: the ranks whose watchdog called them stalled by then
+    assert verdict["waiting"] and set(verdict["waiting"]) <= {1, 2}
+    notes = " ".join(i.get("reason") or "" for i in got["inputs"] if i.get("rank") == 1)
+    assert "process group 1 was created again in this process (table rows" in notes
+    assert "4 entries of the destroyed instance left out" in notes
 
 
 @pytest.mark.timeout(240)

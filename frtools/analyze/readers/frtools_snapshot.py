@@ -8,7 +8,7 @@ column — thousands of snapshots read in seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -136,9 +136,10 @@ def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
 def _rank_dump_of(snap: Snapshot, source: str) -> tuple[RankDump, _BoxColumns | None]:
     """The snapshot's RankDump, its ``entries`` None, and its entries as columns (None:
     it holds none)."""
+    snap, replaced = _newest_instances(snap)
     ident = snap.identity
     header = snap.header
-    notes = list(snap.notes)
+    notes = list(snap.notes) + replaced
     rank = strict_int(ident.get("rank"))
     if rank is None:
         rank, _ = rank_from_filename(Path(source).name)
@@ -212,6 +213,34 @@ def _rank_dump_of(snap: Snapshot, source: str) -> tuple[RankDump, _BoxColumns | 
         default_pg_all=default_pg_all,
     )
     return dump, _columns(snap, rank, backend, len(groups))
+
+
+def _newest_instances(snap: Snapshot) -> tuple[Snapshot, list[str]]:
+    """The snapshot without the ops of process-group instances that a later one of their
+    name replaced, and a note per name.
+
+    A job that destroys its groups and initializes again in the same process (an in-process
+    restart) gets the same group names again; the recorder gives each new instance a row of
+    its own, and one live group has one name, so a row whose name a later row took belongs
+    to a destroyed group: its ops can block nothing now. (Its counters are not read either:
+    the later row's come last in the name's maps.)"""
+    groups = snap.groups
+    if len({g.name for g in groups}) == len(groups):
+        return snap, []
+    newest = {g.name: g.index for g in groups}
+    old = [g for g in groups if newest[g.name] != g.index]
+    pg = snap.slots["pg"]
+    gone = np.isin(pg, [g.index for g in old])
+    notes = []
+    for name in sorted({g.name for g in old}):
+        rows = [g.index for g in groups if g.name == name]
+        count = int(np.count_nonzero(np.isin(pg, rows[:-1])))
+        notes.append(
+            f"process group {name} was created again in this process (table rows "
+            f"{', '.join(map(str, rows[:-1]))} then {rows[-1]}): {count} entr"
+            f"{'y' if count == 1 else 'ies'} of the destroyed instance left out"
+        )
+    return replace(snap, slots=snap.slots[~gone]), notes
 
 
 def all_ranks_of(name: str, desc: str, ranks: tuple[int, ...], world: int | None) -> bool:

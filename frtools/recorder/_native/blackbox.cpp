@@ -1072,7 +1072,8 @@ PyObject* BlackBox_add_process_group(BlackBoxObject* self, PyObject* args) {
   const char *name = nullptr, *desc = nullptr;
   Py_ssize_t name_len = 0, desc_len = 0;
   PyObject* ranks = nullptr;
-  if (!PyArg_ParseTuple(args, "s#s#O", &name, &name_len, &desc, &desc_len, &ranks)) {
+  int fresh = 0;  // a new instance: a row of its own even where its name has one
+  if (!PyArg_ParseTuple(args, "s#s#O|p", &name, &name_len, &desc, &desc_len, &ranks, &fresh)) {
     return nullptr;
   }
   PyObject* seq = PySequence_Fast(ranks, "ranks must be a sequence of ints");
@@ -1092,7 +1093,7 @@ PyObject* BlackBox_add_process_group(BlackBoxObject* self, PyObject* args) {
   std::string ranks_text = encode_ranks(members);
 
   std::string key(name, size_t(name_len));
-  {
+  if (!fresh) {
     std::lock_guard<std::mutex> lock(b->intern_mutex);
     auto it = b->pg_by_name.find(key);
     if (it != b->pg_by_name.end()) return PyLong_FromLong(it->second);
@@ -1102,7 +1103,7 @@ PyObject* BlackBox_add_process_group(BlackBoxObject* self, PyObject* args) {
   uint32_t ranks_id = b->intern(ranks_text.data(), ranks_text.size());
   std::lock_guard<std::mutex> lock(b->intern_mutex);
   auto it = b->pg_by_name.find(key);
-  if (it != b->pg_by_name.end()) return PyLong_FromLong(it->second);
+  if (!fresh && it != b->pg_by_name.end()) return PyLong_FromLong(it->second);
   uint32_t count = b->pg_count;
   if (count >= b->pg_capacity) {
     PyErr_Format(PyExc_OverflowError, "process-group table full (%u groups)", count);
@@ -1120,7 +1121,7 @@ PyObject* BlackBox_add_process_group(BlackBoxObject* self, PyObject* args) {
   e->last_completed_p2p = 0;
   astore(&b->pg_count, count + 1);
   astore(&b->hdr->pg_count, count + 1);
-  b->pg_by_name.emplace(std::move(key), int32_t(count));
+  b->pg_by_name[std::move(key)] = int32_t(count);  // a name's newest row
   return PyLong_FromLong(long(count));
 }
 
@@ -1457,7 +1458,8 @@ PyMethodDef BlackBox_methods[] = {
     {"intern", (PyCFunction)BlackBox_intern, METH_O,
      "intern(s) -> int: string-table id of s (the same string always gets the same id)."},
     {"add_process_group", (PyCFunction)BlackBox_add_process_group, METH_VARARGS,
-     "add_process_group(name, desc, ranks) -> int: index of the group in the pg table."},
+     "add_process_group(name, desc, ranks, fresh=False) -> int: index of the group in the pg "
+     "table (the name's row; fresh: a new row, for a group created again under its name)."},
     {"record", (PyCFunction)(void (*)(void))BlackBox_record, METH_FASTCALL,
      "record(pg, op, collective_seq_id, p2p_seq_id, peer, is_p2p, in_sizes, out_sizes, "
      "in_dtypes, out_dtypes, stack) -> record id (string ids from intern)."},

@@ -212,7 +212,7 @@ def register_window(window: Any, st: GroupState) -> WindowState | None:
     st.windows += 1
     name = f"{st.name}/window{st.windows}"
     desc = f"{st.desc} window {st.windows}" if st.desc else f"window {st.windows}"
-    ws = WindowState(st, st.box.add_process_group(name, desc, st.ranks))
+    ws = WindowState(st, st.box.add_process_group(name, desc, st.ranks, True))
     WINDOWS[window] = ws
     return ws
 

@@ -265,9 +265,13 @@ class GroupState:
 
     def bind(self, name: str, desc: str, ranks: list[int]) -> None:
         """The group's name, description and members, once known: its row in the black
-        box's process-group table."""
+        box's process-group table. A row of its own even where its name has one: a job that
+        destroys its groups and initializes again in the process (an in-process restart)
+        gets the same names again, and the reader tells the instances apart by row."""
+        if self.pg >= 0:
+            return  # bound already
         self.name, self.desc, self.ranks = name, desc, ranks
-        self.pg = self.box.add_process_group(name, desc, ranks)
+        self.pg = self.box.add_process_group(name, desc, ranks, True)
 
     def coll(self, op: int, inputs: Any, outputs: Any) -> int:
         """Record one collective; returns the record id (-1: not recorded)."""
