@@ -214,3 +214,16 @@ def test_only_the_newest_of_three_instances_stays() -> None:
     assert dump.entries.column("record_id").to_pylist() == [3]
     assert dump.pg_status == {"1": status["9"]}
     assert any("pg_id 1, 4 then 9): 3 entries" in n for n in dump.notes), dump.notes
+
+
+@pytest.mark.timeout(60)
+def test_a_dump_naming_thousands_of_instances_is_read_in_bounded_time_and_words() -> None:
+    """Hostile: 5,000 group names, each created 10 times one after the other."""
+    entries = [_entry(i, uid=i, seq=1) for i in range(50_000)]
+    for i, e in enumerate(entries):
+        e["process_group"] = (str(i // 10), "tp")
+    dump = normalize({"version": "2.10", "entries": entries}, name_rank=0)
+    assert dump.entries.num_rows == 5_000  # each name's newest instance
+    replaced = [n for n in dump.notes if "created again" in n]
+    assert len(replaced) == 8 and all(len(n) < 300 for n in replaced), replaced
+    assert "pg_id 0, 1, 2, 3 and 5 more then 9): 9 entries" in replaced[0], replaced[0]

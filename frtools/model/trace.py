@@ -186,6 +186,29 @@ class ProcessGroup:
         }
 
 
+# a note names at most this many instances of one group, and notes this many groups
+_NAMED_INSTANCES = 4
+MAX_REPLACED_NOTES = 8
+
+
+def replaced_instances_note(
+    name: str, label: str, old: Sequence[str], newest: str, entries: int
+) -> str:
+    """The note on a file whose records hold destroyed instances of group ``name`` (a
+    group created again in the process, as after ``destroy_process_group`` and a new
+    init): ``old`` and ``newest`` are the instances' ``label`` (PyTorch's uid, ``pg_id``;
+    a black box's table row), ``entries`` the entries left out. Bounded: a hostile file
+    may name millions of instances."""
+    named = ", ".join(str(x)[:24] for x in old[:_NAMED_INSTANCES])
+    if len(old) > _NAMED_INSTANCES:
+        named += f" and {len(old) - _NAMED_INSTANCES} more"
+    return (
+        f"process group {name[:64]} was created again in this process ({label} {named} then "
+        f"{str(newest)[:24]}): {entries} entr{'y' if entries == 1 else 'ies'} of the "
+        f"destroyed instance{'s' if len(old) > 1 else ''} left out"
+    )
+
+
 @dataclass
 class RankInfo:
     """Identity and provenance of one global rank's record."""

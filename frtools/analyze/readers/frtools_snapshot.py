@@ -29,7 +29,15 @@ from frtools.formats.blackbox import (
 from frtools.formats.limits import strict_int
 from frtools.model.codes import DictionaryPart, dense_unique, join_dictionaries
 from frtools.model.ops import op_name
-from frtools.model.trace import ENTRY_SCHEMA, ProcessGroup, RankInfo, is_default, is_user_frame
+from frtools.model.trace import (
+    ENTRY_SCHEMA,
+    MAX_REPLACED_NOTES,
+    ProcessGroup,
+    RankInfo,
+    is_default,
+    is_user_frame,
+    replaced_instances_note,
+)
 
 from .base import DumpError, RankDump, rank_from_filename
 
@@ -227,19 +235,22 @@ def _newest_instances(snap: Snapshot) -> tuple[Snapshot, list[str]]:
     groups = snap.groups
     if len({g.name for g in groups}) == len(groups):
         return snap, []
-    newest = {g.name: g.index for g in groups}
-    old = [g for g in groups if newest[g.name] != g.index]
+    rows: dict[str, list[int]] = {}  # name -> its rows, oldest first
+    for g in groups:
+        rows.setdefault(g.name, []).append(g.index)
+    old = {name: r[:-1] for name, r in rows.items() if len(r) > 1}
     pg = snap.slots["pg"]
-    gone = np.isin(pg, [g.index for g in old])
-    notes = []
-    for name in sorted({g.name for g in old}):
-        rows = [g.index for g in groups if g.name == name]
-        count = int(np.count_nonzero(np.isin(pg, rows[:-1])))
-        notes.append(
-            f"process group {name} was created again in this process (table rows "
-            f"{', '.join(map(str, rows[:-1]))} then {rows[-1]}): {count} entr"
-            f"{'y' if count == 1 else 'ies'} of the destroyed instance left out"
+    gone = np.isin(pg, [i for r in old.values() for i in r])
+    notes = [
+        replaced_instances_note(
+            name,
+            "table rows",
+            [str(i) for i in r],
+            str(rows[name][-1]),
+            int(np.count_nonzero(np.isin(pg[gone], r))),
         )
+        for name, r in sorted(old.items())[:MAX_REPLACED_NOTES]
+    ]
     return replace(snap, slots=snap.slots[~gone]), notes
 
 

@@ -31,10 +31,12 @@ from frtools.model.ops import P2P_OPS
 from frtools.model.ranks import MAX_WORLD_SIZE, valid_rank
 from frtools.model.trace import (
     ENTRY_SCHEMA,
+    MAX_REPLACED_NOTES,
     ProcessGroup,
     call_site,
     format_frame,
     is_default,
+    replaced_instances_note,
     sizes_key,
 )
 
@@ -664,10 +666,15 @@ def replaced_instances(names: Sequence[str], pg_ids: Sequence[Any]) -> Replaced:
             key = (name, str(uid))
             first.setdefault(key, i)
             last[key] = i
-    newest: dict[str, int] = {}  # name -> where its latest instance began
-    for (name, _), i in first.items():
-        newest[name] = max(newest.get(name, -1), i)
-    gone = {key for key, i in last.items() if i < newest[key[0]]}
+    by_name: dict[str, list[tuple[int, str]]] = {}  # name -> (where it began, uid), in order
+    for (name, uid), i in first.items():
+        by_name.setdefault(name, []).append((i, uid))
+    gone = {
+        (name, uid)
+        for name, began in by_name.items()
+        for _, uid in began
+        if last[(name, uid)] < began[-1][0]
+    }
     if not gone:
         return Replaced()
     rows = [
@@ -675,16 +682,16 @@ def replaced_instances(names: Sequence[str], pg_ids: Sequence[Any]) -> Replaced:
         for name, uid in zip(names, pg_ids, strict=True)
     ]
     left_out = Counter(name for name, r in zip(names, rows, strict=True) if r)
-    notes = []
-    for name in sorted(left_out):
-        old = [uid for n, uid in first if n == name and (n, uid) in gone]
-        new = [uid for n, uid in first if n == name and (n, uid) not in gone]
-        count = left_out[name]
-        notes.append(
-            f"process group {name} was created again in this process (pg_id "
-            f"{', '.join(old)} then {', '.join(new)}): {count} entr"
-            f"{'y' if count == 1 else 'ies'} of the destroyed instance left out"
+    notes = [
+        replaced_instances_note(
+            name,
+            "pg_id",
+            [uid for _, uid in by_name[name] if (name, uid) in gone],
+            by_name[name][-1][1],
+            left_out[name],
         )
+        for name in sorted(left_out)[:MAX_REPLACED_NOTES]
+    ]
     return Replaced(rows, {uid: name for name, uid in gone}, notes)
 
 
