@@ -80,6 +80,61 @@ def test_real_gpu_hang_whose_faulted_ranks_left_no_dump_still_names_them(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(REAL_CASES))
+def test_real_dumps_under_the_wrong_names_are_read_as_the_ranks_their_groups_say(
+    case: str, tmp_path: Path
+) -> None:
+    """A file name is the writer's (PyTorch's takes the rank of the process's first group
+    for good; files get renamed): a faulted rank's dump under a healthy rank's name and the
+    reverse, and the other faulted rank's under a name with no rank, still blame the
+    faulted ranks, because each file's groups meet in its own rank alone."""
+    folder = REAL_GPU / case
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is absent (the shared real-GPU dumps)")
+    kind, guilty = REAL_CASES[case]
+    first, second = guilty
+    healthy = next(r for r in range(16) if r not in guilty)
+    names = {first: f"_dump_{healthy}", healthy: f"_dump_{first}", second: "mystery.pkl"}
+    for r in range(16):
+        (tmp_path / names.get(r, f"_dump_{r}")).write_bytes((folder / f"_dump_{r}").read_bytes())
+    doc = _analyze(tmp_path)
+    verdict = doc["verdict"]
+    assert verdict["kind"] == kind and sorted(g["rank"] for g in verdict["guilty"]) == guilty
+    read_as = {Path(i["path"]).name: (i["rank"], i.get("reason") or "") for i in doc["inputs"]}
+    assert read_as[f"_dump_{healthy}"] == (
+        first,
+        f"rank {first} from the process groups the dump lists (every one holds it, and no "
+        f"other rank); its file name says rank {healthy}",
+    )
+    assert read_as["mystery.pkl"][0] == second
+    assert read_as[f"_dump_{second + 1}"] == (second + 1, "")  # the rest as named
+
+
+def test_a_file_names_rank_stands_where_its_groups_hold_it_or_single_out_none() -> None:
+    """Groups that hold the name's rank, or whose members meet in several ranks, or none
+    listed (Gloo's placeholder): the name stands, unnoted."""
+    from frtools.formats.torch_fr.normalize import normalize
+
+    def config(*groups: list[int]) -> dict:
+        return {str(i): {"name": str(i), "desc": "", "ranks": str(g)} for i, g in enumerate(groups)}
+
+    for pg_config in (
+        config([2, 3], [1, 3]),  # holds 3
+        config([0, 1], [0, 1, 2]),  # meets in 0 and 1: no single rank
+        config([0, 1], [2, 4]),  # meets in none
+        {"": {"name": "", "desc": "", "ranks": "[]"}},
+    ):
+        dump = normalize({"version": "2.10", "entries": [], "pg_config": pg_config}, 3)
+        assert dump.rank == 3 and not any("process groups" in n for n in dump.notes), pg_config
+    dump = normalize({"version": "2.10", "entries": [], "pg_config": config([4, 5], [5, 9])}, 3)
+    assert dump.rank == 5
+    assert dump.notes == [
+        "rank 5 from the process groups the dump lists (every one holds it, and no other "
+        "rank); its file name says rank 3"
+    ]
+
+
+@pytest.mark.timeout(120)
 def test_real_gil_hang_with_lost_healthy_dumps_says_which_ranks_are_alive(tmp_path: Path) -> None:
     """lock_gil_1st without ranks 12 and 15's dumps: their peers wait for them too, so they
     are blamed beside 9 and 14, but the verdict and its action say 9 and 14 are alive and

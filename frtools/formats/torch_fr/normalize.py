@@ -305,16 +305,13 @@ def _top_level(
     """Version, rank, host and the process groups of ``pg_config``."""
     version = str(dump.get("version", "")) or "unversioned"
 
-    # rank: from content where the dump has it (some builds write "rank"), else the name
+    # rank: from content where the dump has it (some builds write "rank"), else the name,
+    # checked against the groups the file lists (below)
     rank = strict_int(dump.get("rank"))
+    stated = rank is not None
     if rank is None:
         rank = name_rank
-    if rank is None:
-        raise TorchDumpError(
-            "cannot tell which rank this dump belongs to: the dump has no 'rank' and the file "
-            "name carries none (expected e.g. rank_3.pkl)"
-        )
-    if not valid_rank(rank):
+    if rank is not None and not valid_rank(rank):
         shown = str(rank) if len(str(rank)) <= 24 else str(rank)[:20] + "…"
         raise TorchDumpError(f"rank {shown} is out of range (0 … {MAX_WORLD_SIZE - 1})")
     if isinstance(dump.get("host"), str) and dump["host"]:
@@ -359,7 +356,54 @@ def _top_level(
                     )
                 )
             groups[name] = ProcessGroup(name=name, desc=desc, ranks=ranks or ())
+    if not stated:
+        rank = _rank_of_groups(rank, groups, notes)
+    if rank is None:
+        raise TorchDumpError(
+            "cannot tell which rank this dump belongs to: the dump has no 'rank', the file "
+            "name carries none (expected e.g. rank_3.pkl) and its process groups do not "
+            "single one out"
+        )
     return _TopLevel(dump, rank, host, version, groups, default_pg_all, notes, nameless)
+
+
+# groups up to this size check a file name's rank cheaply (a tuple scan each)
+_CHECKED_GROUP_SIZE = 64
+
+
+def _rank_of_groups(
+    name_rank: int | None, groups: Mapping[str, ProcessGroup], notes: list[str]
+) -> int | None:
+    """The rank of a dump that states none, from its file name and its groups.
+
+    PyTorch's NCCL recorder lists in ``pg_config`` only the groups its process is a member
+    of, so their member lists meet in its rank alone (every file of the real Megatron jobs
+    at hand). A file name is the writer's and may be wrong: PyTorch's writer takes the rank
+    of the process's first group for good, which an in-process restart can renumber, and
+    files get renamed. Where the groups single out another rank than the name, the groups
+    win (noted); where they single out none, the name stands. The name is checked against
+    the small groups only (a scan of a few members each); the intersection of all of them
+    is taken only where one of those leaves the name out."""
+    listed = [g.ranks for g in groups.values() if g.ranks]
+    if not listed:
+        return name_rank
+    if name_rank is not None and all(
+        name_rank in ranks for ranks in listed if len(ranks) <= _CHECKED_GROUP_SIZE
+    ):
+        return name_rank
+    common = set(min(listed, key=len))
+    for ranks in sorted(listed, key=len)[1:]:
+        common.intersection_update(ranks)
+        if not common:
+            break
+    if len(common) != 1 or name_rank in common:
+        return name_rank
+    (rank,) = common
+    notes.append(
+        f"rank {rank} from the process groups the dump lists (every one holds it, and no "
+        "other rank)" + (f"; its file name says rank {name_rank}" if name_rank is not None else "")
+    )
+    return rank
 
 
 def _nameless_is_world(
