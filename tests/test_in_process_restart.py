@@ -206,6 +206,8 @@ def test_two_instances_whose_ops_interleave_are_both_kept() -> None:
 def test_only_the_newest_of_three_instances_stays() -> None:
     entries = [_entry(0, 1, 1), _entry(1, 1, 2), _entry(2, 4, 1), _entry(3, 9, 1)]
     status = {
+        # the first incarnation's default group (uid 0, no entry left): not this one's
+        "0": {"last_enqueued_collective": 7, "last_completed_collective": 6},
         "1": {"last_enqueued_collective": 2, "last_completed_collective": 1},
         "4": {"last_enqueued_collective": 1, "last_completed_collective": 0},
         "9": {"last_enqueued_collective": 1, "last_completed_collective": 1},

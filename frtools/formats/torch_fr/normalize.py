@@ -135,9 +135,12 @@ def _pg_status(
         # A uid with no entry left in the buffer cannot be named in general (uids and names
         # are both small integers, so str(uid) would silently hit another group). Except
         # uid 0: the default group is every process's first group, uid 0 and name "0"
-        # (NCCL and Gloo alike) — and its status is what tells where a rank stopped.
+        # (NCCL and Gloo alike) — and its status is what tells where a rank stopped. Not
+        # in a process that restarted (``replaced``): uid 0 was the first incarnation's.
         name = pg_id_to_name.get(str(key))
         if name is None:
+            if str(key) == "0" and replaced:
+                continue
             name = "0" if str(key) == "0" and "0" not in named else f"pg_id:{key}"
         counters: dict[str, int] = {}
         if isinstance(status, Mapping):
