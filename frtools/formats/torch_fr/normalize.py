@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -119,7 +119,7 @@ def _dtypes(v: Any) -> str:
 
 
 def _pg_status(
-    raw: Any, pg_id_to_name: Mapping[str, str], replaced: Mapping[str, str] | None = None
+    raw: Any, pg_id_to_name: Mapping[str, str], replaced: Set[str] = frozenset()
 ) -> tuple[dict[str, dict[str, int]], str]:
     """pg_status is keyed by the group's *uid* (``pg_id``), not its name; values are ints
     (pickle), strings (JSON) or, in a few builds, a bare int (the last enqueued seq).
@@ -130,7 +130,7 @@ def _pg_status(
         return out, ("pg_status not a mapping; ignored" if raw is not None else "")
     named = set(pg_id_to_name.values())
     for key, status in raw.items():
-        if replaced and str(key) in replaced:
+        if str(key) in replaced:
             continue
         # A uid with no entry left in the buffer cannot be named in general (uids and names
         # are both small integers, so str(uid) would silently hit another group). Except
@@ -433,7 +433,7 @@ def _torch_dump(
     unmapped: set[str],
     bad: int,
     clean: bool = True,
-    replaced: Mapping[str, str] | None = None,
+    replaced: Set[str] = frozenset(),
 ) -> TorchDump:
     groups, notes, dump = top.groups, top.notes, top.dump
     if clean:
@@ -690,7 +690,7 @@ class Replaced:
     Instances whose ops interleave (two backends of one group) are both kept."""
 
     rows: list[bool] = field(default_factory=list)  # per entry: it belongs to one of them
-    uids: dict[str, str] = field(default_factory=dict)  # their uid -> group name
+    uids: set[str] = field(default_factory=set)  # their uids
     notes: list[str] = field(default_factory=list)
 
 
@@ -739,7 +739,7 @@ def replaced_instances(names: Sequence[str], pg_ids: Sequence[Any]) -> Replaced:
         )
         for name in sorted(left_out)[:MAX_REPLACED_NOTES]
     ]
-    return Replaced(rows, {uid: name for name, uid in gone}, notes)
+    return Replaced(rows, {uid for _, uid in gone}, notes)
 
 
 def _entry_columns(
