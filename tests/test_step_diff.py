@@ -112,6 +112,43 @@ def test_healthy_moe_splits_changing_every_step_are_no_change() -> None:
     assert diff.ranks_repeating == 8 and diff.changes == []
 
 
+REAL_GPU = ROOT.parent / "shared" / "real-gpu" / "nvrx"
+
+
+@pytest.mark.parametrize("folder", ["gpu_error_1st", "lock_gil_1st"])
+def test_parts_of_a_step_in_a_short_ring_are_no_step(folder: str) -> None:
+    """Real Megatron MoE dumps on H100s: 20-entry rings hold a fraction of a step. Three
+    all_to_alls of token dispatch in a row repeat, and the program then goes on to its next
+    part: that is no step, and no rank "issued an op no rank issued in the step before" (the
+    healthy ranks 8, 10, 11, 12, 13, 15 of lock_gil_1st were listed so)."""
+    if not (REAL_GPU / folder).is_dir():
+        pytest.skip("the real GPU dumps are not beside this checkout")
+    diff = step_diff(load_trace(REAL_GPU / folder))
+    assert diff.changes == [], step_diff_lines(diff)
+
+
+def test_a_run_inside_a_step_is_no_step_and_a_loop_still_is() -> None:
+    """What a rank did after the periodic stretch decides whether the stretch was its loop:
+    more than a step's worth of ops the step never holds is another part of the program; a
+    rank that blocks within a step of the change keeps its step and its change."""
+    from tests.trace_builder import STOP, Job, Op, simulate
+
+    job = Job({"0": (0, 1)}, {"0": "default_pg"})
+    a2a = [Op("0", "all_to_all", f"[[{n},8]]") for n in (5, 7, 6)]
+    rest = [Op("0", "reduce_scatter"), Op("0", "all_gather"), Op("0", "all_reduce", "[[2]]"),
+            Op("0", "broadcast")]  # fmt: skip
+    # one call site for every op, as a loop's: only group, op and sizes tell ops apart
+    parts = simulate(job, {r: [*a2a, *rest, STOP] for r in (0, 1)}, frames=False)
+    diff = step_diff(parts)
+    assert not diff.repeats and diff.changes == [], step_diff_lines(diff)
+
+    loop = [Op("0", "all_reduce"), Op("0", "broadcast")] * 4
+    programs = {0: [*loop, Op("0", "all_gather"), STOP], 1: [*loop, Op("0", "all_reduce")]}
+    diff = step_diff(simulate(job, programs, frames=False))
+    [change] = diff.changes
+    assert (change.rank, change.change, change.now.op) == (0, "new_op", "all_gather")
+
+
 def test_ranks_whose_rows_are_apart_give_the_same_diff() -> None:
     """A reader that writes ranks' rows interleaved (rank order lost, each rank's record order
     kept) changes nothing: each rank's rows are gathered before its step is looked for."""

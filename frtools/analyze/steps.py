@@ -12,7 +12,10 @@ Per rank, over its last ``WINDOW`` records (bounded work at any world size):
   object collective's byte counts change every step by design: not part of the token).
 * **Period.** The step length ``p`` is the distance whose repetition ``S[i] == S[i-p]``
   spans the most records (ties: the shortest); at least two whole copies. Candidate
-  distances are the ones at which the window's middle token recurs.
+  distances are the ones at which the window's middle token recurs. A run that is only a
+  part of a step (MoE's all_to_alls in a row, a layer's ops: a short ring holds less than a
+  step) is no step: after it the rank issued more than a step's worth of ops that are mostly
+  not the run's (``_loops``).
 * **Divergence.** The first record after that periodic run, if any, lies in the failing
   step; the step before it is the last good one. A rank whose records simply stop inside
   the step (blocked, waiting) did nothing different: it has no change.
@@ -301,6 +304,8 @@ def step_diff(trace: Trace) -> StepDiff:
         part = op_codes if name == "op" else _codes(column(name))[0]
         if name in ("input_sizes", "output_sizes"):
             part = np.where(sized, part, -2)
+        if name == "peer":  # group and op alone: what a step's loop is made of
+            loose = token.copy()
         if name == "call_site":  # the same op from another line: for moves, not for periods
             moved = token.copy()
         part += 3
@@ -333,6 +338,8 @@ def step_diff(trace: Trace) -> StepDiff:
     diff = StepDiff(ranks_examined=len(block_ranks))
     offsets = np.cumsum(sizes) - sizes
     steps = _Steps(token, offsets, sizes)
+    steps.keep(_loops(steps, loose, offsets, sizes))
+    del loose
     diff.ranks_repeating = int(len(steps.block))
     uniq, counts = np.unique(steps.p, return_counts=True)
     lengths = dict(zip(uniq.tolist(), counts.tolist(), strict=True))
@@ -367,6 +374,42 @@ def step_diff(trace: Trace) -> StepDiff:
         )
     diff.more_changes = max(0, len(listed) - MAX_CHANGES)
     return diff
+
+
+def _loops(steps: _Steps, loose: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Per rank that repeats a step, whether that step is the loop the rank runs.
+
+    A rank's step is the training step only if what it did after the periodic stretch is
+    mostly made of the step's ops (their group and op: a changed size or call site is a
+    change, not another program). A short window repeats parts of a step (three all_to_alls
+    of MoE token dispatch in a row, a layer's ops): their "divergence" is the program going on
+    to its next part, and a rank that then issued more than a step's worth of ops the "step"
+    never holds did not run that loop. A rank whose records stop within a step of the
+    divergence (it blocked) keeps its step."""
+    first = offsets[steps.block] + steps.first
+    start = offsets[steps.block] + steps.end
+    tail = sizes[steps.block] - steps.end
+    long = np.flatnonzero(tail > steps.p)
+    keep = np.ones(len(steps.block), dtype=bool)
+    if not long.size:
+        return keep
+
+    def rows(begin: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows ``begin[j] .. begin[j] + count[j]`` of every ``j``, and each one's ``j``."""
+        owner = np.repeat(np.arange(len(count)), count)
+        return np.repeat(begin - (np.cumsum(count) - count), count) + np.arange(len(owner)), owner
+
+    step_rows, step_of = rows(first[long], steps.p[long])
+    tail_rows, tail_of = rows(start[long], tail[long])
+
+    def keyed(rows: np.ndarray, of: np.ndarray) -> np.ndarray:
+        """(rank, group and op) as one value: the loose token mixed with the rank's index."""
+        return loose[rows] ^ (of.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+
+    explained = np.isin(keyed(tail_rows, tail_of), keyed(step_rows, step_of))
+    counted = np.bincount(tail_of[explained], minlength=len(long))
+    keep[long] = 2 * counted >= tail[long]
+    return keep
 
 
 class _Steps:
@@ -404,6 +447,11 @@ class _Steps:
         none = [np.zeros(0, dtype=np.int64)] * 4
         columns = [np.concatenate(c) for c in zip(*parts, strict=True)] if parts else none
         self.block, self.p, self.first, self.end = columns
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Only the ranks ``mask`` keeps repeat a step."""
+        self.block, self.p, self.first, self.end = (
+            self.block[mask], self.p[mask], self.first[mask], self.end[mask])  # fmt: skip
 
     def _one(self, b: int, hint: int | None, try_hint: bool) -> tuple[int, int, int] | None:
         offset, n = int(self.offsets[b]), int(self.sizes[b])
