@@ -58,6 +58,12 @@ def test_real_megatron_gpu_hang_names_the_faulted_ranks(case: str) -> None:
     if case.startswith("gpu_error"):
         assert all("GPU stopped" in g["reason"] for g in verdict["guilty"])
         assert "GPU stopped on rank(s) 12,14" in verdict["headline"]
+        # the stopped ranks wait on their own GPU, not on a rank: said so, not "waiting for -"
+        assert not [e for e in verdict["evidence"] if "waiting for -" in e]
+        assert any(
+            e.startswith("Ranks 12 blocked in") and "no member is behind them" in e
+            for e in verdict["evidence"]
+        ), verdict["evidence"]
 
 
 @pytest.mark.timeout(120)

@@ -400,7 +400,7 @@ class _Wording:
 #
 # An entry is a template or, where the text needs more than the fields below, a function of
 # (wording, blame or note, the name of its point). Template fields, computed when named:
-# where, ranks, others, count, groups, blockers, blockers_60, targets_60, pg_name.
+# where, ranks, others, count, groups, blockers, pg_name.
 
 
 class _Fields(dict):
@@ -415,10 +415,6 @@ class _Fields(dict):
         p, n = self.point, self.n
         if key == "blockers":
             value: object = format_ranks(list(p.blockers)) if p is not None else "-"
-        elif key == "blockers_60":
-            value = format_ranks(list(p.blockers), 60)
-        elif key == "targets_60":
-            value = format_ranks(sorted(p.targets), 60)
         elif key == "pg_name":
             value = p.pg_name
         elif key == "groups":
@@ -581,6 +577,15 @@ def _note_split_pair(w: _Wording, n: Note, where: str) -> str:
     )
 
 
+def _note_blocked(w: _Wording, n: Note, where: str) -> str:
+    p = n.point
+    assert p is not None  # _NEEDS_POINT
+    ranks = format_ranks(list(p.blockers), 60)
+    if not p.targets:  # every member reached the op: a stopped GPU or network, not a rank
+        return f"Ranks {ranks} blocked in {where}; no member is behind them in the records."
+    return f"Ranks {ranks} blocked in {where}, waiting for {format_ranks(sorted(p.targets), 60)}."
+
+
 def _note_host_call(w: _Wording, n: Note, where: str) -> str:
     calls = [w.f.host_calls[r] for r in n.ranks if r in w.f.host_calls]
     return (
@@ -595,7 +600,7 @@ def _note_host_call(w: _Wording, n: Note, where: str) -> str:
 
 
 NOTE_TEXT: dict[NoteKind, str | Callable[[_Wording, Note, str], str]] = {
-    NoteKind.BLOCKED: "Ranks {blockers_60} blocked in {where}, waiting for {targets_60}.",
+    NoteKind.BLOCKED: _note_blocked,
     NoteKind.ALSO_CYCLE: "Also a wait cycle among ranks {ranks} (a cross-group ordering problem).",
     NoteKind.CYCLE_CORE: "Ranks {ranks} wait for each other.",
     NoteKind.WHOLE_CYCLE: "No rank's order differs from its peers' history; blaming the whole "
