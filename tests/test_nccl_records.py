@@ -60,6 +60,9 @@ def test_real_megatron_gpu_hang_names_the_faulted_ranks(case: str) -> None:
         assert "GPU stopped on rank(s) 12,14" in verdict["headline"]
         # the stopped ranks wait on their own GPU, not on a rank: said so, not "waiting for -"
         assert not [e for e in verdict["evidence"] if "waiting for -" in e]
+        action = verdict["action"]
+        assert (action["kind"], action["rule"]) == ("restart", "transient_fault")
+        assert "ranks 12,14 stopped: their GPUs ran no more kernels" in action["reasons"][0]
         assert any(
             e.startswith("Ranks 12 blocked in") and "no member is behind them" in e
             for e in verdict["evidence"]

@@ -109,6 +109,24 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks, 60)}"
 
 
+# what a transient cause did to the rank, in the words of the restart's reason
+_DIED = frozenset({"absent", "gone", "no_dump", "unlisted_member"})
+
+
+def _what_happened(causes: set[str], n: int) -> str:
+    if causes == {"device_stopped"}:
+        return (
+            "stopped: its GPU ran no more kernels"
+            if n == 1
+            else "stopped: their GPUs ran no more kernels"
+        )
+    if causes and causes <= _DIED:
+        return "died or left no record"
+    if causes and not causes & _DIED and "device_stopped" not in causes:
+        return "hung"
+    return "died or hung"
+
+
 def _guilty_hosts(verdict: Verdict) -> list[str]:
     return sorted({g.host for g in verdict.guilty if g.host})
 
@@ -248,13 +266,15 @@ def _restart_or_investigate(verdict: Verdict, causes: Causes, floor: float) -> A
         and (not known_causes or known_causes <= TRANSIENT_CAUSES)
     )
     if transient and verdict.confidence >= floor:
-        hosts = ", ".join(base["hosts"]) or "its host"
+        hosts = ", ".join(base["hosts"]) or ("its host" if len(ranks) == 1 else "their hosts")
         return Action(
             kind="restart",
             rule="transient_fault",
             reasons=[
-                f"a transient fault ({verdict.kind}): {_ranks_text(ranks)} died or hung with no "
-                f"error of its own on record, and nothing counts against {hosts}",
+                f"a transient fault ({verdict.kind}): {_ranks_text(ranks)} "
+                f"{_what_happened(known_causes, len(ranks))}, with no error of "
+                f"{'its' if len(ranks) == 1 else 'their'} own on record, and nothing counts "
+                f"against {hosts}",
                 *device_reasons,
             ],
             missing=device_missing,
