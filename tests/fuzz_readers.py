@@ -1,6 +1,7 @@
 """Fuzz the readers: mutated real dumps must be read or refused, never crash, hang or blow up.
 
-Seeds are real material: PyTorch's own pickles from ``sample_dumps/`` (torch 2.13, Gloo),
+Seeds are real material: PyTorch's own pickles from ``sample_dumps/`` (torch 2.13, Gloo) and
+of ``../shared/real-gpu`` (NCCL on H100s) where present,
 the same dumps as JSON and gzip'd, and frtools black boxes (plain and gzip'd). Hypothesis
 mutates them — byte flips, overwritten integers at boundary values, inserted, deleted and
 duplicated ranges (a duplicated range repeats memo references and structure), truncation;
@@ -43,6 +44,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+REAL_GPU = REPO.parent / "shared" / "real-gpu" / "nvrx"
 PER_INPUT_SECONDS = 5.0
 MEMORY_CAP = 1 << 30
 
@@ -61,6 +63,10 @@ def seeds() -> list[Seed]:
     pickles = sorted((REPO / "sample_dumps").glob("*/rank_*.pkl"))
     for path in pickles[::3]:
         out.append(Seed(f"{path.parent.name}_rank_{path.stem[5:]}.pkl", path.read_bytes()))
+    # real NCCL dumps (H100 Megatron MoE, pickle format 2.9: pg_config, pg_status, frames,
+    # CUDA timings) where this checkout sits beside them
+    for path in sorted(REAL_GPU.glob("*/_dump_1[24]")):
+        out.append(Seed(f"{path.parent.name}{path.name}.pkl", path.read_bytes()))
     with open(REPO / "sample_dumps" / "missing" / "rank_2.pkl", "rb") as f:
         dump = pickle.load(f)
     text = json.dumps(dump).encode()

@@ -92,6 +92,25 @@ def test_memo_index_beyond_the_input_is_refused(tmp_path: Path, path_kind: str) 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("path_kind", sorted(PICKLE_PATHS))
+def test_frame_inside_a_frame_is_refused_as_corrupt(tmp_path: Path, path_kind: str) -> None:
+    """A protocol-4 dump with a copy of its start inside its first frame (what the fuzzer
+    made of one by duplicating a range; CPython's C unpickler answered that one with a
+    MemoryError at once, which read as "too large to load (out of memory)"): refused by the
+    scan as the corrupt pickle it is, before the unpickler sees it."""
+    import pickletools
+
+    valid_dump(tmp_path, 1)
+    data = pickle.dumps(pickle.loads((SAMPLES / "missing" / "rank_2.pkl").read_bytes()), 4)
+    assert data[2] == 0x95  # FRAME, after PROTO 4
+    at = [pos for _, _, pos in pickletools.genops(data)][40]  # an opcode in the first frame
+    (tmp_path / "rank_0.pkl").write_bytes(data[:at] + data[:at] + data[at:])
+    result = _load(tmp_path, path_kind)
+    _refused(result, "rank_0.pkl", "corrupt pickle: a frame begins inside another frame")
+    assert result["ranks"] == [1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path_kind", sorted(PICKLE_PATHS))
 def test_shared_references_count_for_what_they_expand_to(tmp_path: Path, path_kind: str) -> None:
     """60 KB whose input_sizes is one 15,000-int list 15,000 times (pickle memo sharing):
     2.4 GB and exit 0 before; both the native parser and the Python unpickler count it."""

@@ -113,12 +113,16 @@ _DICTS = frozenset(b"}d\x8f\x91")
 # opcodes that build a str or bytes object (CPython: ~50 bytes + its length)
 _STRINGS = frozenset(b"STUVXBC\x8c\x8d\x8e\x96")
 STOP = ord(".")
+FRAME = 0x95
 # per opcode, for the scan's fast path: the size of its argument when it is fixed and
 # nothing about it is counted, else -1 (a container, STOP, LONG_BINPUT, PUT, a line or a
 # counted length). BINPUT's index (< 256) can size no memo worth counting.
 _STEP = [
     -1
-    if a is None or a < 0 or (a == 0 and (code in _CONTAINERS or code == STOP)) or code == ord("r")
+    if a is None
+    or a < 0
+    or (a == 0 and (code in _CONTAINERS or code == STOP))
+    or code in (ord("r"), FRAME)
     else a
     for code, a in enumerate(_ARG)
 ]
@@ -156,12 +160,13 @@ def _truncated() -> RefusedPickle:
 def scan(data: bytes, limit: limits.Limits | None = None, stored: int | None = None) -> int:
     """Walk the opcodes of ``data`` up to STOP without building anything; returns the
     estimate of what loading it takes. ``RefusedPickle`` for a memo index beyond the input,
-    a length beyond the end, or an estimate beyond ``parsed_bytes``. An opcode the scan does
+    a length beyond the end, a frame inside a frame (CPython's C unpickler answers one with
+    a MemoryError), or an estimate beyond ``parsed_bytes``. An opcode the scan does
     not know, or bytes ending without STOP, are left to the unpickler (it reports them)."""
     lim = limit or limits.current()
     n = len(data)
     cap = lim.parsed_cap(n if stored is None else stored)
-    i = ops = objects = dicts = memo_top = 0
+    i = ops = objects = dicts = memo_top = frame_end = 0
     step_of = _STEP
     arg = _ARG
     find = data.find
@@ -182,11 +187,19 @@ def scan(data: bytes, limit: limits.Limits | None = None, stored: int | None = N
                 break
             objects += 1  # a container
             dicts += op in _DICTS
-        elif a > 0:  # LONG_BINPUT
+        elif a > 0:  # LONG_BINPUT or FRAME
             if i + a > n:
                 raise _truncated()
-            memo_top = _memo(from_bytes(data[i : i + a], "little"), memo_top, n)
+            value = from_bytes(data[i : i + a], "little")
             i += a
+            if op != FRAME:
+                memo_top = _memo(value, memo_top, n)
+            elif i < frame_end:  # as the native parser: a frame starts where one ended
+                raise RefusedPickle("corrupt pickle: a frame begins inside another frame")
+            elif value > n - i:
+                raise _truncated()
+            else:
+                frame_end = i + value
         elif a == -1 or a == -2:
             end = find(b"\n", i)
             if a == -2 and end >= 0:
