@@ -26,8 +26,10 @@ from frtools.analyze.readers import load_trace
 from frtools.formats.torch_fr.normalize import normalize
 
 # Incarnation 1: rank 2 skips the 4th all_reduce of group 1 (ranks 0 and 1 leave it
-# unfinished). Every rank destroys its groups and initializes again (a new store). In
-# incarnation 2, rank 0 skips the 3rd all_reduce of the new group 1: ranks 1 and 2 wait.
+# unfinished), and rank 1 an all_reduce of group 2 (ranks 0 and 1), which rank 0 leaves
+# unfinished. Every rank destroys its groups and initializes again (a new store), creating
+# group 1 again but not group 2. In incarnation 2, rank 0 skips the 3rd all_reduce of the
+# new group 1: ranks 1 and 2 wait.
 JOB = textwrap.dedent(
     """
     import datetime, os, sys, time, torch, torch.distributed as dist
@@ -41,9 +43,12 @@ JOB = textwrap.dedent(
 
     x = torch.ones(4)
     group = init(1)
+    pair = dist.new_group([0, 1])
     for _ in range(3):
         dist.all_reduce(x, group=group)
     pending = [dist.all_reduce(x.clone(), group=group, async_op=True)] if rank != 2 else []
+    if rank == 0:
+        pending.append(dist.all_reduce(x.clone(), group=pair, async_op=True))
     time.sleep(1)
     dist.destroy_process_group()
 
@@ -145,6 +150,8 @@ def test_after_an_in_process_restart_the_verdict_is_the_new_incarnations(
     assert "process group 1 was created again in this process" in notes[0]
     assert "4 entries of the destroyed instance left out" in notes[0]
     assert "3 entries of the destroyed instance left out" in notes[2]
+    # group 2 was not created again: its unfinished op ended with the first incarnation
+    assert "process group 2 ended at an in-process restart" in notes[0], notes[0]
 
 
 @pytest.mark.timeout(240)
@@ -160,6 +167,8 @@ def test_the_black_box_tells_the_instances_apart_by_row(tmp_path: Path) -> None:
     notes = " ".join(i.get("reason") or "" for i in got["inputs"] if i.get("rank") == 1)
     assert "process group 1 was created again in this process (table rows" in notes
     assert "4 entries of the destroyed instance left out" in notes
+    notes = " ".join(i.get("reason") or "" for i in got["inputs"] if i.get("rank") == 0)
+    assert "process group 2 ended at an in-process restart (every op from table row" in notes
 
 
 @pytest.mark.timeout(240)
@@ -174,6 +183,13 @@ def test_the_destroyed_instance_leaves_neither_entries_nor_counters(restarted: P
     ):
         seqs.setdefault(rank, []).append(seq)
     assert seqs == {0: [1, 2], 1: [1, 2, 3], 2: [1, 2, 3]}
+    # rank 0's unfinished op on group 2, which the new incarnation did not create again: in
+    # its dump, not in the trace, nor its counters
+    raw = pickle.loads((restarted / "pkl" / "nccl_trace_rank_0").read_bytes())
+    pair = [e for e in raw["entries"] if e["process_group"][0] == "2"]
+    assert [e["state"] for e in pair] == ["scheduled"], raw["entries"]
+    assert "2" not in set(trace.entries.column("pg_name").to_pylist())
+    assert "2" not in trace.ranks[0].pg_status
     raw = pickle.loads((restarted / "pkl" / "nccl_trace_rank_1").read_bytes())
     new_uid = max(e["pg_id"] for e in raw["entries"] if e["process_group"][0] == "1")
     newest = {k: v for k, v in raw["pg_status"][str(new_uid)].items() if v >= 0}

@@ -209,6 +209,50 @@ def replaced_instances_note(
     )
 
 
+def restart_cut(spans: Sequence[tuple[int, int, int]], low: int, high: int) -> int | None:
+    """Where an in-process restart split a record's process-group instances, if it split
+    all of them: the largest instance number ``u`` (a uid, a table row: they grow in
+    creation order) with ``low < u <= high`` such that every instance numbered below ``u``
+    ended before any numbered ``u`` or above began; None where no ``u`` does. (Groups used
+    one after another split a record too: the largest split is taken, so the earlier
+    incarnation is all on its early side, with any group of the new one created before the
+    first replacing instance and done before that one began.)
+
+    ``spans``: each instance's (number, first, last) position among the records; ``low``:
+    the newest instance a later one of its name replaced, ``high``: the oldest of those
+    replacing ones. A restart destroys every group and creates the ones it needs again: the
+    groups of the earlier incarnation that the new one did not create again (or whose new
+    instance has no record yet) ended there too, and ops pending on them block nothing. A
+    group that lives through (one destroyed and created again on its own, the rest kept)
+    has records on both sides, and no ``u`` splits them."""
+    ordered = sorted(spans)
+    n = len(ordered)
+    ends_before = [-1] * (n + 1)  # the last record of the instances before each index
+    for i, (_, _, last) in enumerate(ordered):
+        ends_before[i + 1] = max(ends_before[i], last)
+    starts_from = [float("inf")] * (n + 1)  # the first record of those from each index on
+    for i in range(n - 1, -1, -1):
+        starts_from[i] = min(starts_from[i + 1], ordered[i][1])
+    cut = None
+    for i, (number, _, _) in enumerate(ordered):
+        if low < number <= high and ends_before[i] < starts_from[i]:
+            cut = number
+    return cut
+
+
+def earlier_incarnation_note(names: Sequence[str], label: str, cut: str, entries: int) -> str:
+    """The note on a record whose groups ``names`` (bounded) ended at an in-process restart
+    without a later instance of theirs on record: ``entries`` left out."""
+    named = ", ".join(n[:64] for n in names[:_NAMED_INSTANCES])
+    if len(names) > _NAMED_INSTANCES:
+        named += f" and {len(names) - _NAMED_INSTANCES} more"
+    return (
+        f"process group{'s' if len(names) > 1 else ''} {named} ended at an in-process restart "
+        f"(every op from {label} {cut[:24]} on is on groups created after it): {entries} "
+        f"entr{'y' if entries == 1 else 'ies'} of the earlier incarnation left out"
+    )
+
+
 @dataclass
 class RankInfo:
     """Identity and provenance of one global rank's record."""

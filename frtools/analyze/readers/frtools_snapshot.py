@@ -34,9 +34,11 @@ from frtools.model.trace import (
     MAX_REPLACED_NOTES,
     ProcessGroup,
     RankInfo,
+    earlier_incarnation_note,
     is_default,
     is_user_frame,
     replaced_instances_note,
+    restart_cut,
 )
 
 from .base import DumpError, RankDump, rank_from_filename
@@ -144,7 +146,7 @@ def snapshot_to_rank_dump(snap: Snapshot, source: str) -> RankDump:
 def _rank_dump_of(snap: Snapshot, source: str) -> tuple[RankDump, _BoxColumns | None]:
     """The snapshot's RankDump, its ``entries`` None, and its entries as columns (None:
     it holds none)."""
-    snap, replaced = _newest_instances(snap)
+    snap, replaced, ended = _newest_instances(snap)
     ident = snap.identity
     header = snap.header
     notes = list(snap.notes) + replaced
@@ -188,6 +190,7 @@ def _rank_dump_of(snap: Snapshot, source: str) -> tuple[RankDump, _BoxColumns | 
                 "last_completed_collective": g.last_completed_collective,
             }
             for g in groups
+            if g.index not in ended
         },
         dump_time_ns=heartbeat,
         stalled=bool(header["stalled"]) if watchdog_ran else None,
@@ -223,9 +226,11 @@ def _rank_dump_of(snap: Snapshot, source: str) -> tuple[RankDump, _BoxColumns | 
     return dump, _columns(snap, rank, backend, len(groups))
 
 
-def _newest_instances(snap: Snapshot) -> tuple[Snapshot, list[str]]:
+def _newest_instances(snap: Snapshot) -> tuple[Snapshot, list[str], set[int]]:
     """The snapshot without the ops of process-group instances that a later one of their
-    name replaced, and a note per name.
+    name replaced, a note per name, and the rows that ended at the restart without a later
+    row of their name (``model.trace.restart_cut``: their ops are left out too, and their
+    counters are not read).
 
     A job that destroys its groups and initializes again in the same process (an in-process
     restart) gets the same group names again; the recorder gives each new instance a row of
@@ -234,13 +239,14 @@ def _newest_instances(snap: Snapshot) -> tuple[Snapshot, list[str]]:
     the later row's come last in the name's maps.)"""
     groups = snap.groups
     if len({g.name for g in groups}) == len(groups):
-        return snap, []
+        return snap, [], set()
     rows: dict[str, list[int]] = {}  # name -> its rows, oldest first
     for g in groups:
         rows.setdefault(g.name, []).append(g.index)
     old = {name: r[:-1] for name, r in rows.items() if len(r) > 1}
     pg = snap.slots["pg"]
-    gone = np.isin(pg, [i for r in old.values() for i in r])
+    replaced = [i for r in old.values() for i in r]
+    gone = np.isin(pg, replaced)
     notes = [
         replaced_instances_note(
             name,
@@ -251,7 +257,25 @@ def _newest_instances(snap: Snapshot) -> tuple[Snapshot, list[str]]:
         )
         for name, r in sorted(old.items())[:MAX_REPLACED_NOTES]
     ]
-    return replace(snap, slots=snap.slots[~gone]), notes
+    # the rows that ended at the restart with no later row of their name (a group the new
+    # incarnation did not create again): rows are numbered in creation order
+    used, at = np.unique(pg, return_index=True)
+    _, from_end = np.unique(pg[::-1], return_index=True)
+    spans = [
+        span
+        for span in zip(used.tolist(), at.tolist(), (len(pg) - 1 - from_end).tolist(), strict=True)
+        if 0 <= span[0] < len(groups)  # an op on no row of the table is on no instance
+    ]
+    cut = restart_cut(spans, max(replaced), min(r[-1] for r in rows.values() if len(r) > 1))
+    ended: set[int] = set()
+    if cut is not None:
+        ended = {i for i, _, _ in spans if i < cut} - set(replaced)
+    if ended:
+        theirs = np.isin(pg, list(ended))
+        gone |= theirs
+        names = sorted({groups[i].name for i in ended})
+        notes.append(earlier_incarnation_note(names, "table row", str(cut), int(theirs.sum())))
+    return replace(snap, slots=snap.slots[~gone]), notes, ended
 
 
 def all_ranks_of(name: str, desc: str, ranks: tuple[int, ...], world: int | None) -> bool:

@@ -34,9 +34,11 @@ from frtools.model.trace import (
     MAX_REPLACED_NOTES,
     ProcessGroup,
     call_site,
+    earlier_incarnation_note,
     format_frame,
     is_default,
     replaced_instances_note,
+    restart_cut,
     sizes_key,
 )
 
@@ -724,11 +726,16 @@ def replaced_instances(names: Sequence[str], pg_ids: Sequence[Any]) -> Replaced:
     }
     if not gone:
         return Replaced()
+    ended, cut = _ended_with_restart(first, last, gone, by_name)
     rows = [
-        uid is not None and (name, str(uid)) in gone
+        uid is not None and ((name, str(uid)) in gone or (name, str(uid)) in ended)
         for name, uid in zip(names, pg_ids, strict=True)
     ]
-    left_out = Counter(name for name, r in zip(names, rows, strict=True) if r)
+    left_out = Counter(
+        name
+        for name, uid, r in zip(names, pg_ids, rows, strict=True)
+        if r and (name, str(uid)) in gone
+    )
     notes = [
         replaced_instances_note(
             name,
@@ -739,7 +746,30 @@ def replaced_instances(names: Sequence[str], pg_ids: Sequence[Any]) -> Replaced:
         )
         for name in sorted(left_out)[:MAX_REPLACED_NOTES]
     ]
-    return Replaced(rows, {uid for _, uid in gone}, notes)
+    if ended:
+        entries = sum(rows) - sum(left_out.values())
+        notes.append(earlier_incarnation_note(sorted({n for n, _ in ended}), "pg_id", cut, entries))
+    return Replaced(rows, {uid for _, uid in gone | ended}, notes)
+
+
+def _ended_with_restart(
+    first: dict[tuple[str, str], int],
+    last: dict[tuple[str, str], int],
+    gone: set[tuple[str, str]],
+    by_name: dict[str, list[tuple[int, str]]],
+) -> tuple[set[tuple[str, str]], str]:
+    """The instances that ended at the restart without a later instance of their name on
+    record (``model.trace.restart_cut``: uids grow in creation order), and the first uid
+    after it; none where the uids are not all numbers or no uid splits the record."""
+    if not all(uid.isdigit() and len(uid) < 19 for _, uid in first):
+        return set(), ""
+    spans = [(int(uid), i, last[(name, uid)]) for (name, uid), i in first.items()]
+    low = max(int(uid) for _, uid in gone)
+    high = min(int(by_name[name][-1][1]) for name, _ in gone)
+    cut = restart_cut(spans, low, high)
+    if cut is None:
+        return set(), ""
+    return {key for key in first if int(key[1]) < cut and key not in gone}, str(cut)
 
 
 def _entry_columns(
