@@ -244,3 +244,54 @@ def test_a_dump_naming_thousands_of_instances_is_read_in_bounded_time_and_words(
     replaced = [n for n in dump.notes if "created again" in n]
     assert len(replaced) == 8 and all(len(n) < 300 for n in replaced), replaced
     assert "pg_id 0, 1, 2, 3 and 5 more then 9): 9 entries" in replaced[0], replaced[0]
+
+
+REAL_GPU = Path(__file__).resolve().parents[2] / "shared" / "real-gpu" / "nvrx"
+
+
+def _second_incarnation(folder: Path, keep: int, out: Path, with_first: bool) -> Path:
+    """Each rank's dump of ``folder`` as a second incarnation: the last ``keep`` entries of
+    its ring under new uids (the new communicators), appended to the whole first one when
+    ``with_first`` (what one buffer holds after an in-process restart)."""
+    out.mkdir()
+    for path in folder.glob("_dump_*"):
+        first = pickle.loads(path.read_bytes())
+        entries, shift = first["entries"], 1000
+        if not entries:  # a rank that recorded nothing (lock_gil_1st's rank 9)
+            (out / path.name).write_bytes(path.read_bytes())
+            continue
+        second = [dict(e, pg_id=e["pg_id"] + shift) for e in entries[-keep:]]
+        later = max(e["time_created_ns"] for e in entries) + 10**9
+        gap = later - min(e["time_created_ns"] for e in second)
+        after = max(e["record_id"] for e in entries) + 1 - second[0]["record_id"]
+        for e in second:
+            e["time_created_ns"] += gap
+            e["record_id"] += after
+        status = {str(int(uid) + shift): v for uid, v in first["pg_status"].items()}
+        dump = dict(first, entries=second, pg_status=status)
+        if with_first:
+            dump.update(entries=entries + second, pg_status={**first["pg_status"], **status})
+        (out / path.name).write_bytes(pickle.dumps(dump))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["gpu_error_1st", "lock_gil_1st"])
+def test_real_gpu_rings_after_a_restart_give_the_second_incarnations_verdict(
+    case: str, tmp_path: Path
+) -> None:
+    """The real Megatron MoE dumps as the first incarnation, with a second one in the same
+    buffers whose 6-entry rings hold only a few of the groups again: the first incarnation's
+    pending ops on the other groups end with it, and the verdict is the one of the second
+    incarnation's dumps alone (before: the first incarnation's GPU stop, or its missing ranks)."""
+    if not (REAL_GPU / case).is_dir():
+        pytest.skip("the real GPU dumps are not beside this checkout")
+    alone = _analyze(_second_incarnation(REAL_GPU / case, 6, tmp_path / "alone", False))
+    both = _analyze(_second_incarnation(REAL_GPU / case, 6, tmp_path / "both", True))
+
+    def key(doc: dict) -> tuple:
+        v = doc["verdict"]
+        return v["kind"], [g["rank"] for g in v["guilty"]], v["process_group"], v["op"]
+
+    assert key(both) == key(alone), (both["verdict"]["headline"], alone["verdict"]["headline"])
+    assert any("ended at an in-process restart" in (i.get("reason") or "") for i in both["inputs"])
