@@ -9,6 +9,7 @@ import json
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -282,3 +283,33 @@ def test_hook_entries_retired_at_issue_do_not_pass_for_completed(tmp_path: Path)
     assert set(trace.entries["retired"].to_pylist()) == {None}
     v = diagnose(trace)
     assert (v.kind, [g.rank for g in v.guilty]) == ("missing", [3]), v.headline
+
+
+@pytest.mark.timeout(120)
+def test_a_dump_of_an_earlier_run_in_the_folder_is_set_aside(tmp_path: Path) -> None:
+    """A folder that kept an older job's dump of rank 3 (lock_gil_1st's, recorded 8 h before
+    gpu_error_1st): aligned with this run's records, its counters made ranks 0, 1, 8 and 9
+    "GPUs that stopped". Its newest op and its file are hours older than the others': it is
+    set aside, named, and the verdict is this run's. A file as new as the others (copied
+    without its time) is used as before: the op times alone do not set a record aside."""
+    import os
+    import shutil
+
+    if not (REAL_GPU / "gpu_error_1st").is_dir():
+        pytest.skip("the shared real-GPU dumps are absent")
+    folder = _without(REAL_GPU / "gpu_error_1st", [3], tmp_path)
+    shutil.copyfile(REAL_GPU / "lock_gil_1st" / "_dump_3", folder / "_dump_3")
+    doc = _analyze(folder)
+    status = {Path(i["path"]).name: i for i in doc["inputs"]}["_dump_3"]
+    assert status["status"] == "ok", status
+
+    eight_hours_ago = time.time() - 8 * 3600
+    os.utime(folder / "_dump_3", (eight_hours_ago, eight_hours_ago))
+    doc = _analyze(folder)
+    verdict = doc["verdict"]
+    assert (verdict["kind"], sorted(g["rank"] for g in verdict["guilty"])) == ("stuck", [12, 14])
+    status = {Path(i["path"]).name: i for i in doc["inputs"]}["_dump_3"]
+    assert status["status"] == "skipped", status
+    assert status["reason"].startswith(
+        "a dump of an earlier run or attempt: its newest op is 8.1 h"
+    )

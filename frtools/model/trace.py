@@ -299,7 +299,8 @@ class RankInfo:
 
 @dataclass
 class InputFile:
-    """One file the readers looked at: ``ok``, ``skipped`` (not a dump), ``error``
+    """One file the readers looked at: ``ok``, ``skipped`` (not a dump, or a dump of an
+    earlier run), ``error``
     (a dump that could not be used: truncated, corrupt, refused), ``duplicate`` (an older
     dump of a rank that has a newer one)."""
 

@@ -22,7 +22,7 @@ from frtools.model.trace import InputFile, Trace, concat_entries
 
 from .base import RankDump
 from .files import FileResult, files_under, no_cyclic_gc, read_file
-from .merge import add_reason, choose, concat_dumps, map_peers
+from .merge import add_reason, choose, concat_dumps, map_peers, set_aside_earlier_runs
 from .parallel import (  # noqa: F401 - the spool's two: tests reach them here
     Spans,
     _read_chunk_to_spool,
@@ -66,6 +66,7 @@ def _read_rank_dumps(
         )
 
     chosen, kept_inputs = choose(results, spans)
+    set_aside_earlier_runs(chosen, kept_inputs)
     return inputs, chosen, kept_inputs
 
 

@@ -9,10 +9,12 @@ membership is known (``frtools.analyze.membership``).
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -184,6 +186,61 @@ def choose(
         else:
             add_reason(r.input, f"ranks {format_ranks(ranks)}: newer or fuller records used")
     return chosen, kept_inputs
+
+
+# A record whose newest op, and whose file, are this much older than the other ranks' is of
+# an earlier run or attempt (a torchrun restart, a folder that kept an old job's dumps): a
+# job's ranks stop issuing within a step of each other when it hangs, and dump within
+# minutes of each other, while an attempt's dumps are written at least a collective timeout
+# (10 minutes by default) after the one before.
+EARLIER_RUN_NS = 15 * 60 * 1_000_000_000
+
+
+def set_aside_earlier_runs(chosen: dict[int, RankDump], kept_inputs: dict[int, InputFile]) -> None:
+    """Take out of ``chosen`` the records of an earlier run (``EARLIER_RUN_NS``), each file
+    marked ``skipped`` with the reason: aligned with this run's, their counters and seqs
+    read as GPUs that stopped or ops never issued. Only for records without a heartbeat
+    (PyTorch's dumps: the black box's heartbeat says how old it is, ``diagnosis.facts``) and
+    in files of one rank; both the newest op and the file's modification time must be old
+    (a rank that is idle for a long while in a job of two roles still dumps with the rest)."""
+    newest = {
+        r: d.max_time_created_ns
+        for r, d in chosen.items()
+        if d.max_time_created_ns and d.rank_info.last_heartbeat_ns is None
+    }
+    if len(newest) < 3:
+        return
+    typical = float(np.median(np.fromiter(newest.values(), dtype=np.float64)))
+    suspects = [r for r, t in newest.items() if t < typical - EARLIER_RUN_NS]
+    if not suspects:
+        return
+    written = {}
+    for r in newest:
+        try:
+            written[r] = os.stat(kept_inputs[r].path).st_mtime_ns
+        except (OSError, KeyError):
+            continue
+    if len(written) < 3:
+        return
+    usual = float(np.median(np.fromiter(written.values(), dtype=np.float64)))
+    shared = defaultdict(int)
+    for r in chosen:
+        shared[id(kept_inputs.get(r))] += 1
+    for r in suspects:
+        info = kept_inputs.get(r)
+        if info is None or shared[id(info)] > 1 or written.get(r, usual) > usual - EARLIER_RUN_NS:
+            continue
+        del chosen[r], kept_inputs[r]
+        info.status = "skipped"
+        info.reason = (
+            f"a dump of an earlier run or attempt: its newest op is {_age(typical - newest[r])} "
+            f"older than the other ranks', and the file {_age(usual - written[r])} older; not used"
+        )
+
+
+def _age(ns: float) -> str:
+    minutes = ns / 60e9
+    return f"{minutes / 60:.1f} h" if minutes >= 90 else f"{minutes:.0f} min"
 
 
 def add_reason(info: InputFile, reason: str) -> None:
