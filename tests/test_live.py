@@ -440,7 +440,7 @@ def test_a_hostile_box_is_named_and_the_others_still_shown(tmp_path: Path) -> No
 
     job = tmp_path / "rec" / "j"
     job.mkdir(parents=True)
-    (job / "rank_0.frt").write_bytes(b"\x00" * 8192)
+    (job / "rank_0.frt").write_bytes(b"\xff" * 8192)
     (job / "rank_1.frt").write_bytes(valid_snapshot(rank=1, world=2))
     proc = frtools("top", "--once", "--dir", str(tmp_path / "rec"))
     assert proc.returncode == 0, proc.stderr

@@ -192,6 +192,9 @@ def test_damaged_snapshots_give_one_line_reasons(hung_job, tmp_path):
     with pytest.raises(DumpError, match="unsupported frtools snapshot version 99"):
         reader.read(future)
     with pytest.raises(SnapshotError, match="bad magic"):
+        read_snapshot(b"PK\3\4" + b"\0" * 8188)
+    # a box the recorder has created and sized but not yet written its header to
+    with pytest.raises(SnapshotError, match=r"incomplete \(file being created\?\)"):
         read_snapshot(b"\0" * 8192)
     proc = subprocess.run(
         [sys.executable, "-m", "frtools", "analyze", str(tmp_path)],

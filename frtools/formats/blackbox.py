@@ -621,7 +621,9 @@ def _decode_string(blob: bytes, sid: int, max_bytes: int | None = None) -> str:
 
 def _parse_header(buf: bytes | memoryview, size: int) -> dict[str, Any]:
     if size < _HEADER.size or bytes(buf[:8]) != MAGIC:
-        if size >= 8 and bytes(buf[:6]) == MAGIC[:6]:
+        # the recorder creates the file, sizes it, then writes the header: a reader may come
+        # between (zeros where the header goes)
+        if size >= 8 and (bytes(buf[:6]) == MAGIC[:6] or not any(buf[: min(size, 64)])):
             raise SnapshotError("frtools snapshot header is incomplete (file being created?)")
         raise SnapshotError("not an frtools snapshot (bad magic)")
     header = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(buf, 0), strict=True))
