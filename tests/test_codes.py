@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from frtools.model.codes import among, dense_unique, join_dictionaries
+from frtools.model.codes import among, dense_unique, join_dictionaries, ranges
 
 
 @pytest.mark.parametrize("dtype", [np.uint32, np.int16, np.int64])
@@ -56,6 +56,13 @@ def _arrow_join(parts: list) -> pa.ChunkedArray:
         rows = [None if n else values[i] for i, n in zip(indices, null, strict=True)]
         arrays.append(pa.array(rows, type=pa.string()).dictionary_encode())
     return pa.chunked_array(arrays).unify_dictionaries()
+
+
+def test_ranges_are_the_aranges_laid_end_to_end() -> None:
+    starts, counts = np.array([5, 0, 9, 2]), np.array([3, 0, 1, 2])
+    expected = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, counts, strict=True)])
+    assert ranges(starts, counts).tolist() == expected.tolist() == [5, 6, 7, 9, 2, 3]
+    assert ranges(np.array([], dtype=np.int64), np.array([], dtype=np.int64)).tolist() == []
 
 
 def test_joined_dictionaries_decode_as_arrows_join_in_its_order() -> None:

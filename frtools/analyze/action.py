@@ -122,7 +122,7 @@ def _what_happened(causes: set[str], n: int) -> str:
         )
     if causes and causes <= _DIED:
         return "died or left no record"
-    if causes and not causes & _DIED and "device_stopped" not in causes:
+    if causes and causes.isdisjoint(_DIED | {"device_stopped"}):
         return "hung"
     return "died or hung"
 
@@ -266,15 +266,15 @@ def _restart_or_investigate(verdict: Verdict, causes: Causes, floor: float) -> A
         and (not known_causes or known_causes <= TRANSIENT_CAUSES)
     )
     if transient and verdict.confidence >= floor:
-        hosts = ", ".join(base["hosts"]) or ("its host" if len(ranks) == 1 else "their hosts")
+        its = "its" if len(ranks) == 1 else "their"
+        hosts = ", ".join(base["hosts"]) or f"{its} host{'s' if len(ranks) > 1 else ''}"
         return Action(
             kind="restart",
             rule="transient_fault",
             reasons=[
                 f"a transient fault ({verdict.kind}): {_ranks_text(ranks)} "
-                f"{_what_happened(known_causes, len(ranks))}, with no error of "
-                f"{'its' if len(ranks) == 1 else 'their'} own on record, and nothing counts "
-                f"against {hosts}",
+                f"{_what_happened(known_causes, len(ranks))}, with no error of {its} own on "
+                f"record, and nothing counts against {hosts}",
                 *device_reasons,
             ],
             missing=device_missing,

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from frtools.model.codes import ranges
 from frtools.model.ops import OpFamily, family_of
 from frtools.model.trace import Trace
 
@@ -211,8 +212,7 @@ def _rank_blocks(ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray 
     sizes = ends - kept
     if order is None and (kept == starts).all():
         return ranks[starts], sizes, None
-    before = np.cumsum(sizes) - sizes  # where each rank's kept rows start among them
-    rows = np.repeat(kept - before, sizes) + np.arange(int(sizes.sum()))
+    rows = ranges(kept, sizes)
     return ranks[starts], sizes, rows if order is None else order[rows]
 
 
@@ -394,13 +394,9 @@ def _loops(steps: _Steps, loose: np.ndarray, offsets: np.ndarray, sizes: np.ndar
     if not long.size:
         return keep
 
-    def rows(begin: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The rows ``begin[j] .. begin[j] + count[j]`` of every ``j``, and each one's ``j``."""
-        owner = np.repeat(np.arange(len(count)), count)
-        return np.repeat(begin - (np.cumsum(count) - count), count) + np.arange(len(owner)), owner
-
-    step_rows, step_of = rows(first[long], steps.p[long])
-    tail_rows, tail_of = rows(start[long], tail[long])
+    owners = np.arange(len(long))
+    step_rows, step_of = ranges(first[long], steps.p[long]), np.repeat(owners, steps.p[long])
+    tail_rows, tail_of = ranges(start[long], tail[long]), np.repeat(owners, tail[long])
 
     def keyed(rows: np.ndarray, of: np.ndarray) -> np.ndarray:
         """(rank, group and op) as one value: the loose token mixed with the rank's index."""

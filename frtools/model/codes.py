@@ -30,6 +30,16 @@ def dense_unique(values: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]
     return uniq, number[values]
 
 
+def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``starts[j] .. starts[j] + counts[j] - 1`` for every ``j``, one after another, as one
+    int64 array (one repeat and one add, not an ``arange`` per range)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    before = np.cumsum(counts) - counts  # where each range starts in the result
+    return np.repeat(np.asarray(starts, dtype=np.int64) - before, counts) + np.arange(
+        int(counts.sum())
+    )
+
+
 def among(values: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     """``np.isin(values, wanted)`` for ints: a flag per value where they are non-negative
     and below ``4 * len(values) + 1024`` (one gather over millions of rows), else np.isin."""

@@ -727,8 +727,9 @@ def replaced_instances(names: Sequence[str], pg_ids: Sequence[Any]) -> Replaced:
     if not gone:
         return Replaced()
     ended, cut = _ended_with_restart(first, last, gone, by_name)
+    dropped = gone | ended
     rows = [
-        uid is not None and ((name, str(uid)) in gone or (name, str(uid)) in ended)
+        uid is not None and (name, str(uid)) in dropped
         for name, uid in zip(names, pg_ids, strict=True)
     ]
     left_out = Counter(
@@ -749,7 +750,7 @@ def replaced_instances(names: Sequence[str], pg_ids: Sequence[Any]) -> Replaced:
     if ended:
         entries = sum(rows) - sum(left_out.values())
         notes.append(earlier_incarnation_note(sorted({n for n, _ in ended}), "pg_id", cut, entries))
-    return Replaced(rows, {uid for _, uid in gone | ended}, notes)
+    return Replaced(rows, {uid for _, uid in dropped}, notes)
 
 
 def _ended_with_restart(
