@@ -3,6 +3,8 @@ each rule of the module alone, without the wait-for graph."""
 
 from __future__ import annotations
 
+import pytest
+
 from frtools.analyze.align import align
 from frtools.analyze.diagnosis.completion import effective_completion, quitters
 from frtools.analyze.diagnosis.facts import JobFacts, gather_facts
@@ -20,18 +22,28 @@ def _facts(
     *,
     gone: tuple[int, ...] = (),
     gloo: bool = False,
+    engine: str = "",
     world: int = 3,
 ) -> JobFacts:
     """One group "0" of ``world`` ranks; ``ops``: rank -> [(seq, outcome)] with outcome
     "completed" / "pending" (NCCL-style states) or, with ``gloo``, PyTorch FR's retired flag
-    ("completed": retired) on "scheduled" entries; ``gone``: processes known ended."""
+    ("completed": retired) on "scheduled" entries; ``engine``: the profiling names' prefix
+    (default: gloo with ``gloo``, else nccl); ``gone``: processes known ended."""
+    engine = engine or ("gloo" if gloo else "nccl")
     rows = []
     ranks = {}
     for rank, mine in ops.items():
         for k, (seq, outcome) in enumerate(mine):
             done = outcome == "completed"
             state = "scheduled" if gloo else ("completed" if done else "started")
-            row = dict(rank=rank, record_id=k, collective_seq_id=seq, state=state, retired=done)
+            row = dict(
+                rank=rank,
+                record_id=k,
+                collective_seq_id=seq,
+                state=state,
+                retired=done,
+                profiling_name=f"{engine}:all_reduce",
+            )
             rows.append({**_ALL_REDUCE, **row, "time_created_ns": (10 * seq + rank) * MS})
         info = RankInfo(rank=rank, host="node0", pid=100 + rank, local_rank=rank)
         info.device = f"cuda:{rank}"
@@ -105,6 +117,33 @@ def test_pending_op_every_member_issued_on_gloo_passed() -> None:
     )
     read = _read(facts)
     assert read[(0, 2)] and read[(1, 2)]
+
+
+@pytest.mark.parametrize("engine", ["nccl", "nccl2"])
+def test_nccl_retired_flags_infer_nothing_from_issue_order(engine: str) -> None:
+    """The same retired flags (no timing: states stay "scheduled") from an NCCL engine: its
+    groups' ops run on GPU streams, not in turn on the CPU, and one every member issued may
+    wait behind a member's GPU stuck elsewhere. Rank 1's seq 1 and every rank's seq 3 stay
+    pending."""
+    facts = _facts(
+        {
+            0: [(1, "completed"), (2, "completed"), (3, "pending")],
+            1: [(1, "pending"), (2, "completed"), (3, "pending")],
+            2: [(1, "completed"), (2, "completed"), (3, "pending")],
+        },
+        gloo=True,
+        engine=engine,
+    )
+    read = _read(facts)
+    assert read[(1, 1)] is False
+    assert [read[(r, 3)] for r in range(3)] == [False, False, False]
+    gloo = _read(
+        _facts(
+            {r: [(1, "completed"), (2, "completed"), (3, "pending")] for r in range(3)},
+            gloo=True,
+        )
+    )
+    assert [gloo[(r, 3)] for r in range(3)] == [True, True, True]
 
 
 def test_failed_last_reads_a_ranks_latest_op_as_failed() -> None:

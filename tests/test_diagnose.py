@@ -708,6 +708,7 @@ def test_gloo_work_that_never_reports_completion_is_not_a_stuck_collective():
     trace = simulate(WORLD4, programs, completion="nccl")
     rows = _rows(trace)
     for row in rows:
+        row["profiling_name"] = f"gloo:{row['op']}"
         if row["op"] == "_reduce_scatter_base":
             row["state"], row["retired"] = "scheduled", False
     for info in trace.ranks.values():

@@ -313,3 +313,59 @@ def test_a_dump_of_an_earlier_run_in_the_folder_is_set_aside(tmp_path: Path) -> 
     assert status["reason"].startswith(
         "a dump of an earlier run or attempt: its newest op is 8.1 h"
     )
+
+
+def _gpu_sleep(folder: Path, out: Path, asleep: dict[int, int], timing: bool) -> Path:
+    """A real job's dumps as they read had the GPUs of ``asleep`` (rank -> a peer in all its
+    groups) been held by a long kernel instead: their CPUs issued what the peer issued, and
+    the ops stayed ``scheduled``. With ``timing`` (TORCH_NCCL_ENABLE_TIMING) every other
+    rank's GPU launched its oldest pending op: ``started``, with a start time."""
+    dumps = {int(p.name.rsplit("_", 1)[1]): pickle.loads(p.read_bytes()) for p in folder.glob("_dump_*")}  # fmt: skip
+    for rank, peer in asleep.items():
+        mine, theirs = dumps[rank], dumps[peer]
+        for e in theirs["entries"]:
+            if e["process_group"][0] not in mine["pg_config"]:
+                continue
+            mine["entries"].append(dict(e, time_created_ns=e["time_created_ns"] + 211_000))
+            st = mine["pg_status"][str(e["pg_id"])]
+            st["last_enqueued_collective"] = max(st["last_enqueued_collective"], e["collective_seq_id"])  # fmt: skip
+        mine["entries"].sort(key=lambda e: e["time_created_ns"])
+        first = theirs["entries"][0]["record_id"]
+        for k, e in enumerate(mine["entries"]):
+            e["record_id"] = first + k
+    for rank, d in dumps.items():
+        pending = [e for e in d["entries"] if e["state"] == "scheduled"]
+        if timing and rank not in asleep and pending:
+            e = min(pending, key=lambda e: e["time_created_ns"])
+            e.update(state="started", time_discovered_started_ns=e["time_created_ns"] + 2_000_000)
+        write_pickle(out / f"_dump_{rank}", d)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("timing", [False, True], ids=["no-timing", "timing"])
+def test_gpus_held_by_a_long_kernel_are_not_read_as_gloo_ranks(
+    tmp_path: Path, timing: bool
+) -> None:
+    """lock_gil_1st as a GPU_SLEEP would have left it on ranks 9 and 14: every member of the
+    expert group issued all_to_all #45265 and none completed it. Read with Gloo's rules
+    (issued by every member, so completed: ops run in turn on the CPU), the all_to_all
+    passed, and the 8 ranks of the next pipeline stage were named as never posting their
+    receives. NCCL runs each group on its own GPU stream: the all_to_all is stuck; the
+    records without timing cannot say on whose GPU, with timing the two GPUs that never
+    started it are named."""
+    folder = REAL_GPU / "lock_gil_1st"
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is absent (the shared real-GPU dumps)")
+    v = _analyze(_gpu_sleep(folder, tmp_path, {9: 8, 14: 15}, timing))["verdict"]
+    assert v["kind"] == "stuck", v["headline"]
+    assert "every member issued all_to_all #45265 on group 72" in v["headline"]
+    guilty = sorted(g["rank"] for g in v["guilty"])
+    if timing:
+        assert guilty == [9, 14]
+        assert all("never started it while its peers did" in g["reason"] for g in v["guilty"])
+        assert v["confidence"] >= 0.7
+        assert "their GPUs never started the op" in v["action"]["reasons"][0]
+    else:
+        assert guilty == list(range(8, 16))
+        assert v["confidence"] < 0.7  # an action asks to confirm it first

@@ -145,7 +145,7 @@ def simulate(
                     "p2p_seq_id": p2p_seqs.get((r, op.pg), 0) if is_p2p else 0,
                     "is_p2p": is_p2p,
                     "op": op.op,
-                    "profiling_name": f"nccl:{op.op}",
+                    "profiling_name": f"{'gloo' if completion == 'gloo' else 'nccl'}:{op.op}",
                     "peer": op.peer,
                     "input_sizes": op.sizes,
                     "output_sizes": op.out or op.sizes,

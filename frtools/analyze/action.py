@@ -120,6 +120,12 @@ def _what_happened(causes: set[str], n: int) -> str:
             if n == 1
             else "stopped: their GPUs ran no more kernels"
         )
+    if causes == {"never_started"}:
+        return (
+            "hung: its GPU never started the op its peers' GPUs run"
+            if n == 1
+            else "hung: their GPUs never started the op their peers' GPUs run"
+        )
     if causes and causes <= _DIED:
         return "died or left no record"
     if causes and causes.isdisjoint(_DIED | {"device_stopped"}):

@@ -64,9 +64,12 @@ def effective_completion(facts: JobFacts, failed_last: Iterable[int] = ()) -> pd
 
 def _cpu_ranks(facts: JobFacts) -> set[int]:
     """Ranks whose collectives run on the CPU (Gloo): frtools on CPU, PyTorch's FR
-    with Gloo's retired flags."""
+    with Gloo's retired flags. Not an NCCL rank whose states say nothing (no timing, a dump
+    of the active ops only): its groups' ops run on separate GPU streams, and one that
+    every member issued stays pending while a member's GPU is stuck earlier on its own."""
     f = facts
-    return set(f.in_order) | {r for r, s in f.completion.items() if s is CompletionSource.RETIRED}
+    retired = {r for r, s in f.completion.items() if s is CompletionSource.RETIRED}
+    return (set(f.in_order) | retired) - f.on_gpu_streams
 
 
 def _passed_rows(facts: JobFacts) -> np.ndarray:

@@ -103,6 +103,32 @@ def _on_nccl(entries: pa.Table, pairs: set[tuple[int, str]]) -> set[tuple[int, s
     return pairs & seen
 
 
+def nccl_ranks(entries: pa.Table, ranks: set[int]) -> frozenset[int]:
+    """Of ``ranks``, those with an entry an NCCL engine recorded: their collectives run on
+    GPU streams, one per group, not one after another on the CPU as Gloo's do. Worked on
+    the profiling names' dictionaries (a few hundred values), not per row."""
+    if not ranks or "profiling_name" not in entries.column_names or not len(entries):
+        return frozenset()
+    names = entries["profiling_name"]
+    found: set[int] = set()
+    for chunk, rank in zip(names.chunks, entries["rank"].chunks, strict=True):
+        if pa.types.is_dictionary(chunk.type):
+            values = chunk.dictionary
+            hit = pc.starts_with(values, NCCL_ENGINES[0])
+            for prefix in NCCL_ENGINES[1:]:
+                hit = pc.or_(hit, pc.starts_with(values, prefix))
+            if not pc.any(hit).as_py():
+                continue
+            rows = pc.fill_null(pc.take(hit, chunk.indices), False)
+        else:
+            rows = pc.starts_with(chunk, NCCL_ENGINES[0])
+            for prefix in NCCL_ENGINES[1:]:
+                rows = pc.or_(rows, pc.starts_with(chunk, prefix))
+            rows = pc.fill_null(rows, False)
+        found.update(pc.unique(pc.filter(rank, rows)).to_pylist())
+    return frozenset(r for r in found if r in ranks)
+
+
 def counters(al: Alignment) -> pd.DataFrame:
     """(rank, group, last enqueued, last completed) where pg_status gives both."""
     ps = al.counters

@@ -20,7 +20,7 @@ from frtools.analyze.membership import Membership, from_siblings
 from frtools.analyze.readers.registry import capabilities
 from frtools.model.trace import ABNORMAL_EXITS, DEFAULT_PG_DESC, ProcessGroup, Trace
 
-from .device import DeviceLag, HostCall, counters, device_lags, host_calls
+from .device import DeviceLag, HostCall, counters, device_lags, host_calls, nccl_ranks
 
 # A rank whose record was written (or whose heartbeat stopped) this much earlier than the
 # others' is a stale record of a process that was already gone.
@@ -86,6 +86,9 @@ class JobFacts:
     stale: frozenset[int]
     completion: Mapping[int, CompletionSource]
     in_order: frozenset[int]  # CPU ranks: an op issued before a completed one completed
+    # ranks whose completion marks are Gloo-like (retired, or frtools on a CPU) but whose
+    # ops an NCCL engine recorded: one GPU stream per group, no order across groups
+    on_gpu_streams: frozenset[int]
     status: Mapping[tuple[int, str], tuple[object, object, object]]
     oldest_ns: Mapping[int, int]
     dump_ns: Mapping[int, int]  # fresh dump times (in-flight judgement); empty if unusable
@@ -156,6 +159,8 @@ def gather_facts(trace: Trace, al: Alignment) -> JobFacts:
         for r, info in trace.ranks.items()
         if (info.device or "").startswith("cpu") and completion.get(r) is CompletionSource.STATES
     )
+    retired = {r for r, s in completion.items() if s is CompletionSource.RETIRED}
+    on_gpu_streams = nccl_ranks(trace.entries, retired | set(in_order))
     times = [coll[["rank", "time_created_ns"]]]
     if len(p2p):
         times.append(p2p[["rank", "time_created_ns"]])
@@ -181,6 +186,7 @@ def gather_facts(trace: Trace, al: Alignment) -> JobFacts:
         stale=stale,
         completion=completion,
         in_order=in_order,
+        on_gpu_streams=on_gpu_streams,
         status=StatusTable(al.status),
         oldest_ns={int(r): int(t) for r, t in oldest.items()},
         dump_ns=dump_ns,

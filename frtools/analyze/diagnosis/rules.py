@@ -716,7 +716,8 @@ def _stuck(ev: Evidence, points: list[Point], waiting: set[int]) -> Finding:
     for p in points:
         involved |= set(p.issued)
     conf = Confidence.STUCK_NEVER_STARTED if never_started else Confidence.STUCK_ALL_MEMBERS
-    if point.rows is not None and not point.rows["informative"].all():
+    # (a laggard's record without states of its own does not weaken its peers' starts)
+    if not never_started and point.rows is not None and not point.rows["informative"].all():
         conf = Confidence.STUCK_WITHOUT_STATES
     notes = [Note(NoteKind.STUCK_OPS, count=len(points))]
     if in_call:

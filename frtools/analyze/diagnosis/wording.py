@@ -181,6 +181,12 @@ class _Wording:
         if kind is VerdictKind.STUCK:
             never = Reason.NEVER_STARTED in reasons
             blamed = format_ranks([g.rank for g in guilty])
+            if never and len({b.point.key for b in finding.blames if b.point}) > 1:
+                # each never started the op on a group of its own (tensor-parallel pairs)
+                return (
+                    f"Stuck: from {where} on, ops every member issued never completed; "
+                    f"rank(s) {blamed} never started theirs"
+                )
             return f"Stuck: every member issued {where}, none completed it" + (
                 f"; rank(s) {blamed} never started it" if never else ""
             )
