@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from frtools.analyze import membership
+from frtools.formats.torch_fr import NCCL_ENGINES
 from frtools.model.codes import among, dense_unique
 from frtools.model.ops import OP, P2P_OPS, OpFamily, family_of, parts_must_agree
 from frtools.model.trace import ProcessGroup, Trace
@@ -496,6 +497,8 @@ def align(trace: Trace) -> Alignment:
     p2p = _p2p_frame(df, trace)
     p2p["informative"] = _per_row(per_rank, ranks, p2p["rank"].to_numpy())
     p2p["completed"] = _completion(p2p, use_pg_status=False)
+    if len(p2p):
+        p2p["completed"] = _settled_by_batch(p2p, ps, trace)
     p2p = _pair_p2p(p2p, trace)
 
     return Alignment(
@@ -663,6 +666,88 @@ def _checked(attr: str, op_rules: list, op_codes: np.ndarray, blocks) -> np.ndar
         block, uniq, inverse = blocks
         mask[block] = np.array([attr in parts_must_agree(t) for t in uniq], dtype=bool)[inverse]
     return mask
+
+
+def on_nccl(
+    names: pa.ChunkedArray | pa.Array, engines: tuple[str, ...] = NCCL_ENGINES
+) -> np.ndarray:
+    """Per row of a profiling-name column, whether an NCCL engine (of ``engines``) recorded
+    it (worked on a dictionary's values, a few hundred, where the column has one)."""
+
+    def starts(values: pa.Array) -> np.ndarray:
+        hit = np.zeros(len(values), dtype=bool)
+        for prefix in engines:
+            hit |= pc.fill_null(pc.starts_with(values, prefix), False).to_numpy(
+                zero_copy_only=False
+            )
+        return hit
+
+    parts = []
+    for chunk in names.chunks if isinstance(names, pa.ChunkedArray) else [names]:
+        if pa.types.is_dictionary(chunk.type):
+            hit = np.append(starts(chunk.dictionary), False)  # a null row reads the last
+            idx = pc.fill_null(chunk.indices, len(chunk.dictionary)).to_numpy()
+            parts.append(hit[idx])
+        else:
+            parts.append(starts(chunk))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+
+
+def _settled_by_batch(p2p: pd.DataFrame, ps: pd.DataFrame, trace: Trace) -> pd.Series:
+    """P2P completion where an NCCL engine batched the ops (``batch_isend_irecv``): each op
+    of a batch is recorded without events (ProcessGroupNCCL::pointToPoint while coalescing),
+    so it stays ``scheduled`` and unretired for good, and a dump of the active ops keeps
+    it until the ring overwrites it; the batch's own entry (op ``coalesced``, the same
+    p2p_seq_id) carries the state. An op of a batch completed when that entry did, or, where
+    the entry has left the record, when the group's ``last_completed`` counter passed it —
+    read as a P2P counter only where it exceeds every collective seq the rank recorded on
+    the group (the counter holds the seq of whichever work completed last), and only from
+    ProcessGroupNCCL (``nccl:``: nccl2's hook counts op ids)."""
+    done = p2p["completed"]
+    open_ = ~p2p["informative"].to_numpy(dtype=bool) & ~done.eq(True).fillna(False).to_numpy(
+        dtype=bool
+    )
+    if not open_.any():
+        return done
+    names = _take_rows(trace.entries.column("profiling_name"), p2p.index.to_numpy(np.int64))
+    open_ &= on_nccl(names)
+    if not open_.any():
+        return done
+    out = done.copy()
+    key = pd.DataFrame(
+        {
+            "rank": p2p["rank"].to_numpy(),
+            "pg_name": text_series(p2p["pg_name"]).to_numpy(),
+            "p2p_seq_id": p2p["p2p_seq_id"].to_numpy(),
+        }
+    )
+    batch = (p2p["op"] == "coalesced").to_numpy()
+    if batch.any():
+        own = (
+            key[batch]
+            .assign(_batch=done[batch].to_numpy())
+            .drop_duplicates(["rank", "pg_name", "p2p_seq_id"], keep="last")
+        )
+        hit = key.merge(own, how="left", on=["rank", "pg_name", "p2p_seq_id"])["_batch"]
+        took = open_ & ~batch & hit.eq(True).fillna(False).to_numpy(dtype=bool)
+        out[took] = True
+        open_ &= ~took
+    open_ &= on_nccl(names, ("nccl:",))
+    if open_.any() and len(ps):
+        coll_seq = p2p["collective_seq_id"].to_numpy()
+        per = key.assign(_c=coll_seq).groupby(["rank", "pg_name"], sort=False)["_c"].max()
+        counters = ps.assign(pg_name=ps["pg_name"].astype(str)).set_index(["rank", "pg_name"])
+        both = counters.join(per, how="inner")
+        p2p_units = both[both["ps_completed"].notna() & (both["ps_completed"] > both["_c"])]
+        if len(p2p_units):
+            bound = key.merge(
+                p2p_units["ps_completed"].astype("int64").rename("_bound").reset_index(),
+                how="left",
+                on=["rank", "pg_name"],
+            )["_bound"]
+            passed = open_ & (key["p2p_seq_id"].to_numpy() <= bound.fillna(-1).to_numpy())
+            out[passed] = True
+    return out
 
 
 def _completion(df: pd.DataFrame, use_pg_status: bool) -> pd.Series:

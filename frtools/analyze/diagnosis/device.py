@@ -36,7 +36,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from frtools.analyze.align import Alignment, at_seqs, text_series
+from frtools.analyze.align import Alignment, at_seqs, on_nccl, text_series
 from frtools.model.codes import among
 from frtools.model.ops import OpFamily, family_of
 from frtools.model.trace import Trace
@@ -78,10 +78,6 @@ class HostCall:
     op: str | None
 
 
-# Engines whose pg_status counters follow ProcessGroupNCCL's watchdog (or nccl2's hook).
-NCCL_ENGINES = ("nccl:", "nccl2:")
-
-
 def _on_nccl(entries: pa.Table, pairs: set[tuple[int, str]]) -> set[tuple[int, str]]:
     """Of (rank, group) ``pairs``, those whose entries were recorded by an NCCL engine: a
     rank may hold records of several recorders (Gloo on one group, nccl2 on another)."""
@@ -89,13 +85,7 @@ def _on_nccl(entries: pa.Table, pairs: set[tuple[int, str]]) -> set[tuple[int, s
         return set()
     ranks = pa.array(sorted({r for r, _ in pairs}), type=entries.schema.field("rank").type)
     mine = entries.filter(pc.is_in(entries["rank"], value_set=ranks))
-    names = mine["profiling_name"]
-    if pa.types.is_dictionary(names.type):
-        names = names.cast(names.type.value_type)
-    nccl = pc.starts_with(names, NCCL_ENGINES[0])
-    for prefix in NCCL_ENGINES[1:]:
-        nccl = pc.or_(nccl, pc.starts_with(names, prefix))
-    mine = mine.filter(pc.fill_null(nccl, False))
+    mine = mine.filter(pa.array(on_nccl(mine["profiling_name"])))
     seen = {
         (int(r), str(g))
         for r, g in zip(mine["rank"].to_pylist(), mine["pg_name"].to_pylist(), strict=True)
@@ -105,28 +95,11 @@ def _on_nccl(entries: pa.Table, pairs: set[tuple[int, str]]) -> set[tuple[int, s
 
 def nccl_ranks(entries: pa.Table, ranks: set[int]) -> frozenset[int]:
     """Of ``ranks``, those with an entry an NCCL engine recorded: their collectives run on
-    GPU streams, one per group, not one after another on the CPU as Gloo's do. Worked on
-    the profiling names' dictionaries (a few hundred values), not per row."""
+    GPU streams, one per group, not one after another on the CPU as Gloo's do."""
     if not ranks or "profiling_name" not in entries.column_names or not len(entries):
         return frozenset()
-    names = entries["profiling_name"]
-    found: set[int] = set()
-    for chunk, rank in zip(names.chunks, entries["rank"].chunks, strict=True):
-        if pa.types.is_dictionary(chunk.type):
-            values = chunk.dictionary
-            hit = pc.starts_with(values, NCCL_ENGINES[0])
-            for prefix in NCCL_ENGINES[1:]:
-                hit = pc.or_(hit, pc.starts_with(values, prefix))
-            if not pc.any(hit).as_py():
-                continue
-            rows = pc.fill_null(pc.take(hit, chunk.indices), False)
-        else:
-            rows = pc.starts_with(chunk, NCCL_ENGINES[0])
-            for prefix in NCCL_ENGINES[1:]:
-                rows = pc.or_(rows, pc.starts_with(chunk, prefix))
-            rows = pc.fill_null(rows, False)
-        found.update(pc.unique(pc.filter(rank, rows)).to_pylist())
-    return frozenset(r for r in found if r in ranks)
+    rank = entries["rank"].to_numpy()[on_nccl(entries["profiling_name"])]
+    return frozenset(int(r) for r in np.unique(rank).tolist() if int(r) in ranks)
 
 
 def counters(al: Alignment) -> pd.DataFrame:

@@ -364,7 +364,11 @@ class _Builder:
             pair = p2p.iloc[0:0]
         me = int(row["rank"])
         peer = receiver if me == sender else sender
-        peer_known = pair["completed"].notna().any() or self._has_info(peer)
+        peer_known = (
+            pair["completed"].notna().any()
+            or self._has_info(peer)
+            or self._idle_on(peer, str(row["pg_name"]))
+        )
         known = pd.notna(row["completed"]) and not bool(row["completed"])
         if known and peer_known:
             # Ops of one pair complete in order: my oldest incomplete op matches the peer's
@@ -397,6 +401,29 @@ class _Builder:
         draft.completed, draft.failed = _outcomes(draft.rows)
         self.drafts[key] = draft
         return draft
+
+    def _idle_on(self, rank: int, pg_name: str) -> bool:
+        """Whether ``rank``'s counters say every op it enqueued on the group completed (a
+        dump of the active ops of a rank with none left holds no entry of the group): it
+        holds no counterpart that could still be pending. A record without entries cannot
+        say which of its counters is the group's (they are keyed by the process's own
+        group ids): then every counter must say so."""
+        info = self.f.trace.ranks.get(rank)
+        if info is None or not info.pg_status:
+            return False
+
+        def counted(st: object) -> tuple[int, int] | None:
+            if not isinstance(st, dict):
+                return None
+            enq, comp = st.get("last_enqueued_collective"), st.get("last_completed_collective")
+            ok = type(enq) is int and type(comp) is int and enq >= 0 and comp >= 0
+            return (enq, comp) if ok else None  # -1: no counter (a summary's placeholder)
+
+        mine = counted(info.pg_status.get(pg_name))
+        if mine is not None:
+            return mine[0] == mine[1]
+        known = [c for c in map(counted, info.pg_status.values()) if c is not None]
+        return bool(known) and all(enq == comp for enq, comp in known)
 
     def _has_info(self, rank: int) -> bool:
         """Whether this rank's record says which of its ops completed."""

@@ -177,7 +177,10 @@ def roots(ev: Evidence) -> Finding | None:
     kinds = sorted({ROOT_KIND[r] for r, _ in reasons.values()}, key=_ROOT_KIND_ORDER.index)
     kind = kinds[0]
     points = [p for r, p in reasons.values() if ROOT_KIND[r] is kind]
-    point = min(points, key=lambda p: (not p.targets <= blamed, p.time_ns))
+    # the op the roots explain that names the most of them, the earliest of those
+    point = min(
+        points, key=lambda p: (not p.targets <= blamed, -len(p.targets & blamed), p.time_ns)
+    )
     blames = []
     for r in sorted(blamed):
         reason, p = reasons.get(r, (Reason.MISSING, point))
@@ -190,12 +193,16 @@ def roots(ev: Evidence) -> Finding | None:
                 stale=r in f.stale,
             )  # fmt: skip
         )
+    stalled = _never_started_on_their_own(ev, blamed)
+    for r, p in sorted(stalled.items()):
+        blames.append(Blame(r, Reason.NEVER_STARTED, point=p))
+        waiting |= set(p.issued) - set(stalled)
     conf = {
         VerdictKind.DEAD: Confidence.DEAD,
         VerdictKind.MISMATCH: Confidence.MISMATCH,
         VerdictKind.MISSING: Confidence.MISSING,
     }[kind]
-    if len(kinds) > 1:
+    if len(kinds) > 1 or stalled:
         conf -= Confidence.MIXED_KINDS
     if kind is VerdictKind.MISMATCH and point.tie:
         conf = Confidence.MISMATCH_TIE
@@ -227,6 +234,29 @@ def roots(ev: Evidence) -> Finding | None:
         point=point,
         notes=tuple(notes),
     )
+
+
+def _never_started_on_their_own(ev: Evidence, blamed: frozenset[int]) -> dict[int, Point]:
+    """Ranks, beside the roots, whose GPU never started the collective they are blocked at
+    while a peer's did (NCCL launches a collective's kernel whoever else has joined), where
+    that op is the oldest one pending on them, so nothing of theirs holds it back: a second
+    cause, which only the start states show (the graph has the rank waiting there, for
+    the roots or for nobody)."""
+    g = ev.graph
+    out: dict[int, Point] = {}
+    for key, p in g.points.items():
+        if not p.is_collective or p.rows is None or p.completed or p.failed:
+            continue
+        rows = p.rows
+        started = set(int(r) for r in rows.loc[rows["state"] == "started", "rank"])
+        members = set(p.issued)
+        laggards = members - started
+        if not started or not laggards or laggards == members:
+            continue
+        for r in sorted(laggards):
+            if r not in blamed and r in g.blocked_known and g.blocked_at.get(r) == key:
+                out.setdefault(r, p)
+    return out
 
 
 def stuck_roots(ev: Evidence) -> Finding | None:
@@ -599,7 +629,14 @@ def _casualties(reasons: dict[int, tuple[Reason, Point]]) -> frozenset[int]:
 
 
 def _point_rank(reason: Reason, point: Point, blamed: frozenset[int]) -> tuple:
-    return (ROOT_REASON_RANK[reason], not point.targets <= blamed, point.time_ns)
+    # then the op naming the most roots (two absent ranks: each one peer's send, and
+    # both an all_to_all where more peers wait)
+    return (
+        ROOT_REASON_RANK[reason],
+        not point.targets <= blamed,
+        -len(point.targets & blamed),
+        point.time_ns,
+    )
 
 
 def _placed(f: JobFacts, blames: list[Blame]) -> list[Note]:

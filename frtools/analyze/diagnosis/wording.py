@@ -6,6 +6,7 @@ each NoteKind has its text in one table (REASON_TEXT, NOTE_TEXT)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pandas as pd
 
@@ -220,6 +221,17 @@ class _Wording:
             return (
                 f"Rank(s) {', '.join(_who(g) for g in guilty)} issued a different {attrs} at "
                 f"{where} (no hang recorded)"
+            )
+        stalled = [b for b in finding.blames if b.reason is Reason.NEVER_STARTED]
+        if stalled and len(stalled) < len(guilty):
+            # a second cause beside the roots: said after their headline
+            odd = {b.rank for b in stalled}
+            rest = replace(finding, blames=tuple(b for b in finding.blames if b.rank not in odd))
+            first = self.headline(rest, [g for g in guilty if g.rank not in odd])
+            at = self.point_name(stalled[0].point) if stalled[0].point is not None else "its op"
+            return (
+                f"{first}; rank(s) {format_ranks(sorted(odd))} never started {at}, which "
+                "peers' GPUs run"
             )
         who = ", ".join(_who(g) for g in guilty[:4]) + (" …" if len(guilty) > 4 else "")
         ranks = "Rank" if len(guilty) == 1 else "Ranks"

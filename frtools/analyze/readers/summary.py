@@ -454,6 +454,8 @@ def packed_to_arrow(
             site_texts.append(_SITES[t])
     site_values = pa.array(site_texts, type=pa.string())
     site_null = np.asarray(site_values.is_null())[inverse] if site_values.null_count else None
+    if site_null is not None:  # the rows are masked; a category may not be null
+        site_values = pa.array(["" if t is None else t for t in site_texts], type=pa.string())
     state = ints["state"]
     state_of = np.array([STATES.index(x) for x in STATE_CODES], dtype=np.int32)
     retired = ints["retired"]

@@ -34,6 +34,10 @@ from frtools.model.ranks import MAX_WORLD_SIZE, MemberCache
 # common prefix followed by the rank
 DUMP_FILE_PREFIX = "nccl_trace_rank_"
 WRITE_VERSION = "2.10"  # what frtools writes: torch 2.13's FlightRecorder::dump
+# profiling-name prefixes of the NCCL engines (ProcessGroupNCCL; torch 2.15's nccl2 through
+# the c10d FlightRecorderHook): their ops run on one GPU stream per group, and their
+# pg_status counters follow the watchdog (or the hook)
+NCCL_ENGINES = ("nccl:", "nccl2:")
 PICKLE_PROTOCOL = 2  # TorchScript's pickler, which writes PyTorch's dumps
 
 # --- keys, by version ----------------------------------------------------------------------
