@@ -490,6 +490,8 @@ def align(trace: Trace) -> Alignment:
         coll = coll.drop(columns=["ps_enqueued", "ps_completed"])
     else:  # every entry says itself whether it completed: pg_status is not needed per entry
         coll["completed"] = _completion(coll, use_pg_status=False)
+    if len(ps) and len(coll):
+        coll["completed"] = _settled_by_counters(coll, ps, trace)
     coll["sig"] = _signature_ids(coll)
 
     status = _status(coll, ps)
@@ -747,6 +749,60 @@ def _settled_by_batch(p2p: pd.DataFrame, ps: pd.DataFrame, trace: Trace) -> pd.S
             )["_bound"]
             passed = open_ & (key["p2p_seq_id"].to_numpy() <= bound.fillna(-1).to_numpy())
             out[passed] = True
+    return out
+
+
+def _settled_by_counters(coll: pd.DataFrame, ps: pd.DataFrame, trace: Trace) -> pd.Series:
+    """Collectives of ProcessGroupNCCL without states of their own (no timing, unretired)
+    at or below their group's ``last_completed`` counter completed. Such an entry in a dump
+    of the active ops is an op of a ``_coalescing_manager`` block (recorded without events,
+    ``scheduled`` for good); its block's own entry, which had the events, completed and left
+    the dump. Only on a group whose entries show no P2P (each entry records the group's P2P
+    count): the counter holds the seq of whichever work completed last."""
+    done = coll["completed"]
+    open_ = (
+        ~coll["informative"].to_numpy(dtype=bool)
+        & coll["retired"].notna().to_numpy(dtype=bool)
+        & ~done.eq(True).fillna(False).to_numpy(dtype=bool)
+    )
+    if not open_.any():
+        return done
+    ranks = np.unique(coll["rank"].to_numpy()[open_])
+    e = trace.entries
+    mine = e.filter(
+        pc.is_in(e["rank"], value_set=pa.array(ranks, type=e.schema.field("rank").type))
+    )
+    if not len(mine):
+        return done
+    per = (
+        pd.DataFrame(
+            {
+                "rank": mine["rank"].to_numpy(),
+                "pg_name": mine["pg_name"].cast(pa.string()).to_numpy(zero_copy_only=False),
+                "_p2p": mine["p2p_seq_id"].fill_null(0).to_numpy()
+                | mine["is_p2p"].fill_null(False).to_numpy(zero_copy_only=False),
+                "_nccl": on_nccl(mine["profiling_name"], ("nccl:",)),
+            }
+        )
+        .groupby(["rank", "pg_name"], sort=False)
+        .agg(_p2p=("_p2p", "max"), _nccl=("_nccl", "all"))
+    )
+    ok = per[(per["_p2p"] == 0) & per["_nccl"]]
+    if not len(ok):
+        return done
+    counters = ps.assign(pg_name=ps["pg_name"].astype(str)).set_index(["rank", "pg_name"])
+    bound = counters.join(ok, how="inner")["ps_completed"].dropna()
+    if not len(bound):
+        return done
+    key = pd.DataFrame({"rank": coll["rank"].to_numpy(), "pg_name": as_texts(coll["pg_name"])})
+    at = key.merge(
+        bound.astype("int64").rename("_bound").reset_index(), how="left", on=["rank", "pg_name"]
+    )["_bound"]
+    passed = open_ & (coll["seq"].to_numpy() <= at.fillna(-1).to_numpy())
+    if not passed.any():
+        return done
+    out = done.copy()
+    out[passed] = True
     return out
 
 
