@@ -226,6 +226,22 @@ def test_rank_that_never_saw_an_allreduce_its_peers_finished_has_a_stopped_gpu(
 
 
 @pytest.mark.timeout(60)
+def test_a_lagging_counter_whose_own_entry_completed_is_no_stopped_gpu(tmp_path: Path) -> None:
+    # a live dump: rank 2's end event for all_reduce #5 was found done (its entry says
+    # completed), its watchdog had not yet polled (counter 4): its GPU runs
+    _job(tmp_path, {0: 5, 1: 5, 2: 4, 3: 5})
+    path = tmp_path / "rank_2.pkl"
+    d = pickle.loads(path.read_bytes())
+    first = d["entries"][0]
+    assert first["collective_seq_id"] == 5
+    first.update(state="completed", time_discovered_completed_ns=first["time_created_ns"] + 1)
+    write_pickle(path, d)
+    v = diagnose(load_trace(tmp_path))
+    assert "GPU stopped" not in v.headline
+    assert not any("GPU stopped" in g.reason for g in v.guilty)
+
+
+@pytest.mark.timeout(60)
 def test_lag_on_a_broadcast_proves_nothing_about_the_gpu(tmp_path: Path) -> None:
     # a broadcast's root may finish before a receiver's kernel ran: no device evidence
     _job(tmp_path, {0: 5, 1: 5, 2: 4, 3: 5}, ops={5: "broadcast"})
@@ -407,13 +423,14 @@ def test_ranks_whose_sends_wait_on_a_rank_with_nothing_pending_wait_for_it() -> 
     assert "never issued all_to_all #45265 on group 72" in v["headline"]
 
 
-def _batched(folder: Path, out: Path, stale: int = 4) -> Path:
+def _batched(folder: Path, out: Path, stale: int = 4, whole: bool = False) -> Path:
     """A real job's dumps as ``batch_isend_irecv`` on the pipeline groups leaves them
     (ProcessGroupNCCL::pointToPoint while coalescing): each op of a batch is recorded
     without events, so it stays ``scheduled`` and unretired for good and a dump of the
     active ops keeps the last ``stale`` ones of batches long completed; each pending send or
     recv is followed by its batch's own entry (``nccl:coalesced``, the same p2p seq, no
-    sizes), which carries the state."""
+    sizes), which carries the state. ``whole``: a dump of the whole ring, where the
+    completed batches' entries stay too (``completed``, retired)."""
     dumps = {int(p.name.rsplit("_", 1)[1]): pickle.loads(p.read_bytes()) for p in folder.glob("_dump_*")}  # fmt: skip
     template = next(
         e
@@ -435,6 +452,12 @@ def _batched(folder: Path, out: Path, stale: int = 4) -> Path:
                 profiling_name=f"nccl:send {me}->{1 - me}" if sending else f"nccl:recv {me}<-{1 - me}",
                 time_created_ns=t0 - (done - seq + 1) * 25_000_000,
             ))  # fmt: skip
+            if whole:
+                t = t0 - (done - seq + 1) * 25_000_000 + 30_000
+                d["entries"].append(dict(d["entries"][-1], profiling_name="nccl:coalesced",
+                                         input_sizes=[], output_sizes=[], input_dtypes=[],
+                                         output_dtypes=[], state="completed", retired=True,
+                                         time_created_ns=t, time_discovered_completed_ns=t + 1))  # fmt: skip
         for e in [e for e in d["entries"] if e["is_p2p"] and e["time_created_ns"] >= t0]:
             d["entries"].append(dict(e, profiling_name="nccl:coalesced", input_sizes=[],
                                      output_sizes=[], input_dtypes=[], output_dtypes=[],
@@ -457,9 +480,12 @@ def test_ops_of_completed_p2p_batches_are_not_read_as_pending(tmp_path: Path) ->
     folder = REAL_GPU / "lock_gil_1st"
     if not folder.is_dir():
         pytest.skip(f"{folder} is absent (the shared real-GPU dumps)")
-    v = _analyze(_batched(folder, tmp_path))["verdict"]
-    assert (v["kind"], sorted(g["rank"] for g in v["guilty"])) == ("missing", [9, 14])
-    assert "never issued all_to_all #45265 on group 72" in v["headline"]
+    for whole in (False, True):  # a dump of the active ops, of the whole ring
+        out = tmp_path / str(whole)
+        out.mkdir()
+        v = _analyze(_batched(folder, out, whole=whole))["verdict"]
+        assert (v["kind"], sorted(g["rank"] for g in v["guilty"])) == ("missing", [9, 14])
+        assert "never issued all_to_all #45265 on group 72" in v["headline"]
 
 
 @pytest.mark.timeout(180)

@@ -177,6 +177,10 @@ def test_exclusion_only_for_faults_of_a_rank():
         assert verdict(kind, [5]).exclusion() is None
         assert "exclusion" not in verdict(kind, [5]).to_document()
     assert verdict("stuck", [0, 1], expected=2).exclusion() is None  # never everybody
+    # below the confidence its action asks before acting (0.7): "confirm it", exclude none
+    unsure = Verdict("stuck", "h", 0.5, [GuiltyRank(r) for r in range(4, 8)], ranks_expected=8)
+    assert unsure.exclusion() is None
+    assert "exclusion" not in unsure.to_document()
     doc = verdict("missing", [3]).to_document()
     jsonschema.Draft202012Validator(SCHEMA).validate(doc)
 

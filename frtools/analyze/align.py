@@ -706,15 +706,16 @@ def _settled_by_batch(p2p: pd.DataFrame, ps: pd.DataFrame, trace: Trace) -> pd.S
     the group (the counter holds the seq of whichever work completed last), and only from
     ProcessGroupNCCL (``nccl:``: nccl2's hook counts op ids)."""
     done = p2p["completed"]
-    open_ = ~p2p["informative"].to_numpy(dtype=bool) & ~done.eq(True).fillna(False).to_numpy(
-        dtype=bool
-    )
-    if not open_.any():
+    batch = (p2p["op"] == "coalesced").to_numpy()
+    pending = ~done.eq(True).fillna(False).to_numpy(dtype=bool)
+    # a batch's ops never move, whatever the rank's other entries say (a dump of the whole
+    # ring with timing); the counters only speak for ranks whose states say nothing
+    open_ = pending & ~p2p["informative"].to_numpy(dtype=bool)
+    if not open_.any() and not batch.any():
         return done
     names = _take_rows(trace.entries.column("profiling_name"), p2p.index.to_numpy(np.int64))
-    open_ &= on_nccl(names)
-    if not open_.any():
-        return done
+    nccl = on_nccl(names)
+    open_ &= nccl
     out = done.copy()
     key = pd.DataFrame(
         {
@@ -723,7 +724,6 @@ def _settled_by_batch(p2p: pd.DataFrame, ps: pd.DataFrame, trace: Trace) -> pd.S
             "p2p_seq_id": p2p["p2p_seq_id"].to_numpy(),
         }
     )
-    batch = (p2p["op"] == "coalesced").to_numpy()
     if batch.any():
         own = (
             key[batch]
@@ -731,7 +731,7 @@ def _settled_by_batch(p2p: pd.DataFrame, ps: pd.DataFrame, trace: Trace) -> pd.S
             .drop_duplicates(["rank", "pg_name", "p2p_seq_id"], keep="last")
         )
         hit = key.merge(own, how="left", on=["rank", "pg_name", "p2p_seq_id"])["_batch"]
-        took = open_ & ~batch & hit.eq(True).fillna(False).to_numpy(dtype=bool)
+        took = pending & nccl & ~batch & hit.eq(True).fillna(False).to_numpy(dtype=bool)
         out[took] = True
         open_ &= ~took
     open_ &= on_nccl(names, ("nccl:",))

@@ -92,8 +92,48 @@ def _completed(
     table: pa.Table, rows: np.ndarray, pg_status: dict[str, dict[str, int]]
 ) -> np.ndarray:
     """Which of ``rows`` completed as far as the record says (``completed_ops``: its state,
-    PyTorch's ``retired``, its group's ``last_completed_collective``)."""
+    PyTorch's ``retired``, its group's ``last_completed_collective``; a send or recv of an
+    NCCL batch, recorded without events, by its batch's entry: as the analysis reads it,
+    align._settled_by_batch)."""
     part = table.take(pa.array(rows, type=pa.int64()))
+    return _completed_part(part, pg_status) | _batch_done(table, part)
+
+
+def _batch_done(table: pa.Table, part: pa.Table) -> np.ndarray:
+    """Which P2P ops of ``part`` share (group, p2p seq) with a completed ``coalesced`` P2P
+    entry of the rank's ``table``."""
+    out = np.zeros(part.num_rows, dtype=bool)
+    if "profiling_name" not in table.column_names:
+        return out
+    names = table.column("profiling_name").cast(pa.string())
+    whole = pc.and_(
+        pc.fill_null(pc.ends_with(names, "coalesced"), False),
+        pc.fill_null(table.column("is_p2p"), False),
+    )
+    batches = table.filter(whole)
+    if not batches.num_rows:
+        return out
+    done = pc.fill_null(pc.equal(batches.column("state").cast(pa.string()), "completed"), False)
+    batches = batches.filter(done)
+    keys = set(
+        zip(
+            batches.column("pg_name").cast(pa.string()).to_pylist(),
+            batches.column("p2p_seq_id").to_pylist(),
+            strict=True,
+        )
+    )
+    if not keys:
+        return out
+    p2p = pc.fill_null(part.column("is_p2p"), False).to_pylist()
+    groups = part.column("pg_name").cast(pa.string()).to_pylist()
+    seqs = part.column("p2p_seq_id").to_pylist()
+    for i, (is_p2p, g, q) in enumerate(zip(p2p, groups, seqs, strict=True)):
+        out[i] = is_p2p and (g, q) in keys
+    return out
+
+
+def _completed_part(part: pa.Table, pg_status: dict[str, dict[str, int]]) -> np.ndarray:
+    """``completed_ops`` of the rows of ``part``."""
     state = part.column("state")
     done = pc.fill_null(pc.equal(state.cast(pa.string()), "completed"), False)
     retired = part.column("retired")

@@ -13,6 +13,7 @@ from typing import Any
 from frtools import __version__
 from frtools.analyze.stacks import StacksSummary
 from frtools.analyze.steps import StepDiff
+from frtools.config import ACTION_MIN_CONFIDENCE
 from frtools.model.trace import InputFile, ProcessGroup
 
 # 1.1: "stacks"; 1.2: "inconclusive", "decide"; 1.3: "exclusion"; 1.4: "stacks.native";
@@ -182,9 +183,13 @@ class Verdict:
     def exclusion(self) -> dict[str, Any] | None:
         """The ranks (and their hosts) to leave out when the job restarts or shrinks; None
         when the verdict names none (its kind is not in ``EXCLUDE_KINDS``, or it blames
-        every expected rank)."""
+        every expected rank), or when its confidence is below the one its action asks
+        before acting (``FRTOOLS_ACTION_MIN_CONFIDENCE``: the action says to confirm it;
+        e.g. every member of an op nobody completed, where the records cannot say whose)."""
         ranks = sorted(set(self.guilty_ranks))
         if self.kind not in EXCLUDE_KINDS or not ranks:
+            return None
+        if self.confidence < ACTION_MIN_CONFIDENCE.read():
             return None
         if self.ranks_expected and len(ranks) >= self.ranks_expected:
             return None

@@ -155,6 +155,21 @@ def _comparable(al: Alignment, counters: pd.DataFrame) -> pd.DataFrame:
     return keep[~keep["pg_name"].isin(bad_groups).to_numpy()]
 
 
+def _completed_at(coll: pd.DataFrame, keys: set[tuple[int, str, int]]) -> set[tuple[int, str, int]]:
+    """Of (rank, group, seq) ``keys``, those whose own entry is marked completed: its end
+    event was found done at the dump, while the rank's counter waits for the watchdog's
+    next poll (a live dump of a healthy job)."""
+    if not keys or not len(coll):
+        return set()
+    at = at_seqs(coll["seq"], {s for _, _, s in keys}) & coll["completed"].eq(True).fillna(
+        False
+    ).to_numpy(dtype=bool)
+    rows = coll[at]
+    names = text_series(rows["pg_name"]).tolist()
+    found = zip(rows["rank"].tolist(), names, rows["seq"].tolist(), strict=True)
+    return {(int(r), str(g), int(q)) for r, g, q in found} & keys
+
+
 def _ops_at(coll: pd.DataFrame, keys: set[tuple[str, int]]) -> dict[tuple[str, int], str]:
     if not keys or not len(coll):
         return {}
@@ -193,11 +208,15 @@ def device_lags(
     pairs = {(int(r), str(g)) for r, g in zip(behind["rank"], behind["pg_name"], strict=True)}
     pairs |= {(int(leader.loc[g, "rank"]), str(g)) for _, g in pairs}
     nccl = _on_nccl(trace.entries, pairs)
+    seen_done = _completed_at(coll, {(int(r), str(g), int(c) + 1) for r, g, c in zip(
+        behind["rank"], behind["pg_name"], behind["completed"], strict=True)})  # fmt: skip
     out: dict[int, list[DeviceLag]] = {}
     for r, g, c in zip(behind["rank"], behind["pg_name"], behind["completed"], strict=True):
         op = ops.get((str(g), int(c) + 1))
         if op is None or family_of(op) not in ALL_CONTRIBUTE:
             continue
+        if (int(r), str(g), int(c) + 1) in seen_done:
+            continue  # its own entry says the op completed: the watchdog had not polled yet
         peer, peer_done = leader.loc[g, "rank"], leader.loc[g, "completed"]
         if (int(r), str(g)) not in nccl or (int(peer), str(g)) not in nccl:
             continue

@@ -532,15 +532,38 @@ def absence(ev: Evidence) -> Finding | None:
 
 
 def no_records(ev: Evidence) -> Finding | None:
-    """Nothing recorded: "healthy" would rest on no evidence at all."""
-    al = ev.facts.al
+    """Nothing recorded: "healthy" would rest on no evidence at all — unless every rank's
+    counters say it completed all it enqueued (NCCL dumps of the active ops of a job between
+    two steps hold no entry at all): then nothing is pending anywhere."""
+    f = ev.facts
+    al = f.al
     if len(al.collectives) or len(al.p2p):
         return None
+    if f.present and all(_all_idle(f.trace.ranks[r].pg_status) for r in f.present):
+        return Finding(
+            kind=VerdictKind.HEALTHY, confidence=Confidence.HEALTHY, completion_info=True
+        )
     return Finding(
         kind=VerdictKind.INCONCLUSIVE,
         confidence=Confidence.INCONCLUSIVE,
         notes=(Note(NoteKind.NO_OPS),),
         decide=(Decide.ANY_RECORD,),
+    )
+
+
+def _all_idle(pg_status: dict) -> bool:
+    """Each group's last enqueued op completed, and some op done (-1: no counter, a
+    summary's placeholder)."""
+    counts = [
+        (st.get("last_enqueued_collective"), st.get("last_completed_collective"))
+        for st in pg_status.values()
+        if isinstance(st, dict)
+    ]
+    counts = [(e, c) for e, c in counts if (e, c) != (-1, -1)]
+    return (
+        bool(counts)
+        and all(type(e) is int and type(c) is int and e == c >= 0 for e, c in counts)
+        and any(c > 0 for _, c in counts)
     )
 
 
