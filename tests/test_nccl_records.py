@@ -500,15 +500,7 @@ def test_real_gpu_dumps_summarized_per_host_give_the_flat_verdict(
     folder = REAL_GPU / case
     if not folder.is_dir():
         pytest.skip(f"{folder} is absent (the shared real-GPU dumps)")
-    summaries = tmp_path / "summaries"
-    summaries.mkdir()
-    for host, ranks in (("node0", range(8)), ("node1", range(8, 16))):
-        local = tmp_path / host
-        local.mkdir()
-        for r in ranks:
-            (local / f"_dump_{r}").write_bytes((folder / f"_dump_{r}").read_bytes())
-        cmd = [sys.executable, "-m", "frtools", "summarize", str(local), "--host", host]
-        subprocess.run([*cmd, "-o", str(summaries)], check=True, timeout=100)
+    summaries = _summaries(folder, tmp_path / "summaries")
     flat, fleet = _analyze(folder)["verdict"], _analyze(summaries)["verdict"]
     for key in ("kind", "headline", "waiting"):
         assert fleet[key] == flat[key], key
@@ -551,3 +543,55 @@ def test_ops_of_completed_coalesced_collective_blocks_are_not_read_as_stuck(
     v = _analyze(tmp_path)["verdict"]
     assert (v["kind"], sorted(g["rank"] for g in v["guilty"])) == ("missing", [9, 14])
     assert "never issued all_to_all #45265 on group 72" in v["headline"]
+
+
+def _summaries(folder: Path, out: Path, window: int = 64) -> Path:
+    """``frtools summarize`` of a 16-rank folder as two hosts of 8 ranks, into ``out``."""
+    out.mkdir()
+    for host, ranks in (("node0", range(8)), ("node1", range(8, 16))):
+        local = out.parent / f"{out.name}-{host}"
+        local.mkdir()
+        for r in ranks:
+            (local / f"_dump_{r}").write_bytes((folder / f"_dump_{r}").read_bytes())
+        cmd = [sys.executable, "-m", "frtools", "summarize", str(local), "--host", host]
+        cmd += ["--window", str(window), "-o", str(out)]
+        subprocess.run(cmd, check=True, timeout=100)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_batches_left_out_of_a_summary_window_still_settle_their_ops(tmp_path: Path) -> None:
+    """The batched lock_gil_1st of a whole-ring dump, summarized per host with a window of
+    4 ops: the completed batches' entries fall out of the window, their ops (never updated)
+    would be kept as pending. A summary drops them as the flat analysis settles them."""
+    folder = REAL_GPU / "lock_gil_1st"
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is absent (the shared real-GPU dumps)")
+    (tmp_path / "batched").mkdir()
+    batched = _batched(folder, tmp_path / "batched", whole=True)
+    flat = _analyze(batched)["verdict"]
+    fleet = _analyze(_summaries(batched, tmp_path / "s", window=4))["verdict"]
+    assert (fleet["kind"], sorted(g["rank"] for g in fleet["guilty"])) == ("missing", [9, 14])
+    assert fleet["headline"] == flat["headline"]
+
+
+@pytest.mark.timeout(120)
+def test_dumps_of_the_active_ops_with_every_counter_idle_are_healthy(tmp_path: Path) -> None:
+    """A job between two steps, dumped with only the active ops: no entry anywhere, and
+    every rank's counters say each group's last enqueued op completed. Nothing is pending:
+    healthy (exit 0), not "inconclusive: no rank recorded any collective"."""
+    folder = REAL_GPU / "lock_gil_1st"
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is absent (the shared real-GPU dumps)")
+    for p in folder.glob("_dump_*"):
+        d = pickle.loads(p.read_bytes())
+        d["entries"] = []
+        for st in d["pg_status"].values():
+            st["last_completed_collective"] = st["last_enqueued_collective"]
+        write_pickle(tmp_path / p.name, d)
+    proc = subprocess.run(
+        [sys.executable, "-m", "frtools", "analyze", str(tmp_path), "--format", "json"],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-500:]
+    assert json.loads(proc.stdout)["verdict"]["kind"] == "healthy"
