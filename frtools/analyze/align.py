@@ -738,18 +738,27 @@ def _settled_by_batch(p2p: pd.DataFrame, ps: pd.DataFrame, trace: Trace) -> pd.S
     if open_.any() and len(ps):
         coll_seq = p2p["collective_seq_id"].to_numpy()
         per = key.assign(_c=coll_seq).groupby(["rank", "pg_name"], sort=False)["_c"].max()
-        counters = ps.assign(pg_name=ps["pg_name"].astype(str)).set_index(["rank", "pg_name"])
-        both = counters.join(per, how="inner")
-        p2p_units = both[both["ps_completed"].notna() & (both["ps_completed"] > both["_c"])]
-        if len(p2p_units):
-            bound = key.merge(
-                p2p_units["ps_completed"].astype("int64").rename("_bound").reset_index(),
-                how="left",
-                on=["rank", "pg_name"],
-            )["_bound"]
-            passed = open_ & (key["p2p_seq_id"].to_numpy() <= bound.fillna(-1).to_numpy())
-            out[passed] = True
+        both = _completed_counters(ps).to_frame().join(per, how="inner")
+        bound = both.loc[both["ps_completed"] > both["_c"], "ps_completed"]
+        out[open_ & _at_or_below(key, key["p2p_seq_id"].to_numpy(), bound)] = True
     return out
+
+
+def _completed_counters(ps: pd.DataFrame) -> pd.Series:
+    """The known ``last_completed`` counters, by (rank, group name)."""
+    counters = ps.assign(pg_name=ps["pg_name"].astype(str)).set_index(["rank", "pg_name"])
+    return counters["ps_completed"].dropna()
+
+
+def _at_or_below(key: pd.DataFrame, seq: np.ndarray, bound: pd.Series) -> np.ndarray:
+    """Per row of ``key`` (rank, pg_name): its ``seq`` is at or below ``bound`` of its
+    (rank, group); False where ``bound`` has none."""
+    if not len(bound):
+        return np.zeros(len(key), dtype=bool)
+    at = key[["rank", "pg_name"]].merge(
+        bound.astype("int64").rename("_bound").reset_index(), how="left", on=["rank", "pg_name"]
+    )["_bound"]
+    return seq <= at.fillna(-1).to_numpy()
 
 
 def _settled_by_counters(coll: pd.DataFrame, ps: pd.DataFrame, trace: Trace) -> pd.Series:
@@ -788,17 +797,10 @@ def _settled_by_counters(coll: pd.DataFrame, ps: pd.DataFrame, trace: Trace) -> 
         .agg(_p2p=("_p2p", "max"), _nccl=("_nccl", "all"))
     )
     ok = per[(per["_p2p"] == 0) & per["_nccl"]]
-    if not len(ok):
-        return done
-    counters = ps.assign(pg_name=ps["pg_name"].astype(str)).set_index(["rank", "pg_name"])
-    bound = counters.join(ok, how="inner")["ps_completed"].dropna()
-    if not len(bound):
-        return done
+    bound = _completed_counters(ps)
+    bound = bound[bound.index.isin(ok.index)]
     key = pd.DataFrame({"rank": coll["rank"].to_numpy(), "pg_name": as_texts(coll["pg_name"])})
-    at = key.merge(
-        bound.astype("int64").rename("_bound").reset_index(), how="left", on=["rank", "pg_name"]
-    )["_bound"]
-    passed = open_ & (coll["seq"].to_numpy() <= at.fillna(-1).to_numpy())
+    passed = open_ & _at_or_below(key, coll["seq"].to_numpy(), bound)
     if not passed.any():
         return done
     out = done.copy()

@@ -101,13 +101,10 @@ def _completed(
 
 def _batch_done(table: pa.Table, part: pa.Table) -> np.ndarray:
     """Which P2P ops of ``part`` share (group, p2p seq) with a completed ``coalesced`` P2P
-    entry of the rank's ``table``."""
+    entry of the rank's ``table`` (the op align._settled_by_batch reads as a batch's)."""
     out = np.zeros(part.num_rows, dtype=bool)
-    if "profiling_name" not in table.column_names:
-        return out
-    names = table.column("profiling_name").cast(pa.string())
     whole = pc.and_(
-        pc.fill_null(pc.ends_with(names, "coalesced"), False),
+        pc.fill_null(pc.equal(table.column("op").cast(pa.string()), "coalesced"), False),
         pc.fill_null(table.column("is_p2p"), False),
     )
     batches = table.filter(whole)

@@ -50,6 +50,16 @@ def is_collective_error(text: str | None) -> bool:
     return bool(text) and any(word in str(text).lower() for word in _COLLECTIVE_ERRORS)
 
 
+def counter_pair(st: object) -> tuple[int, int] | None:
+    """A group's pg_status entry as (last enqueued, last completed), where both are known
+    (-1: no counter, a summary's placeholder)."""
+    if not isinstance(st, dict):
+        return None
+    enq, comp = st.get("last_enqueued_collective"), st.get("last_completed_collective")
+    ok = type(enq) is int and type(comp) is int and enq >= 0 and comp >= 0
+    return (enq, comp) if ok else None
+
+
 class CompletionSource(enum.Enum):
     """Where a rank's "completed" marks come from, which says what they prove."""
 

@@ -28,7 +28,7 @@ from frtools.model.codes import among
 from frtools.model.ops import OP, family_of, parts_must_agree, semantics
 
 from .completion import effective_completion, quitters
-from .facts import CompletionSource, JobFacts
+from .facts import CompletionSource, JobFacts, counter_pair
 from .model import MemberState, Point, PointKey, PointKind
 
 # An op younger than this at its rank's dump time (when the dump says when it was taken)
@@ -411,18 +411,10 @@ class _Builder:
         info = self.f.trace.ranks.get(rank)
         if info is None or not info.pg_status:
             return False
-
-        def counted(st: object) -> tuple[int, int] | None:
-            if not isinstance(st, dict):
-                return None
-            enq, comp = st.get("last_enqueued_collective"), st.get("last_completed_collective")
-            ok = type(enq) is int and type(comp) is int and enq >= 0 and comp >= 0
-            return (enq, comp) if ok else None  # -1: no counter (a summary's placeholder)
-
-        mine = counted(info.pg_status.get(pg_name))
+        mine = counter_pair(info.pg_status.get(pg_name))
         if mine is not None:
             return mine[0] == mine[1]
-        known = [c for c in map(counted, info.pg_status.values()) if c is not None]
+        known = [c for c in map(counter_pair, info.pg_status.values()) if c is not None]
         return bool(known) and all(enq == comp for enq, comp in known)
 
     def _has_info(self, rank: int) -> bool:

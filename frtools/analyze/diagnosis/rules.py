@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from frtools.analyze.align import as_texts
 
 from .confidence import settle
-from .facts import CompletionSource, JobFacts
+from .facts import CompletionSource, JobFacts, counter_pair
 from .graph import WaitForGraph, collective_point, is_stuck, sink_core
 from .model import (
     ROOT_KIND,
@@ -247,16 +247,20 @@ def _never_started_on_their_own(ev: Evidence, blamed: frozenset[int]) -> dict[in
     for key, p in g.points.items():
         if not p.is_collective or p.rows is None or p.completed or p.failed:
             continue
-        rows = p.rows
-        started = set(int(r) for r in rows.loc[rows["state"] == "started", "rank"])
-        members = set(p.issued)
-        laggards = members - started
-        if not started or not laggards or laggards == members:
-            continue
-        for r in sorted(laggards):
+        for r in sorted(_laggards(p)):
             if r not in blamed and r in g.blocked_known and g.blocked_at.get(r) == key:
                 out.setdefault(r, p)
     return out
+
+
+def _laggards(p: Point) -> set[int]:
+    """Members that issued ``p`` but never started it while another member did (none when
+    no member or every member started it)."""
+    assert p.rows is not None
+    rows = p.rows
+    started = set(int(r) for r in rows.loc[rows["state"] == "started", "rank"])
+    laggards = set(p.issued) - started
+    return laggards if started and laggards != set(p.issued) else set()
 
 
 def stuck_roots(ev: Evidence) -> Finding | None:
@@ -554,16 +558,17 @@ def no_records(ev: Evidence) -> Finding | None:
 def _all_idle(pg_status: dict) -> bool:
     """Each group's last enqueued op completed, and some op done (-1: no counter, a
     summary's placeholder)."""
-    counts = [
-        (st.get("last_enqueued_collective"), st.get("last_completed_collective"))
+    entries = [
+        st
         for st in pg_status.values()
         if isinstance(st, dict)
+        and (st.get("last_enqueued_collective"), st.get("last_completed_collective")) != (-1, -1)
     ]
-    counts = [(e, c) for e, c in counts if (e, c) != (-1, -1)]
+    counts = [counter_pair(st) for st in entries]
     return (
         bool(counts)
-        and all(type(e) is int and type(c) is int and e == c >= 0 for e, c in counts)
-        and any(c > 0 for _, c in counts)
+        and all(c is not None and c[0] == c[1] for c in counts)
+        and any(c[1] > 0 for c in counts if c is not None)
     )
 
 
@@ -754,13 +759,8 @@ def _stuck(ev: Evidence, points: list[Point], waiting: set[int]) -> Finding:
             for r in calling:
                 blamed_at.setdefault(r, p)
             continue
-        rows = p.rows
-        assert rows is not None
-        started = set(int(r) for r in rows.loc[rows["state"] == "started", "rank"])
-        laggards = members - started if started else set()
-        if laggards and laggards != members:
-            for r in laggards:
-                blamed_at.setdefault(r, p)
+        for r in _laggards(p):
+            blamed_at.setdefault(r, p)
     point = min(points, key=lambda p: p.time_ns)
     if blamed_at:
         point = min(blamed_at.values(), key=lambda p: p.time_ns)
